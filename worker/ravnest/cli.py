@@ -1,0 +1,104 @@
+"""The `ravnest` command line: flags in, one call out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from ._version import __version__
+from .errors import RavnestError, SpecError
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .running import run_job
+    from .spec import load_job
+
+    job = load_job(args.job)
+    out = Path(args.output or Path("runs") / job.name)
+    summary = run_job(job, out, progress=not args.no_progress)
+    metric = summary["fused_val_metric"]
+    print(f"done: {summary['updates']} updates, {summary['samples_per_second']} samples/s, "
+          f"train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}"
+          + (f", val accuracy {metric:.4f}" if metric is not None else ""))
+    print(f"outputs in {out}/ (model.pt, best_model.pt, learning_curve.csv, summary.json)")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .building import plan_job
+    from .spec import load_job
+
+    plan, _, _ = plan_job(load_job(args.job))
+    print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.table())
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from .spec import load_job
+
+    job = load_job(args.job)
+    print(f"{args.job}: valid RavnestJob {job.name!r}")
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import torch
+
+    from .worker import NodeMetadata, Worker
+
+    threads = os.environ.get("RAVNEST_TORCH_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    token = os.environ.get("RAVNEST_TOKEN", "")
+    if not token and args.token_file:
+        token = Path(args.token_file).read_text().strip()
+    Worker(NodeMetadata.load(args.metadata), token).run()
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ravnest", description=__doc__)
+    p.add_argument("--version", action="version", version=f"ravnest {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="train a job locally, one process per provider")
+    r.add_argument("job", help="RavnestJob YAML file")
+    r.add_argument("-o", "--output", help="output folder (default runs/<job name>)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.set_defaults(func=_run)
+    pl = sub.add_parser("plan", help="print the clusters and stages of a job")
+    pl.add_argument("job")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(func=_plan)
+    v = sub.add_parser("validate", help="check a job file")
+    v.add_argument("job")
+    v.set_defaults(func=_validate)
+    w = sub.add_parser("worker", help="run one worker from its node metadata")
+    w.add_argument("--metadata", required=True, help="node metadata JSON file")
+    w.add_argument("--token-file", help="file with the job token (default: $RAVNEST_TOKEN)")
+    w.set_defaults(func=_worker)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except SpecError as e:
+        print("error: invalid job:\n  " + "\n  ".join(e.problems), file=sys.stderr)
+        return 2
+    except RavnestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Built-in example models and datasets (no download needed: they ship with installed packages)."""

@@ -1,0 +1,208 @@
+"""Tensor frames: named tensors <-> raw bytes with a typed header. Never pickle.
+
+A frame is a header (kind, step, ids, one TensorMeta per tensor) and a payload: the tensors' raw
+bytes laid out back to back at 64-byte aligned offsets. On the wire a frame is a stream of ~1 MiB
+chunks. The receiver checks the header (dtypes, shapes, offsets, total size against its limit)
+before it allocates anything, then copies each chunk straight into one preallocated buffer and
+rebuilds the tensors as views of it.
+
+Optional compression sends float32 tensors as bfloat16 or float16. float16 cannot hold values
+beyond +-65504: such a tensor is sent uncompressed rather than silently clamped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import TransportError
+from .proto import ravnest_pb2 as pb
+
+CHUNK_BYTES = 1 << 20
+ALIGN = 64
+DEFAULT_MAX_FRAME_BYTES = 1 << 30
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+NAMES = {v: k for k, v in DTYPES.items()}
+COMPRESSIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+MAX_DIMS = 16
+_FP16_MAX = 65504.0
+
+
+class FrameError(TransportError):
+    """A frame is malformed, oversized or does not match its header."""
+
+
+@dataclass
+class Frame:
+    """A decoded (or to-be-encoded) message between workers."""
+
+    kind: str
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    step: int = 0
+    microbatch: int = 0
+    version: int = 0
+    ring: str = ""
+    sender: str = ""
+    control: dict[str, Any] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _wire_tensor(t: torch.Tensor, compression: torch.dtype | None) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if compression is not None and t.dtype == torch.float32:
+        if compression == torch.float16 and t.numel() and t.abs().max().item() > _FP16_MAX:
+            return t.contiguous()
+        return t.to(compression).contiguous()
+    return t.contiguous()
+
+
+def encode(frame: Frame, compression: str = "none",
+           chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Chunk]:
+    """Yield the chunks of a frame; the first carries the header."""
+    wire_dtype = COMPRESSIONS[compression]
+    metas, views, offset = [], [], 0
+    for name, tensor in frame.tensors.items():
+        if tensor.dtype not in NAMES:
+            raise FrameError(f"tensor {name!r}: dtype {tensor.dtype} cannot be sent")
+        wire = _wire_tensor(tensor, wire_dtype)
+        metas.append(pb.TensorMeta(
+            name=name, dtype=NAMES[tensor.dtype], shape=list(tensor.shape),
+            wire_dtype="" if wire.dtype == tensor.dtype else NAMES[wire.dtype], offset=offset,
+        ))
+        raw = wire.reshape(-1).view(torch.uint8) if wire.numel() else torch.empty(0, dtype=torch.uint8)
+        views.append((offset, raw))
+        offset = _aligned(offset + raw.numel())
+    header = pb.FrameHeader(
+        kind=frame.kind, step=frame.step, microbatch=frame.microbatch, version=frame.version,
+        ring=frame.ring, sender=frame.sender, tensors=metas, payload_bytes=offset,
+        control=json.dumps(frame.control, separators=(",", ":")) if frame.control else "",
+    )
+    yield from _chunks(header, views, offset, chunk_bytes)
+
+
+def _chunks(header: pb.FrameHeader, views: list[tuple[int, torch.Tensor]], total: int,
+            chunk_bytes: int) -> Iterator[pb.Chunk]:
+    first = True
+    pending: list[bytes] = []
+    pending_len = 0
+    position = 0
+    for offset, raw in views:
+        if offset > position:
+            pad = offset - position
+            pending.append(bytes(pad))
+            pending_len += pad
+            position = offset
+        data = raw.numpy()
+        start = 0
+        while start < len(data):
+            take = min(chunk_bytes - pending_len, len(data) - start)
+            pending.append(data[start:start + take].tobytes())
+            pending_len += take
+            start += take
+            position += take
+            if pending_len == chunk_bytes:
+                yield pb.Chunk(header=header, data=b"".join(pending)) if first else pb.Chunk(
+                    data=b"".join(pending))
+                first = False
+                pending, pending_len = [], 0
+    if total > position:
+        pending.append(bytes(total - position))
+    if first or pending:
+        data = b"".join(pending)
+        yield pb.Chunk(header=header, data=data) if first else pb.Chunk(data=data)
+
+
+def _check_header(header: pb.FrameHeader, max_frame_bytes: int) -> None:
+    total = header.payload_bytes
+    if total < 0 or total > max_frame_bytes:
+        raise FrameError(f"frame of {total} bytes refused (limit {max_frame_bytes} bytes)")
+    for meta in header.tensors:
+        if meta.dtype not in DTYPES or (meta.wire_dtype and meta.wire_dtype not in DTYPES):
+            raise FrameError(f"tensor {meta.name!r}: unknown dtype {meta.dtype!r}/{meta.wire_dtype!r}")
+        if len(meta.shape) > MAX_DIMS or any(d < 0 for d in meta.shape):
+            raise FrameError(f"tensor {meta.name!r}: invalid shape {list(meta.shape)}")
+        numel = 1
+        for d in meta.shape:
+            numel *= d
+            if numel > total:
+                break
+        wire = DTYPES[meta.wire_dtype or meta.dtype]
+        size = numel * torch.empty(0, dtype=wire).element_size()
+        if meta.offset < 0 or meta.offset % ALIGN or meta.offset + size > total:
+            raise FrameError(f"tensor {meta.name!r}: {size} bytes at offset {meta.offset} do not "
+                             f"fit a {total}-byte payload")
+
+
+def decode(chunks: Iterator[pb.Chunk], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame:
+    """Rebuild a frame from its chunks, validating everything before and while it is read."""
+    first = next(chunks, None)
+    if first is None or not first.HasField("header"):
+        raise FrameError("frame has no header")
+    header = first.header
+    _check_header(header, max_frame_bytes)
+    total = header.payload_bytes
+    buffer = torch.empty(total, dtype=torch.uint8)
+    view = buffer.numpy()
+    position = 0
+    for chunk in _with_first(first, chunks):
+        n = len(chunk.data)
+        if position + n > total:
+            raise FrameError(f"frame payload exceeds its declared {total} bytes")
+        view[position:position + n] = memoryview(chunk.data)
+        position += n
+    if position != total:
+        raise FrameError(f"frame payload truncated: {position} of {total} bytes")
+    return _frame(header, buffer)
+
+
+def _with_first(first: pb.Chunk, rest: Iterator[pb.Chunk]) -> Iterator[pb.Chunk]:
+    yield first
+    yield from rest
+
+
+def _frame(header: pb.FrameHeader, buffer: torch.Tensor) -> Frame:
+    tensors: dict[str, torch.Tensor] = {}
+    for meta in header.tensors:
+        dtype = DTYPES[meta.dtype]
+        wire = DTYPES[meta.wire_dtype or meta.dtype]
+        numel = 1
+        for d in meta.shape:
+            numel *= d
+        size = numel * torch.empty(0, dtype=wire).element_size()
+        raw = buffer[meta.offset:meta.offset + size]
+        t = raw.view(wire).reshape(tuple(meta.shape)) if numel else torch.empty(
+            tuple(meta.shape), dtype=wire)
+        tensors[meta.name] = t.to(dtype) if wire != dtype else t
+    try:
+        control: Mapping[str, Any] = json.loads(header.control) if header.control else {}
+    except ValueError as e:
+        raise FrameError(f"frame control is not JSON: {e}") from e
+    if not isinstance(control, dict):
+        raise FrameError("frame control must be a JSON object")
+    return Frame(kind=header.kind, tensors=tensors, step=header.step, microbatch=header.microbatch,
+                 version=header.version, ring=header.ring, sender=header.sender,
+                 control=dict(control))

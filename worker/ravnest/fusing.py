@@ -1,0 +1,44 @@
+"""Fuse the stages of one cluster back into one state_dict with the original parameter names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import RavnestError
+
+
+def fuse_stage_files(stages_dir: str | Path, cluster: int = 0,
+                     which: str = "state") -> dict[str, torch.Tensor]:
+    """Merge the `which` ("state" or "best") dicts of every stage file of `cluster`, in order."""
+    files = sorted(Path(stages_dir).glob("*.pt"))
+    parts: list[tuple[int, dict[str, Any]]] = []
+    for f in files:
+        blob = torch.load(f, map_location="cpu", weights_only=True)
+        if blob["cluster"] == cluster:
+            parts.append((blob["stage"], blob))
+    if not parts:
+        raise RavnestError(f"no stage files of cluster {cluster} in {stages_dir}")
+    fused: dict[str, torch.Tensor] = {}
+    for _, blob in sorted(parts, key=lambda p: p[0]):
+        state = blob[which]
+        if state is None:
+            raise RavnestError(f"cluster {cluster} stage {blob['stage']} has no {which!r} weights"
+                               " (no validation ran?)")
+        overlap = fused.keys() & state.keys()
+        if overlap:
+            raise RavnestError(f"stages of cluster {cluster} overlap on {sorted(overlap)[:3]}")
+        fused.update(state)
+    return fused
+
+
+def ordered_like(fused: dict[str, torch.Tensor], reference: dict[str, Any]) -> dict[str, Any]:
+    """Order `fused` like the model's own state_dict and check no key is missing or extra."""
+    missing = [k for k in reference if k not in fused]
+    extra = [k for k in fused if k not in reference]
+    if missing or extra:
+        raise RavnestError(f"fused weights do not match the model: missing {missing[:3]}, "
+                           f"unexpected {extra[:3]}")
+    return {k: fused[k] for k in reference}

@@ -1,0 +1,234 @@
+"""Split a model into contiguous stages with torch.fx, keeping the original parameter names.
+
+The model is traced once into a flat graph of *layers* (every fx node that computes something).
+A stage is a contiguous run of layers rebuilt as its own `GraphModule` over the original modules,
+so BatchNorm and Dropout still follow `.train()`/`.eval()` and every parameter keeps its original
+qualified name (fusing stages back is a plain dict merge). Values that jump over stages (skip
+connections) are passed through the stages in between. Cuts are only allowed where every value
+crossing them is a tensor.
+
+Profiling runs the traced graph once on the example input, node by node, to record output sizes
+and FLOPs (torch's own FLOP counter), which the planner uses as deterministic costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from .errors import PlanError
+
+_COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One fx node of the traced model, with what the planner needs to know about it."""
+
+    name: str
+    op: str
+    target: str
+    state: tuple[str, ...]
+    """Parameter and buffer names (original qualified names) this layer owns."""
+    params: int
+    """Number of parameter elements."""
+    param_bytes: int
+    buffer_bytes: int
+    flops: int
+    out_bytes: int
+    """Bytes of this layer's output for the example input."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A traced model: its layers in execution order, and where it may be cut."""
+
+    layers: tuple[Layer, ...]
+    inputs: tuple[str, ...]
+    cut_ok: tuple[bool, ...]
+    """cut_ok[i]: the model may be cut after layer i (everything crossing is a tensor)."""
+    cut_bytes: tuple[int, ...]
+    """cut_bytes[i]: bytes crossing a cut after layer i, for the example input."""
+    example_batch: int
+    state_names: tuple[str, ...]
+    """All parameter and buffer names, in the model's state_dict order."""
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(layer.param_bytes for layer in self.layers)
+
+
+def trace(model: nn.Module) -> fx.GraphModule:
+    """Symbolically trace a model; name the op that cannot be traced if it fails."""
+    try:
+        return fx.symbolic_trace(model)
+    except Exception as e:
+        raise PlanError(
+            f"model {type(model).__name__} cannot be traced by torch.fx: {type(e).__name__}: {e}. "
+            "Data-dependent control flow (if/for on tensor values) must be moved into a leaf "
+            "module or rewritten with torch.where"
+        ) from e
+
+
+def _owned_state(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, torch.Tensor, bool]]:
+    """(qualified name, tensor, is_parameter) for the state a node owns."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        out = [(f"{node.target}.{n}", p, True) for n, p in mod.named_parameters()]
+        out += [(f"{node.target}.{n}", b, False) for n, b in mod.named_buffers()]
+        return out
+    if node.op == "get_attr":
+        value = _get_attr(gm, str(node.target))
+        if isinstance(value, torch.Tensor):
+            return [(str(node.target), value, isinstance(value, nn.Parameter))]
+    return []
+
+
+def _get_attr(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class _Profiler(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.flops: dict[str, int] = {}
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        counter = FlopCounterMode(display=False)
+        with counter:
+            result = super().run_node(n)
+        self.flops[n.name] = int(counter.get_total_flops())
+        self.values[n.name] = result
+        return result
+
+
+def profile(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> tuple[fx.GraphModule, Profile]:
+    """Trace and profile a model on an example input."""
+    gm = trace(model)
+    was_training = model.training
+    model.eval()
+    profiler = _Profiler(gm)
+    try:
+        with torch.no_grad():
+            profiler.run(*example_inputs)
+    except Exception as e:
+        raise PlanError(f"model {type(model).__name__} failed on the example input: "
+                        f"{type(e).__name__}: {e}") from e
+    finally:
+        model.train(was_training)
+    nodes = list(gm.graph.nodes)
+    inputs = tuple(n.name for n in nodes if n.op == "placeholder")
+    compute = [n for n in nodes if n.op in _COMPUTE_OPS]
+    if not compute:
+        raise PlanError(f"model {type(model).__name__} has no layers to split")
+    seen_state: dict[str, str] = {}
+    layers = []
+    for n in compute:
+        state = _owned_state(gm, n)
+        for name, _, _ in state:
+            if name in seen_state:
+                raise PlanError(f"parameter {name!r} is used by layers {seen_state[name]!r} and "
+                                f"{n.name!r}; shared weights across layers cannot be split")
+            seen_state[name] = n.name
+        layers.append(Layer(
+            name=n.name, op=n.op, target=str(n.target),
+            state=tuple(s[0] for s in state),
+            params=sum(t.numel() for _, t, is_p in state if is_p),
+            param_bytes=sum(_nbytes(t) for _, t, is_p in state if is_p),
+            buffer_bytes=sum(_nbytes(t) for _, t, is_p in state if not is_p),
+            flops=profiler.flops.get(n.name, 0), out_bytes=_nbytes(profiler.values.get(n.name)),
+        ))
+    order = {n.name: i for i, n in enumerate(compute)}
+    order.update({name: -1 for name in inputs})
+    cut_ok, cut_bytes = [], []
+    for i in range(len(compute)):
+        crossing = [profiler.values[c] for c in _crossing(nodes, order, i)]
+        cut_ok.append(i < len(compute) - 1 and all(isinstance(v, torch.Tensor) for v in crossing))
+        cut_bytes.append(sum(_nbytes(v) for v in crossing))
+    batch = int(example_inputs[0].shape[0]) if example_inputs and example_inputs[0].dim() else 1
+    return gm, Profile(layers=tuple(layers), inputs=inputs, cut_ok=tuple(cut_ok),
+                       cut_bytes=tuple(cut_bytes), example_batch=max(batch, 1),
+                       state_names=tuple(model.state_dict().keys()))
+
+
+def _crossing(nodes: list[fx.Node], order: dict[str, int], i: int) -> list[str]:
+    """Names of values produced at or before layer i and used after it."""
+    out = []
+    for n in nodes:
+        if n.name not in order or order[n.name] > i:
+            continue
+        for user in n.users:
+            if user.op == "output" or order.get(user.name, -1) > i:
+                out.append(n.name)
+                break
+    return out
+
+
+class Stage(nn.Module):
+    """Layers [start, end) of a traced model as a module: named tensors in, named tensors out."""
+
+    def __init__(self, gm: fx.GraphModule, input_names: tuple[str, ...],
+                 output_names: tuple[str, ...], is_last: bool) -> None:
+        super().__init__()
+        self.graph_module = gm
+        self.input_names = input_names
+        self.output_names = output_names
+        self.is_last = is_last
+
+    def forward(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.graph_module(*(inputs[n] for n in self.input_names))
+        return dict(zip(self.output_names, out, strict=True))
+
+    def stage_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters and buffers under the original model's names."""
+        return {k.removeprefix("graph_module."): v for k, v in self.state_dict().items()}
+
+
+OUTPUT = "__output__"
+
+
+def build_stage(gm: fx.GraphModule, start: int, end: int) -> Stage:
+    """Rebuild layers [start, end) of a traced model as a Stage sharing the original modules."""
+    nodes = list(gm.graph.nodes)
+    compute = [n for n in nodes if n.op in _COMPUTE_OPS]
+    inputs = [n.name for n in nodes if n.op == "placeholder"]
+    if not 0 <= start < end <= len(compute):
+        raise PlanError(f"stage layers [{start}, {end}) out of range 0..{len(compute)}")
+    order = {n.name: i for i, n in enumerate(compute)}
+    order.update({name: -1 for name in inputs})
+    live_in = inputs if start == 0 else _crossing(nodes, order, start - 1)
+    is_last = end == len(compute)
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    for name in live_in:
+        env[name] = graph.placeholder(name)
+    for n in compute[start:end]:
+        env[n.name] = graph.node_copy(n, lambda x: env[x.name])
+    if is_last:
+        output_node = next(n for n in nodes if n.op == "output")
+        result = fx.node.map_arg(output_node.args[0], lambda x: env[x.name])
+        graph.output((result,))
+        out_names: tuple[str, ...] = (OUTPUT,)
+    else:
+        live_out = _crossing(nodes, order, end - 1)
+        graph.output(tuple(env[name] for name in live_out))
+        out_names = tuple(live_out)
+    graph.lint()
+    return Stage(fx.GraphModule(gm, graph), tuple(live_in), out_names, is_last)

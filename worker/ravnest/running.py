@@ -1,0 +1,295 @@
+"""The local runner: `ravnest run job.yaml` on one machine, no cluster needed.
+
+It validates and plans the job (nothing starts if that fails), starts one worker process per
+provider on 127.0.0.1, shows progress read from the roots' Prometheus endpoints, and when every
+worker succeeded writes the run's outputs into one folder:
+
+- ``model.pt``: the fused trained model, a state_dict with the original parameter names;
+- ``best_model.pt``: the model with the lowest smoothed validation loss;
+- ``learning_curve.csv`` and ``summary.json`` (losses, accuracy, samples/s, plan);
+- ``plan.txt``, ``nodes/*.json`` (node metadata), ``logs/*.log``, ``checkpoints/``.
+
+If any worker fails, the others are stopped, no process is left behind, and the error names the
+node, its exit code and the end of its log.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from . import building
+from .errors import RavnestError, WorkerFailed
+from .fusing import fuse_stage_files, ordered_like
+from .planning import Plan
+from .spec import Job
+from .worker import NodeMetadata
+
+log = logging.getLogger(__name__)
+
+
+def free_ports(n: int) -> list[int]:
+    """Ask the kernel for n free TCP ports on 127.0.0.1."""
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+@dataclass
+class _Proc:
+    node: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    metrics_port: int
+
+
+def scrape(port: int, timeout: float = 1.0) -> dict[str, float]:
+    """Unlabelled view of a worker's metrics: sample name -> value (first sample wins)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, sample.value)
+    return out
+
+
+class LocalRun:
+    """One local run of a job."""
+
+    def __init__(self, job: Job, output_dir: str | Path, progress: bool = True,
+                 worker_threads: int = 1) -> None:
+        self.job = job
+        self.out = Path(output_dir)
+        self.progress = progress
+        self.worker_threads = worker_threads
+        self.procs: list[_Proc] = []
+        self.plan: Plan | None = None
+
+    def prepare(self) -> list[NodeMetadata]:
+        plan, _, _ = building.plan_job(self.job)
+        self.plan = plan
+        names = plan.names()
+        ports = free_ports(2 * len(names))
+        addresses = {n: f"127.0.0.1:{ports[i]}" for i, n in enumerate(names)}
+        metas = [NodeMetadata(job=self.job, plan=plan, node=n, addresses=addresses,
+                              output_dir=str(self.out.resolve()), listen=addresses[n],
+                              metrics_port=ports[len(names) + i])
+                 for i, n in enumerate(names)]
+        (self.out / "nodes").mkdir(parents=True, exist_ok=True)
+        (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        for m in metas:
+            m.save(self.out / "nodes" / f"{m.node}.json")
+        (self.out / "plan.txt").write_text(plan.table() + "\n")
+        return metas
+
+    def start(self, metas: list[NodeMetadata]) -> None:
+        token = secrets.token_hex(16)
+        env = {**os.environ, "RAVNEST_TOKEN": token, "OMP_NUM_THREADS": str(self.worker_threads),
+               "RAVNEST_TORCH_THREADS": str(self.worker_threads)}
+        for m in metas:
+            logfile = self.out / "logs" / f"{m.node}.log"
+            with open(logfile, "ab") as fh:
+                popen = subprocess.Popen(
+                    [sys.executable, "-m", "ravnest", "worker", "--metadata",
+                     str(self.out / "nodes" / f"{m.node}.json")],
+                    stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                    start_new_session=True)
+            self.procs.append(_Proc(m.node, popen, logfile, m.metrics_port))
+
+    def stop(self) -> None:
+        """Terminate every worker still running (their whole process groups)."""
+        for p in self.procs:
+            if p.popen.poll() is None:
+                _signal_group(p.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            try:
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(p.popen.pid, signal.SIGKILL)
+                p.popen.wait()
+
+    def wait(self) -> None:
+        assert self.plan is not None
+        roots = {c.id: next(p for p in self.procs if p.node == c.nodes[0])
+                 for c in self.plan.clusters}
+        deadline = self.job.spec.run_policy.active_deadline_seconds
+        started = time.monotonic()
+        bar = _Progress(self.progress)
+        try:
+            while True:
+                codes = {p.node: p.popen.poll() for p in self.procs}
+                failed = [p for p in self.procs if codes[p.node] not in (None, 0)]
+                if failed:
+                    first = min(failed, key=lambda p: p.log.stat().st_mtime)
+                    raise WorkerFailed(f"worker {first.node} exited with code "
+                                       f"{codes[first.node]}; last lines of {first.log}:\n"
+                                       f"{_tail(first.log)}")
+                if all(c == 0 for c in codes.values()):
+                    return
+                if deadline and time.monotonic() - started > deadline:
+                    raise WorkerFailed(f"job exceeded activeDeadlineSeconds={deadline}")
+                bar.update(roots, started)
+                time.sleep(0.5)
+        finally:
+            bar.close()
+
+    def run(self) -> dict[str, Any]:
+        metas = self.prepare()
+        started = time.time()
+        try:
+            self.start(metas)
+            self.wait()
+        finally:
+            self.stop()
+        return self.finish(time.time() - started)
+
+    def finish(self, seconds: float) -> dict[str, Any]:
+        assert self.plan is not None
+        spec = self.job.spec
+        model = building.build_model(spec)
+        reference = model.state_dict()
+        fused = ordered_like(fuse_stage_files(self.out / "stages", 0), reference)
+        torch.save(fused, self.out / "model.pt")
+        best_path = None
+        try:
+            best = ordered_like(fuse_stage_files(self.out / "stages", 0, "best"), reference)
+            torch.save(best, self.out / "best_model.pt")
+            best_path = str(self.out / "best_model.pt")
+        except RavnestError as e:
+            log.info("no best model: %s", e)
+        clusters = [json.loads((self.out / "clusters" / f"cluster_{c.id}.json").read_text())
+                    for c in self.plan.clusters]
+        self._write_curve(clusters)
+        model.load_state_dict(fused)
+        fused_metric = evaluate(model, self.job)
+        samples = sum(c["samples"] for c in clusters)
+        summary = {
+            "job": self.job.name, "plan": self.plan.fingerprint, "clusters": len(clusters),
+            "nodes": len(self.plan.nodes), "updates": clusters[0]["updates"],
+            "samples": samples, "seconds": round(seconds, 3),
+            "samples_per_second": round(samples / seconds, 2) if seconds else None,
+            "train_loss": next((r["train_loss"] for r in reversed(clusters[0]["curve"])
+                                if "train_loss" in r), None),
+            "val_loss": clusters[0]["val_loss"], "val_metric": clusters[0]["val_metric"],
+            "fused_val_loss": fused_metric["loss"], "fused_val_metric": fused_metric["metric"],
+            "best_step": clusters[0]["best_step"],
+            "rounds_skipped": sum(c["rounds_skipped"] for c in clusters),
+            "model": str(self.out / "model.pt"), "best_model": best_path,
+        }
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+    def _write_curve(self, clusters: list[dict[str, Any]]) -> None:
+        fields = ["cluster", "epoch", "step", "samples", "train_loss", "val_loss", "val_metric",
+                  "time"]
+        with open(self.out / "learning_curve.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            for c in clusters:
+                for row in c["curve"]:
+                    w.writerow({"cluster": c["cluster"], **row})
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, job: Job) -> dict[str, float | None]:
+    """Validation loss and accuracy of a plain PyTorch model on the job's validation set."""
+    spec = job.spec
+    _, val = building.build_datasets(spec)
+    criterion = building.build_criterion(spec)
+    model.eval()
+    loss, n, correct, count = 0.0, 0, 0, 0
+    loader = torch.utils.data.DataLoader(val, batch_size=spec.data.batch_size)
+    for *xs, y in loader:
+        out = model(*xs)
+        loss += float(criterion(out, y)) * len(y)
+        n += len(y)
+        mask = y != -100
+        correct += int((out.argmax(1) == y)[mask].sum())
+        count += int(mask.sum())
+    metric = correct / count if spec.training.metric == "accuracy" and count else None
+    return {"loss": loss / max(n, 1), "metric": metric}
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class _Progress:
+    """A tqdm bar fed from the roots' metrics."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.bar: Any = None
+        self.enabled = enabled
+
+    def update(self, roots: dict[int, _Proc], started: float) -> None:
+        if not self.enabled:
+            return
+        stats = []
+        for p in roots.values():
+            try:
+                stats.append(scrape(p.metrics_port, timeout=0.5))
+            except OSError:
+                return
+        if not stats or not stats[0].get("ravnest_total_steps"):
+            return
+        from tqdm import tqdm
+
+        s0 = stats[0]
+        if self.bar is None:
+            self.bar = tqdm(total=int(s0["ravnest_total_steps"]), unit="step", dynamic_ncols=True,
+                            desc="training")
+        step = int(min(s.get("ravnest_step", 0) for s in stats))
+        self.bar.n = step
+        samples = sum(s.get("ravnest_samples_total", 0) for s in stats)
+        elapsed = max(time.monotonic() - started, 1e-9)
+        post = {"epoch": int(s0.get("ravnest_epoch", 0)) + 1,
+                "loss": f"{s0.get('ravnest_loss', float('nan')):.4f}",
+                "samples/s": f"{samples / elapsed:.0f}"}
+        if s0.get("ravnest_validation_metric"):
+            post["val"] = f"{s0['ravnest_validation_metric']:.3f}"
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_job(job: Job, output_dir: str | Path, progress: bool = True) -> dict[str, Any]:
+    """Run a job locally, one worker process per provider; return its summary."""
+    return LocalRun(job, output_dir, progress).run()

@@ -1,0 +1,377 @@
+"""The RavnestJob spec: one model, one validator, for every front door.
+
+`ravnest run job.yaml`, `ravnest plan`, the seed API and the Kubernetes operator all read a job
+through `load_job` / `parse_job`, so a mistake is reported the same way everywhere: one line per
+problem, naming the field path, the offending value and what is expected, e.g.
+``spec.providers[2].ram: must be a positive quantity, got '-1'``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from .errors import SpecError
+
+API_VERSION = "ravnest.io/v1alpha1"
+KIND = "RavnestJob"
+
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([KMGTP]i?|[kmgtp]i?)?\s*$")
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+_DECIMAL = {"k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+_ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
+
+
+def parse_gigabytes(value: Any) -> float:
+    """Turn a RAM value into gigabytes (GiB): a bare number is GB as in the seeds' node_configs.json,
+    a string may carry a Kubernetes suffix (``512Mi``, ``8Gi``, ``2G``)."""
+    if isinstance(value, bool):
+        raise ValueError(f"must be a positive quantity, got {value!r}")
+    if isinstance(value, int | float):
+        number, scale = float(value), 2**30
+    elif isinstance(value, str) and (m := _QUANTITY.match(value)):
+        number = float(m.group(1))
+        suffix = m.group(2)
+        if suffix is None:
+            scale = 2**30
+        elif suffix in _BINARY:
+            scale = _BINARY[suffix]
+        elif suffix in _DECIMAL:
+            scale = _DECIMAL[suffix]
+        else:
+            raise ValueError(f"must be a positive quantity, got {value!r} (unknown suffix)")
+    else:
+        raise ValueError(f"must be a positive quantity such as 4 or '8Gi', got {value!r}")
+    gigabytes = number * scale / 2**30
+    if not math.isfinite(gigabytes) or gigabytes <= 0:
+        raise ValueError(f"must be a positive quantity, got {value!r}")
+    return gigabytes
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class ExampleInput(_Model):
+    """Shape and dtype of one example batch, used to trace and size the model."""
+
+    shape: list[int] = Field(min_length=1)
+    dtype: str = "float32"
+    high: int | None = None
+    """For integer inputs (token ids): exclusive upper bound of the random example values."""
+
+    @field_validator("shape")
+    @classmethod
+    def _positive_dims(cls, v: list[int]) -> list[int]:
+        if any(d <= 0 for d in v):
+            raise ValueError(f"every dimension must be positive, got {v}")
+        return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        if v not in _DTYPES:
+            raise ValueError(f"must be one of {', '.join(_DTYPES)}, got {v!r}")
+        return v
+
+
+class EntrypointRef(_Model):
+    """A Python callable named ``package.module:callable`` and the keyword arguments to call it with."""
+
+    entrypoint: str
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_form(cls, v: str) -> str:
+        if not _ENTRYPOINT.match(v):
+            raise ValueError(f"must look like 'package.module:callable', got {v!r}")
+        return v
+
+
+class ModelSpec(_Model):
+    """Which model to train: a Python entrypoint or a TorchScript file."""
+
+    entrypoint: str | None = None
+    torchscript: str | None = None
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    example_input: ExampleInput
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_form(cls, v: str | None) -> str | None:
+        if v is not None and not _ENTRYPOINT.match(v):
+            raise ValueError(f"must look like 'package.module:callable', got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if (self.entrypoint is None) == (self.torchscript is None):
+            raise ValueError("set exactly one of 'entrypoint' or 'torchscript'")
+        return self
+
+
+class DataSpec(_Model):
+    """Where batches come from. The entrypoint returns ``(train_dataset, val_dataset)``."""
+
+    entrypoint: str
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    batch_size: int = Field(64, gt=0)
+    """Samples per cluster per batch."""
+    microbatches: int = Field(1, gt=0)
+    """Microbatches each batch is split into for the pipeline."""
+    seed: int = 42
+    shuffle: bool = True
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_form(cls, v: str) -> str:
+        if not _ENTRYPOINT.match(v):
+            raise ValueError(f"must look like 'package.module:callable', got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _microbatches_fit(self) -> DataSpec:
+        if self.microbatches > self.batch_size:
+            raise ValueError(
+                f"microbatches ({self.microbatches}) cannot exceed batchSize ({self.batch_size})"
+            )
+        return self
+
+
+class NamedCall(_Model):
+    """A torch class chosen by name (``Adam``, ``StepLR``, ``CrossEntropyLoss``) plus its params."""
+
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class SchedulerSpec(NamedCall):
+    step_on: Literal["epoch", "step"] = "epoch"
+    """Step the scheduler after every epoch (default) or after every optimizer update."""
+
+
+class ClippingSpec(_Model):
+    max_norm: float = Field(gt=0)
+    """Clip each stage's gradient norm to this value before every optimizer update."""
+
+
+class TrainingSpec(_Model):
+    epochs: int = Field(1, gt=0)
+    optimizer: NamedCall = NamedCall(name="Adam", params={"lr": 1e-3})
+    lr_scheduler: SchedulerSpec | None = None
+    criterion: NamedCall = NamedCall(name="CrossEntropyLoss")
+    metric: Literal["accuracy", "none"] = "accuracy"
+    update_frequency: int = Field(1, gt=0)
+    """Batches whose gradients are accumulated before one optimizer update."""
+    reduce_factor: int = Field(1, gt=0)
+    """Optimizer updates between two ring all-reduces across clusters."""
+    average_optimizer: bool = False
+    """Also average optimizer state (e.g. Adam moments) in the ring."""
+    compression: Literal["none", "bf16", "fp16"] = "none"
+    schedule: Literal["sync", "async"] = "sync"
+    max_in_flight: int = Field(4, gt=0)
+    """Microbatches a root may have in flight (backpressure; bounds staleness in async)."""
+    validation_frequency: int = Field(1, gt=0)
+    """Epochs between two validations."""
+    validation_smoothing: float = Field(1.0, gt=0, le=1)
+    """Exponential smoothing factor of the validation loss used to pick the best model."""
+    gradient_clipping: ClippingSpec | None = None
+    reduce_timeout_seconds: float = Field(30.0, gt=0)
+    """How long a ring waits for a peer before the round is recorded as skipped."""
+
+    @field_validator("optimizer")
+    @classmethod
+    def _known_optimizer(cls, v: NamedCall) -> NamedCall:
+        import torch.optim
+
+        cls_ = getattr(torch.optim, v.name, None)
+        if not (isinstance(cls_, type) and issubclass(cls_, torch.optim.Optimizer)):
+            raise ValueError(f"unknown optimizer {v.name!r}; use a torch.optim class such as 'Adam'")
+        return v
+
+    @field_validator("lr_scheduler")
+    @classmethod
+    def _known_scheduler(cls, v: SchedulerSpec | None) -> SchedulerSpec | None:
+        import torch.optim.lr_scheduler as sched
+
+        if v is not None and not isinstance(getattr(sched, v.name, None), type):
+            raise ValueError(
+                f"unknown lrScheduler {v.name!r}; use a torch.optim.lr_scheduler class "
+                "such as 'StepLR'"
+            )
+        return v
+
+    @field_validator("criterion")
+    @classmethod
+    def _known_criterion(cls, v: NamedCall) -> NamedCall:
+        import torch.nn
+
+        if ":" in v.name:
+            if not _ENTRYPOINT.match(v.name):
+                raise ValueError(f"must look like 'package.module:callable', got {v.name!r}")
+            return v
+        cls_ = getattr(torch.nn, v.name, None)
+        if not (isinstance(cls_, type) and issubclass(cls_, torch.nn.Module)):
+            raise ValueError(
+                f"unknown criterion {v.name!r}; use a torch.nn loss such as 'CrossEntropyLoss' "
+                "or an entrypoint 'package.module:callable'"
+            )
+        return v
+
+
+class Provider(_Model):
+    """One compute provider (or ``replicas`` identical ones), as in the seeds' node_configs.json."""
+
+    name: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=40)
+    ram: float
+    """Memory for training in GB (GiB); strings with a Kubernetes suffix are accepted."""
+    bandwidth: float | None = Field(None, gt=0)
+    """Network bandwidth in Mbps."""
+    compute: float = Field(1.0, gt=0)
+    """Relative compute speed (1.0 = reference)."""
+    replicas: int = Field(1, gt=0, le=1000)
+    resources: dict[str, Any] | None = None
+    node_selector: dict[str, str] | None = None
+    tolerations: list[dict[str, Any]] | None = None
+    image: str | None = None
+
+    @field_validator("ram", mode="before")
+    @classmethod
+    def _quantity(cls, v: Any) -> float:
+        return parse_gigabytes(v)
+
+
+class PlanSpec(_Model):
+    clusters: int | None = Field(None, gt=0)
+    """Number of clusters; chosen by the planner when left out."""
+    max_clusters: int | None = Field(None, gt=0)
+
+
+class CheckpointSpec(_Model):
+    path: str = "checkpoints"
+    """Directory (a mounted volume on Kubernetes) that holds checkpoints; shared by all nodes."""
+    every_steps: int = Field(0, ge=0)
+    """Optimizer updates between checkpoints; 0 checkpoints at the end of every epoch only."""
+    keep: int = Field(2, gt=0)
+    volume: dict[str, Any] | None = None
+    """A Kubernetes volume source (e.g. persistentVolumeClaim) mounted at ``path`` in worker pods."""
+
+
+class RunPolicy(_Model):
+    backoff_limit: int = Field(3, ge=0)
+    active_deadline_seconds: int | None = Field(None, gt=0)
+    ttl_seconds_after_finished: int | None = Field(None, ge=0)
+    clean_pod_policy: Literal["Running", "All", "None"] = "Running"
+    suspend: bool = False
+
+
+class JobSpec(_Model):
+    model: ModelSpec
+    data: DataSpec
+    training: TrainingSpec = TrainingSpec()
+    providers: list[Provider] = Field(min_length=1)
+    plan: PlanSpec = PlanSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    run_policy: RunPolicy = RunPolicy()
+    image: str | None = None
+
+    def expanded_providers(self) -> list[Provider]:
+        """Providers with ``replicas`` expanded, in declaration order."""
+        out: list[Provider] = []
+        for p in self.providers:
+            out.extend([p.model_copy(update={"replicas": 1})] * p.replicas)
+        return out
+
+
+class Metadata(_Model):
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=40)
+    namespace: str | None = None
+
+
+class Job(_Model):
+    """A whole RavnestJob document (the same shape as the Kubernetes resource)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True
+    )
+    api_version: Literal["ravnest.io/v1alpha1"]
+    kind: Literal["RavnestJob"]
+    metadata: Metadata
+    spec: JobSpec
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    def to_dict(self) -> dict[str, Any]:
+        """The job as a plain camelCase document, defaults filled in."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + part
+    return out
+
+
+def _message(err: dict[str, Any]) -> str:
+    msg = str(err["msg"])
+    for prefix in ("Value error, ", "Assertion failed, "):
+        msg = msg.removeprefix(prefix)
+    if err["type"] == "extra_forbidden":
+        return "unknown field; check its spelling (fields are camelCase)"
+    if err["type"] == "missing":
+        return "is required"
+    if "got" not in msg and err["type"] not in ("model_type", "dict_type"):
+        msg += f", got {err.get('input')!r}"
+    return msg
+
+
+def parse_job(document: Any) -> Job:
+    """Validate a parsed YAML/JSON document; raise SpecError listing every problem by path."""
+    if not isinstance(document, dict):
+        raise SpecError([f"<document>: must be a mapping (a RavnestJob), got {type(document).__name__}"])
+    try:
+        return Job.model_validate(document)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and "[" in p))
+            problems.append(f"{_path(loc) or '<document>'}: {_message(dict(err))}")
+        raise SpecError(problems) from None
+
+
+def load_job(path: str | Path) -> Job:
+    """Read and validate a job file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise SpecError([f"{p}: cannot read job file ({e.strerror})"]) from e
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise SpecError([f"{p}: not valid YAML: {e}"]) from e
+    return parse_job(document)

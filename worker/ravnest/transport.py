@@ -1,0 +1,265 @@
+"""gRPC transport between workers: an authenticated server, reused client channels, and inboxes.
+
+Every call carries the job's token (``authorization: Bearer …``, compared in constant time) and
+the plan fingerprint; the server rejects anything else with UNAUTHENTICATED or FAILED_PRECONDITION
+before reading a byte of payload. Malformed frames get INVALID_ARGUMENT and the server keeps
+serving. Outgoing frames go through one sender thread per peer, so compute never waits on the
+network and frames to a peer keep their order.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from .errors import PeerTimeout, TransportError
+from .framing import CHUNK_BYTES, DEFAULT_MAX_FRAME_BYTES, Frame, FrameError, decode, encode
+from .proto import ravnest_pb2 as pb
+from .proto import ravnest_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", CHUNK_BYTES + (1 << 20)),
+    ("grpc.max_receive_message_length", CHUNK_BYTES + (1 << 20)),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVICE = "ravnest.v1.Peer"
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What a peer must present: the job's secret token and the plan fingerprint."""
+
+    token: str
+    fingerprint: str
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"), ("x-ravnest-plan", self.fingerprint))
+
+
+class _Auth(grpc.ServerInterceptor):
+    def __init__(self, creds: Credentials) -> None:
+        self._token = f"Bearer {creds.token}".encode()
+        self._fingerprint = creds.fingerprint
+
+        def deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+            def abort(request: Any, context: grpc.ServicerContext) -> None:
+                context.abort(code, message)
+
+            return grpc.stream_unary_rpc_method_handler(abort)
+
+        self._unauthenticated = deny(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong job token")
+        self._wrong_plan = deny(grpc.StatusCode.FAILED_PRECONDITION,
+                                "peer runs a different plan (fingerprint mismatch)")
+
+    def intercept_service(self, continuation: Callable[[Any], Any],
+                          details: grpc.HandlerCallDetails) -> Any:
+        if not details.method.startswith(f"/{SERVICE}/"):
+            return continuation(details)
+        md = dict(details.invocation_metadata or ())
+        token = str(md.get("authorization", "")).encode()
+        if not hmac.compare_digest(token, self._token):
+            return self._unauthenticated
+        if md.get("x-ravnest-plan") != self._fingerprint:
+            return self._wrong_plan
+        return continuation(details)
+
+
+class _Servicer(pb_grpc.PeerServicer):
+    def __init__(self, deliver: Callable[[Frame], None], max_frame_bytes: int,
+                 on_bytes: Callable[[str, int], None] | None) -> None:
+        self._deliver = deliver
+        self._max = max_frame_bytes
+        self._on_bytes = on_bytes
+
+    def Send(self, request_iterator: Iterator[pb.Chunk], context: grpc.ServicerContext) -> pb.Ack:
+        try:
+            frame = decode(request_iterator, self._max)
+        except FrameError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            self._deliver(frame)
+        except (KeyError, ValueError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"frame rejected: {e}")
+        n = frame.nbytes()
+        if self._on_bytes:
+            self._on_bytes(frame.kind, n)
+        return pb.Ack(received_bytes=n)
+
+
+class Server:
+    """The worker's gRPC server: the Peer service plus the standard health service."""
+
+    def __init__(self, address: str, creds: Credentials, deliver: Callable[[Frame], None],
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, threads: int = 16,
+                 on_bytes: Callable[[str, int], None] | None = None) -> None:
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
+                                                              thread_name_prefix="grpc"),
+                                   interceptors=[_Auth(creds)], options=_GRPC_OPTIONS)
+        pb_grpc.add_PeerServicer_to_server(_Servicer(deliver, max_frame_bytes, on_bytes),
+                                           self._server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self.port = self._server.add_insecure_port(address)
+        if self.port == 0:
+            raise TransportError(f"cannot listen on {address}")
+
+    def start(self) -> None:
+        self._server.start()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self._server.stop(grace).wait()
+
+
+class Peer:
+    """One reused channel to a peer and a sender thread that keeps frames in order."""
+
+    def __init__(self, address: str, creds: Credentials, compression: str = "none",
+                 timeout: float = 120.0,
+                 on_bytes: Callable[[str, int], None] | None = None) -> None:
+        self.address = address
+        self._channel = grpc.insecure_channel(address, options=_GRPC_OPTIONS)
+        self._stub = pb_grpc.PeerStub(self._channel)
+        self._metadata = creds.metadata()
+        self._compression = compression
+        self._timeout = timeout
+        self._on_bytes = on_bytes
+        self._queue: queue.Queue[Frame | None] = queue.Queue()
+        self._error: TransportError | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"send-{address}", daemon=True)
+        self._thread.start()
+
+    def send(self, frame: Frame, compression: str | None = None) -> None:
+        """Send now, in the caller's thread; raise TransportError on failure."""
+        chunks = encode(frame, self._compression if compression is None else compression)
+        try:
+            self._stub.Send(chunks, metadata=self._metadata, timeout=self._timeout,
+                            wait_for_ready=True)
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise PeerTimeout(f"peer {self.address} did not answer within "
+                                  f"{self._timeout:.0f}s") from e
+            details = e.details() if hasattr(e, "details") else str(e)
+            raise TransportError(f"peer {self.address}: {code}: {details}") from e
+        if self._on_bytes:
+            self._on_bytes(frame.kind, frame.nbytes())
+
+    def post(self, frame: Frame) -> None:
+        """Queue a frame for the sender thread (in order); errors surface on the next call."""
+        self.raise_error()
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+        self._queue.put(frame)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every posted frame was delivered."""
+        if not self._idle.wait(timeout):
+            raise PeerTimeout(f"frames to {self.address} not delivered within {timeout}s")
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        """Raise (once) the error of a frame the sender thread could not deliver."""
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _run(self) -> None:
+        while (frame := self._queue.get()) is not None:
+            try:
+                self.send(frame)
+            except TransportError as e:
+                log.error("sending %s frame to %s failed: %s", frame.kind, self.address, e)
+                self._error = e
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    if self._pending == 0:
+                        self._idle.set()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until the peer's health service says SERVING."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0,
+                                    wait_for_ready=True).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise PeerTimeout(f"peer {self.address} not ready within {timeout:.0f}s")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+        self._channel.close()
+
+
+class Inbox:
+    """Frames delivered by the server, waiting for the compute thread.
+
+    Pipeline frames (forward, backward, eval, control) go to one FIFO in arrival order, bounded so a
+    fast sender gets backpressure. Ring frames are keyed by (ring, round, phase step) so a ring
+    step can wait for exactly the piece it needs.
+    """
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.pipeline: queue.Queue[Frame] = queue.Queue(maxsize=capacity)
+        self._ring: dict[tuple[str, int, int], Frame] = {}
+        self._ring_cond = threading.Condition()
+        self._min_round: dict[str, int] = {}
+
+    def deliver(self, frame: Frame) -> None:
+        if frame.kind in ("reduce", "gather"):
+            with self._ring_cond:
+                if frame.step < self._min_round.get(frame.ring, 0):
+                    return
+                self._ring[(frame.ring, frame.step, frame.version)] = frame
+                self._ring_cond.notify_all()
+        elif frame.kind in ("forward", "backward", "eval", "control"):
+            self.pipeline.put(frame)
+        else:
+            raise ValueError(f"unknown frame kind {frame.kind!r}")
+
+    def take_ring(self, ring: str, round_: int, phase_step: int, timeout: float) -> Frame:
+        deadline = time.monotonic() + timeout
+        key = (ring, round_, phase_step)
+        with self._ring_cond:
+            while key not in self._ring:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerTimeout(f"ring {ring} round {round_}: no data for step "
+                                      f"{phase_step} within {timeout:.0f}s")
+                self._ring_cond.wait(left)
+            return self._ring.pop(key)
+
+    def forget_rounds_before(self, ring: str, round_: int) -> None:
+        """Drop stale pieces of skipped rounds, and refuse late ones."""
+        with self._ring_cond:
+            self._min_round[ring] = round_
+            for key in [k for k in self._ring if k[0] == ring and k[1] < round_]:
+                del self._ring[key]
