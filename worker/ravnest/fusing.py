@@ -13,7 +13,7 @@ from .errors import RavnestError
 def fuse_stage_files(stages_dir: str | Path, cluster: int = 0,
                      which: str = "state") -> dict[str, torch.Tensor]:
     """Merge the `which` ("state" or "best") dicts of every stage file of `cluster`, in order."""
-    files = sorted(Path(stages_dir).glob("*.pt"))
+    files = sorted(Path(stages_dir).glob("node_*.pt"))
     parts: list[tuple[int, dict[str, Any]]] = []
     for f in files:
         blob = torch.load(f, map_location="cpu", weights_only=True)

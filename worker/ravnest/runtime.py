@@ -70,14 +70,18 @@ class Settings:
     checkpoint_keep: int = 2
 
 
+Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
+
+
 @dataclass
 class Batches:
     """The root's data: one cluster's shard of the training set, and the validation set."""
 
-    train: Callable[[int, int], tuple[tuple[torch.Tensor, ...], torch.Tensor]]
-    """(epoch, batch index) -> (inputs, labels) for this cluster."""
+    train: Callable[[int], Iterator[Batch]]
+    """epoch -> this cluster's (inputs, labels) batches of that epoch, in order."""
     per_epoch: int
-    validation: Callable[[], Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]]
+    """Batches used per epoch (a multiple of updateFrequency; extra ones are not used)."""
+    validation: Callable[[], Iterator[Batch]]
 
 
 @dataclass
@@ -405,6 +409,10 @@ class NodeRuntime:
             if not self.me.is_leaf:
                 self._send_down(Frame("control", control=c))
             self._checkpoint(c)
+        elif op == "final_reduce":
+            if not self.me.is_leaf:
+                self._send_down(Frame("control", control=c))
+            self.all_reduce(FINAL_ROUND)
         elif op == "finish":
             if not self.me.is_leaf:
                 self._send_down(Frame("control", control=c))
@@ -446,7 +454,6 @@ class NodeRuntime:
         """Loop of a non-root node: handle frames until the root says training is over."""
         while not self._finished:
             self.handle(self._next_frame())
-        self.all_reduce(FINAL_ROUND)
         self._flush_peers()
 
     def _flush_peers(self) -> None:
@@ -472,44 +479,58 @@ class NodeRuntime:
         s, b = self.s, self.batches
         total_updates = s.epochs * (b.per_epoch // s.update_frequency)
         self.metrics.total_steps.set(total_updates)
-        mb_id = self.epoch * b.per_epoch * s.microbatches + self.next_batch * s.microbatches
+        mb_id = (self.epoch * b.per_epoch + self.next_batch) * s.microbatches
         while self.epoch < s.epochs:
             epoch = self.epoch
+            last = epoch + 1 == s.epochs
             self.metrics.epoch.set(epoch)
-            for batch in range(self.next_batch, b.per_epoch):
-                inputs, labels = b.train(epoch, batch)
-                pieces = [x.tensor_split(s.microbatches) for x in inputs]
-                for m, y in enumerate(labels.tensor_split(s.microbatches)):
-                    self._feed(tuple(p[m] for p in pieces), y, mb_id)
-                    mb_id += 1
-                self.samples += int(labels.shape[0])
-                self.metrics.samples.inc(int(labels.shape[0]))
+            for batch, (inputs, labels) in enumerate(b.train(epoch)):
+                if batch >= b.per_epoch:
+                    break
+                if batch < self.next_batch:
+                    continue
+                self._feed_batch(inputs, labels, mb_id)
+                mb_id += s.microbatches
                 if (batch + 1) % s.update_frequency:
                     continue
                 update = self.updates + 1
                 drain = (s.schedule == "sync" or update % s.reduce_factor == 0
                          or (s.checkpoint_every and update % s.checkpoint_every == 0)
                          or batch + 1 == b.per_epoch)
-                if drain:
-                    self._wait_until(lambda: self.in_flight == 0)
-                if self._loss_n and drain:
-                    self._record_loss()
-                if s.checkpoint_every and self.updates % s.checkpoint_every == 0 and drain:
+                if not drain:
+                    continue
+                self._wait_until(lambda: self.in_flight == 0)
+                self._record_loss()
+                if s.checkpoint_every and self.updates % s.checkpoint_every == 0:
                     self._send_checkpoint(epoch, batch + 1)
                 if on_update is not None:
                     on_update(self)
             self._wait_until(lambda: self.in_flight == 0)
-            if (epoch + 1) % s.validation_frequency == 0 or epoch + 1 == s.epochs:
+            if last:
+                self._control({"op": "final_reduce"})
+            if (epoch + 1) % s.validation_frequency == 0 or last:
                 self._validate(epoch)
             self._control({"op": "epoch_end", "epoch": epoch})
             self.next_batch = 0
-            if not s.checkpoint_every:
+            if not s.checkpoint_every or last:
                 self._send_checkpoint(epoch + 1, 0)
         self._control({"op": "finish"})
-        self.all_reduce(FINAL_ROUND)
         self._flush_peers()
 
+    def _feed_batch(self, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor,
+                    first_mb: int) -> None:
+        if labels.shape[0] != self.s.batch_size:
+            raise RavnestError(f"{self.name}: a training batch has {labels.shape[0]} samples, "
+                               f"expected batch size {self.s.batch_size} (drop the last batch)")
+        pieces = [x.tensor_split(self.s.microbatches) for x in inputs]
+        for m, y in enumerate(labels.tensor_split(self.s.microbatches)):
+            self._feed(tuple(p[m] for p in pieces), y, first_mb + m)
+        self.samples += int(labels.shape[0])
+        self.metrics.samples.inc(int(labels.shape[0]))
+
     def _record_loss(self) -> None:
+        if not self._loss_n:
+            return
         loss = self._loss_sum / self._loss_n
         self._loss_sum, self._loss_n = 0.0, 0
         self.metrics.loss.set(loss)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from .errors import PlanError, RavnestError, SpecError
 from .metrics import Identity, WorkerMetrics
 from .partitioning import Stage, build_stage, profile
 from .planning import Plan, fingerprint
-from .runtime import Batches, NodeRuntime, Settings
+from .runtime import Batch, Batches, NodeRuntime, Settings
 from .spec import Job, JobSpec, parse_job
 from .transport import Credentials, Inbox, Peer, Server
 
@@ -86,7 +87,7 @@ def settings_from(spec: JobSpec, checkpoint_dir: str | None) -> Settings:
         checkpoint_dir=checkpoint_dir, checkpoint_every=c.every_steps, checkpoint_keep=c.keep)
 
 
-def _take(dataset: Dataset[Any], index: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+def _take(dataset: Dataset[Any], index: torch.Tensor) -> Batch:
     if isinstance(dataset, TensorDataset):
         *xs, y = (t[index] for t in dataset.tensors)
     else:
@@ -116,21 +117,18 @@ def cluster_batches(train: Dataset[Any], val: Dataset[Any], spec: JobSpec, clust
             return torch.arange(n)
         return torch.randperm(n, generator=torch.Generator().manual_seed(spec.data.seed + epoch))
 
-    cache: dict[int, torch.Tensor] = {}
+    def batches(epoch: int) -> Iterator[Batch]:
+        perm = order(epoch)
+        for b in range(per_epoch):
+            start = (b * k + cluster) * bsz
+            yield _take(train, perm[start:start + bsz])
 
-    def batch(epoch: int, b: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        if epoch not in cache:
-            cache.clear()
-            cache[epoch] = order(epoch)
-        start = (b * k + cluster) * bsz
-        return _take(train, cache[epoch][start:start + bsz])
-
-    def validation() -> Any:
+    def validation() -> Iterator[Batch]:
         nv = len(val)  # type: ignore[arg-type]
         for start in range(0, nv, bsz):
             yield _take(val, torch.arange(start, min(start + bsz, nv)))
 
-    return Batches(train=batch, per_epoch=per_epoch, validation=validation)
+    return Batches(train=batches, per_epoch=per_epoch, validation=validation)
 
 
 def build_node_stage(spec: JobSpec, plan: Plan, node: str) -> Stage:

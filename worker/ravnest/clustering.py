@@ -1,0 +1,102 @@
+"""The seed API's `clusterize`: plan a model over `node_data/node_configs.json`.
+
+It reads the providers the way Ravnest does (``{"0": {"IP": "host:port", "benchmarks": {"ram": 8,
+"bandwidth": 20}}}``), plans clusters and stages, and writes one metadata file per provider into
+``node_data/nodes/`` plus each provider's stage module, so that a provider script only needs
+``Node(name='node_3', ...)``. It also writes a random job token (mode 0600) that every provider
+of the plan presents to its peers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import PlanError, SpecError
+from .partitioning import build_stage, profile
+from .planning import Plan, ProviderInfo, Workload, make_plan
+
+log = logging.getLogger(__name__)
+
+
+def read_node_configs(path: str | Path) -> tuple[list[str], list[ProviderInfo]]:
+    """Addresses and provider specs from a Ravnest node_configs.json, in node-id order."""
+    p = Path(path)
+    try:
+        raw = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise SpecError([f"{p}: cannot read node configs ({e})"]) from e
+    if not isinstance(raw, dict) or not raw:
+        raise SpecError([f"{p}: must map node ids to {{'IP': ..., 'benchmarks': ...}}"])
+    addresses, pool = [], []
+    for key in sorted(raw, key=lambda k: int(k) if str(k).isdigit() else -1):
+        if not str(key).isdigit():
+            raise SpecError([f"{p}: [{key!r}]: node ids must be 0, 1, 2, ..."])
+        entry = raw[key]
+        where = f"{p}: [{key!r}]"
+        try:
+            ip = str(entry["IP"])
+            bench = entry["benchmarks"]
+            ram = float(bench["ram"])
+            bandwidth = float(bench["bandwidth"]) if "bandwidth" in bench else None
+            compute = float(bench.get("compute", 1.0))
+        except (KeyError, TypeError, ValueError) as e:
+            raise SpecError([f"{where}: needs IP and benchmarks.ram (GB) ({e!r})"]) from e
+        if ram <= 0 or (bandwidth is not None and bandwidth <= 0) or compute <= 0:
+            raise SpecError([f"{where}.benchmarks: ram, bandwidth and compute must be positive"])
+        addresses.append(ip)
+        pool.append(ProviderInfo(ram, bandwidth, compute))
+    if [int(k) for k in sorted(raw, key=int)] != list(range(len(raw))):
+        raise SpecError([f"{p}: node ids must be 0..{len(raw) - 1} without gaps"])
+    return addresses, pool
+
+
+def clusterize(model: nn.Module | None = None, example_args: tuple[Any, ...] = (),
+               example_kwargs: dict[str, Any] | None = None, pass_data: bool = False,
+               node_data: str | Path = "node_data", clusters: int | None = None,
+               batch_size: int | None = None, microbatches: int = 1,
+               optimizer: str = "Adam") -> Plan:
+    """Form clusters, split the model and write node metadata into ``node_data/nodes/``.
+
+    `pass_data` is accepted for compatibility: the model is always run once on the example input
+    (to trace it and size activations). Returns the plan (also printed as a table).
+    """
+    if model is None:
+        raise PlanError("clusterize: pass the model to split")
+    if example_kwargs:
+        raise PlanError("clusterize: example_kwargs are not supported; pass inputs positionally")
+    if not example_args:
+        raise PlanError("clusterize: pass example_args, e.g. (torch.rand(64, 3, 28, 28),)")
+    root = Path(node_data)
+    addresses, pool = read_node_configs(root / "node_configs.json")
+    gm, prof = profile(model, [a for a in example_args if isinstance(a, torch.Tensor)])
+    bsz = batch_size or prof.example_batch
+    plan = make_plan(prof, pool, Workload(batch_size=bsz, microbatches=microbatches,
+                                          optimizer=optimizer),
+                     clusters=clusters, identity={"seed-api": type(model).__name__})
+    nodes_dir = root / "nodes"
+    nodes_dir.mkdir(parents=True, exist_ok=True)
+    token_file = root / "token"
+    if not token_file.exists():
+        token_file.write_text(secrets.token_hex(16))
+        os.chmod(token_file, 0o600)
+    address_map = {f"node_{i}": a for i, a in enumerate(addresses)}
+    for n in plan.nodes:
+        stage = build_stage(gm, n.start, n.end)
+        torch.save(stage, nodes_dir / f"{n.name}.submodel.pt")
+        meta = {"node": n.name, "plan": plan.to_dict(), "addresses": address_map,
+                "microbatches": microbatches}
+        (nodes_dir / f"{n.name}.json").write_text(json.dumps(meta, indent=1))
+        up, down = plan.neighbours(n.name)
+        log.info("Node(%s, Cluster(%d)) role=%s self.IP(%s) forward->%s backward->%s rings=%s",
+                 n.provider, n.cluster, n.role, address_map[n.name], down, up,
+                 {r.id: r.state[0] for r in plan.rings_of(n.name)})
+    log.info("plan:\n%s", plan.table())
+    return plan

@@ -1,0 +1,1 @@
+"""Compatibility package: Ravnest's `ravnest.operations.utils.clusterize`."""
