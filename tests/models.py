@@ -61,3 +61,7 @@ def blobs(n: int = 512, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     y = (x[:, :4].argmax(1)).long()
     return TensorDataset(x[: n * 3 // 4], y[: n * 3 // 4]), TensorDataset(x[n * 3 // 4:],
                                                                            y[n * 3 // 4:])
+
+
+def broken_data() -> tuple[TensorDataset, TensorDataset]:
+    raise RuntimeError("dataset shard missing on this provider")

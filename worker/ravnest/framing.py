@@ -199,7 +199,7 @@ def _frame(header: pb.FrameHeader, buffer: torch.Tensor) -> Frame:
         tensors[meta.name] = t.to(dtype) if wire != dtype else t
     try:
         control: Mapping[str, Any] = json.loads(header.control) if header.control else {}
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise FrameError(f"frame control is not JSON: {e}") from e
     if not isinstance(control, dict):
         raise FrameError("frame control must be a JSON object")

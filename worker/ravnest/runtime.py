@@ -493,7 +493,9 @@ class NodeRuntime:
                 mb_id += s.microbatches
                 if (batch + 1) % s.update_frequency:
                     continue
-                update = self.updates + 1
+                # the update this batch completes, counted from what was fed (in async mode the
+                # optimizer steps of this node run behind the feeding)
+                update = (epoch * b.per_epoch + batch + 1) // s.update_frequency
                 drain = (s.schedule == "sync" or update % s.reduce_factor == 0
                          or (s.checkpoint_every and update % s.checkpoint_every == 0)
                          or batch + 1 == b.per_epoch)

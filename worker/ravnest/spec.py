@@ -19,6 +19,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -29,33 +30,38 @@ from .errors import SpecError
 API_VERSION = "ravnest.io/v1alpha1"
 KIND = "RavnestJob"
 
-_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([KMGTP]i?|[kmgtp]i?)?\s*$")
+_QUANTITY = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
 _DECIMAL = {"k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
 
 
 def parse_gigabytes(value: Any) -> float:
-    """Turn a RAM value into gigabytes (GiB): a bare number is GB as in the seeds' node_configs.json,
-    a string may carry a Kubernetes suffix (``512Mi``, ``8Gi``, ``2G``)."""
-    if isinstance(value, bool):
-        raise ValueError(f"must be a positive quantity, got {value!r}")
-    if isinstance(value, int | float):
-        number, scale = float(value), 2**30
+    """Turn a RAM value into gigabytes (GiB): a bare number is GB as in the seeds'
+    node_configs.json, a string may carry a Kubernetes suffix (``512Mi``, ``8Gi``, ``2G``)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            number, scale = float(value), 2**30
+        except OverflowError:
+            raise ValueError("must be a positive quantity in GB, got a number too large to use"
+                             ) from None
     elif isinstance(value, str) and (m := _QUANTITY.match(value)):
         number = float(m.group(1))
         suffix = m.group(2)
-        if suffix is None:
+        if not suffix:
             scale = 2**30
         elif suffix in _BINARY:
             scale = _BINARY[suffix]
         elif suffix in _DECIMAL:
             scale = _DECIMAL[suffix]
         else:
-            raise ValueError(f"must be a positive quantity, got {value!r} (unknown suffix)")
+            raise ValueError("must be a quantity with a suffix Ki, Mi, Gi, Ti, Pi, k, M, G, T "
+                             f"or P, got {value!r}")
     else:
-        raise ValueError(f"must be a positive quantity such as 4 or '8Gi', got {value!r}")
+        raise ValueError(f"must be a positive quantity such as 4 (GB), '512Mi' or '8Gi', "
+                         f"got {value!r}")
     gigabytes = number * scale / 2**30
     if not math.isfinite(gigabytes) or gigabytes <= 0:
         raise ValueError(f"must be a positive quantity, got {value!r}")
@@ -92,7 +98,7 @@ class ExampleInput(_Model):
 
 
 class EntrypointRef(_Model):
-    """A Python callable named ``package.module:callable`` and the keyword arguments to call it with."""
+    """A Python callable named ``package.module:callable`` and the keyword arguments for it."""
 
     entrypoint: str
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -123,7 +129,8 @@ class ModelSpec(_Model):
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
         if (self.entrypoint is None) == (self.torchscript is None):
-            raise ValueError("set exactly one of 'entrypoint' or 'torchscript'")
+            both = "both" if self.entrypoint is not None else "neither"
+            raise ValueError(f"set exactly one of 'entrypoint' or 'torchscript', got {both}")
         return self
 
 
@@ -146,13 +153,13 @@ class DataSpec(_Model):
             raise ValueError(f"must look like 'package.module:callable', got {v!r}")
         return v
 
-    @model_validator(mode="after")
-    def _microbatches_fit(self) -> DataSpec:
-        if self.microbatches > self.batch_size:
-            raise ValueError(
-                f"microbatches ({self.microbatches}) cannot exceed batchSize ({self.batch_size})"
-            )
-        return self
+    @field_validator("microbatches")
+    @classmethod
+    def _microbatches_fit(cls, v: int, info: ValidationInfo) -> int:
+        batch_size = info.data.get("batch_size")
+        if batch_size is not None and v > batch_size:
+            raise ValueError(f"cannot exceed batchSize ({batch_size}), got {v}")
+        return v
 
 
 class NamedCall(_Model):
@@ -162,9 +169,57 @@ class NamedCall(_Model):
     params: dict[str, Any] = Field(default_factory=dict)
 
 
+class OptimizerSpec(NamedCall):
+    """A ``torch.optim`` optimizer by class name."""
+
+    @field_validator("name")
+    @classmethod
+    def _known_optimizer(cls, v: str) -> str:
+        import torch.optim
+
+        cls_ = getattr(torch.optim, v, None)
+        if not (isinstance(cls_, type) and issubclass(cls_, torch.optim.Optimizer)):
+            raise ValueError(f"must be a torch.optim optimizer such as 'Adam', got {v!r}")
+        return v
+
+
 class SchedulerSpec(NamedCall):
+    """A ``torch.optim.lr_scheduler`` class by name."""
+
     step_on: Literal["epoch", "step"] = "epoch"
     """Step the scheduler after every epoch (default) or after every optimizer update."""
+
+    @field_validator("name")
+    @classmethod
+    def _known_scheduler(cls, v: str) -> str:
+        import torch.optim.lr_scheduler as sched
+
+        if not isinstance(getattr(sched, v, None), type):
+            raise ValueError(
+                f"must be a torch.optim.lr_scheduler class such as 'StepLR', got {v!r}"
+            )
+        return v
+
+
+class CriterionSpec(NamedCall):
+    """A ``torch.nn`` loss by class name, or a ``package.module:callable`` entrypoint."""
+
+    @field_validator("name")
+    @classmethod
+    def _known_criterion(cls, v: str) -> str:
+        import torch.nn
+
+        if ":" in v:
+            if not _ENTRYPOINT.match(v):
+                raise ValueError(f"must look like 'package.module:callable', got {v!r}")
+            return v
+        cls_ = getattr(torch.nn, v, None)
+        if not (isinstance(cls_, type) and issubclass(cls_, torch.nn.Module)):
+            raise ValueError(
+                "must be a torch.nn loss such as 'CrossEntropyLoss' or an entrypoint "
+                f"'package.module:callable', got {v!r}"
+            )
+        return v
 
 
 class ClippingSpec(_Model):
@@ -174,9 +229,9 @@ class ClippingSpec(_Model):
 
 class TrainingSpec(_Model):
     epochs: int = Field(1, gt=0)
-    optimizer: NamedCall = NamedCall(name="Adam", params={"lr": 1e-3})
+    optimizer: OptimizerSpec = OptimizerSpec(name="Adam", params={"lr": 1e-3})
     lr_scheduler: SchedulerSpec | None = None
-    criterion: NamedCall = NamedCall(name="CrossEntropyLoss")
+    criterion: CriterionSpec = CriterionSpec(name="CrossEntropyLoss")
     metric: Literal["accuracy", "none"] = "accuracy"
     update_frequency: int = Field(1, gt=0)
     """Batches whose gradients are accumulated before one optimizer update."""
@@ -196,50 +251,11 @@ class TrainingSpec(_Model):
     reduce_timeout_seconds: float = Field(30.0, gt=0)
     """How long a ring waits for a peer before the round is recorded as skipped."""
 
-    @field_validator("optimizer")
-    @classmethod
-    def _known_optimizer(cls, v: NamedCall) -> NamedCall:
-        import torch.optim
-
-        cls_ = getattr(torch.optim, v.name, None)
-        if not (isinstance(cls_, type) and issubclass(cls_, torch.optim.Optimizer)):
-            raise ValueError(f"unknown optimizer {v.name!r}; use a torch.optim class such as 'Adam'")
-        return v
-
-    @field_validator("lr_scheduler")
-    @classmethod
-    def _known_scheduler(cls, v: SchedulerSpec | None) -> SchedulerSpec | None:
-        import torch.optim.lr_scheduler as sched
-
-        if v is not None and not isinstance(getattr(sched, v.name, None), type):
-            raise ValueError(
-                f"unknown lrScheduler {v.name!r}; use a torch.optim.lr_scheduler class "
-                "such as 'StepLR'"
-            )
-        return v
-
-    @field_validator("criterion")
-    @classmethod
-    def _known_criterion(cls, v: NamedCall) -> NamedCall:
-        import torch.nn
-
-        if ":" in v.name:
-            if not _ENTRYPOINT.match(v.name):
-                raise ValueError(f"must look like 'package.module:callable', got {v.name!r}")
-            return v
-        cls_ = getattr(torch.nn, v.name, None)
-        if not (isinstance(cls_, type) and issubclass(cls_, torch.nn.Module)):
-            raise ValueError(
-                f"unknown criterion {v.name!r}; use a torch.nn loss such as 'CrossEntropyLoss' "
-                "or an entrypoint 'package.module:callable'"
-            )
-        return v
-
 
 class Provider(_Model):
     """One compute provider (or ``replicas`` identical ones), as in the seeds' node_configs.json."""
 
-    name: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=40)
+    name: str | None = Field(None, pattern=_NAME, max_length=40)
     ram: float
     """Memory for training in GB (GiB); strings with a Kubernetes suffix are accepted."""
     bandwidth: float | None = Field(None, gt=0)
@@ -271,7 +287,7 @@ class CheckpointSpec(_Model):
     """Optimizer updates between checkpoints; 0 checkpoints at the end of every epoch only."""
     keep: int = Field(2, gt=0)
     volume: dict[str, Any] | None = None
-    """A Kubernetes volume source (e.g. persistentVolumeClaim) mounted at ``path`` in worker pods."""
+    """A Kubernetes volume source (e.g. persistentVolumeClaim) mounted at ``path`` in pods."""
 
 
 class RunPolicy(_Model):
@@ -302,7 +318,7 @@ class JobSpec(_Model):
 
 class Metadata(_Model):
     model_config = ConfigDict(extra="allow", frozen=True)
-    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=40)
+    name: str = Field(pattern=_NAME, max_length=40)
     namespace: str | None = None
 
 
@@ -336,23 +352,86 @@ def _path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
+def _number(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _items(n: int) -> str:
+    return f"{n} item" if n == 1 else f"{n} items"
+
+
+def _show(value: Any) -> str:
+    try:
+        text = repr(value)
+    except ValueError:
+        return "an integer too large to show"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+_MAPPING = "must be a mapping"
+_EXPECTED: dict[str, str] = {
+    "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "int_parsing_size": "must be an integer",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "finite_number": "must be a finite number",
+    "bool_type": "must be true or false",
+    "bool_parsing": "must be true or false",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+    "dict_type": _MAPPING,
+    "model_type": _MAPPING,
+    "model_attributes_type": _MAPPING,
+    "invalid_key": "keys must be strings",
+}
+
+
 def _message(err: dict[str, Any]) -> str:
-    msg = str(err["msg"])
-    for prefix in ("Value error, ", "Assertion failed, "):
-        msg = msg.removeprefix(prefix)
-    if err["type"] == "extra_forbidden":
-        return "unknown field; check its spelling (fields are camelCase)"
-    if err["type"] == "missing":
+    """One pydantic error as 'what is expected, got <value>', without pydantic's jargon."""
+    kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
+    if kind == "missing":
         return "is required"
-    if "got" not in msg and err["type"] not in ("model_type", "dict_type"):
-        msg += f", got {err.get('input')!r}"
-    return msg
+    if kind == "extra_forbidden":
+        return "unknown field; check its spelling (fields are camelCase)"
+    if kind in ("value_error", "assertion_error"):
+        return str(ctx.get("error", err["msg"]))
+    if err["loc"] and err["loc"][-1] == "[key]":
+        expected = "keys must be strings"
+    elif kind in _EXPECTED:
+        expected = _EXPECTED[kind]
+    elif kind == "greater_than":
+        expected = f"must be greater than {_number(ctx['gt'])}"
+    elif kind == "greater_than_equal":
+        expected = f"must be at least {_number(ctx['ge'])}"
+    elif kind == "less_than":
+        expected = f"must be less than {_number(ctx['lt'])}"
+    elif kind == "less_than_equal":
+        expected = f"must be at most {_number(ctx['le'])}"
+    elif kind == "literal_error":
+        expected = f"must be {ctx['expected']}"
+    elif kind == "string_pattern_mismatch" and ctx.get("pattern") == _NAME:
+        expected = ("must be a lowercase name of letters, digits and '-' that starts and ends "
+                    "with a letter or digit")
+    elif kind == "string_too_long":
+        expected = f"must be at most {ctx['max_length']} characters long"
+    elif kind == "too_short":
+        expected = f"must have at least {_items(ctx['min_length'])}"
+    elif kind == "too_long":
+        expected = f"must have at most {_items(ctx['max_length'])}"
+    else:
+        msg = str(err["msg"])
+        expected = "must be " + msg.removeprefix("Input should be ") if msg.startswith(
+            "Input should be ") else msg[:1].lower() + msg[1:]
+    return f"{expected}, got {_show(value)}"
 
 
 def parse_job(document: Any) -> Job:
     """Validate a parsed YAML/JSON document; raise SpecError listing every problem by path."""
     if not isinstance(document, dict):
-        raise SpecError([f"<document>: must be a mapping (a RavnestJob), got {type(document).__name__}"])
+        got = "an empty document" if document is None else f"a {type(document).__name__}"
+        raise SpecError([f"<document>: must be a mapping (a RavnestJob), got {got}"])
     try:
         return Job.model_validate(document)
     except ValidationError as e:
@@ -370,8 +449,18 @@ def load_job(path: str | Path) -> Job:
         text = p.read_text()
     except OSError as e:
         raise SpecError([f"{p}: cannot read job file ({e.strerror})"]) from e
+    except UnicodeDecodeError as e:
+        raise SpecError([f"{p}: cannot read job file (not UTF-8 text: {e.reason})"]) from e
     try:
         document = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise SpecError([f"{p}: not valid YAML: {e}"]) from e
+        mark = getattr(e, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+        parts = [getattr(e, "context", None), getattr(e, "problem", None)]
+        reason = ", ".join(filter(None, parts)) or str(e).splitlines()[0]
+        raise SpecError([f"{where}: not valid YAML: {reason}"]) from e
+    except (ValueError, AttributeError, TypeError, RecursionError) as e:
+        # PyYAML's scalar constructors raise plain errors on values such as `2001-13-45`,
+        # `!!int x` or a 5000-digit number, and its composer recurses on deep nesting.
+        raise SpecError([f"{p}: not valid YAML: {str(e).splitlines()[0]}"]) from e
     return parse_job(document)

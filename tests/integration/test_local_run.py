@@ -1,0 +1,142 @@
+"""The local runner end to end: real worker processes on 127.0.0.1 training the shipped examples."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ravnest import WorkerFailed, parse_job, run_job
+from ravnest.examples.digits import build_model, datasets
+from ravnest.fusing import fuse_stage_files
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def accuracy_of(state_dict) -> float:
+    model = build_model()
+    model.load_state_dict(state_dict)
+    model.eval()
+    _, val = datasets()
+    with torch.no_grad():
+        return (model(val.tensors[0]).argmax(1) == val.tensors[1]).float().mean().item()
+
+
+def test_readme_command_trains_digits(tmp_path):
+    """`ravnest run examples/digits.yaml`: >= 95% accuracy, and the fused model reproduces it."""
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "ravnest", "run", str(ROOT / "examples" / "digits.yaml"),
+         "--output", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["clusters"] == 2 and summary["nodes"] == 6
+    assert summary["val_metric"] >= 0.95
+    state = torch.load(out / "model.pt", weights_only=True)
+    assert list(state) == list(build_model().state_dict())
+    assert accuracy_of(state) == pytest.approx(summary["val_metric"], abs=1e-6)
+    best = torch.load(out / "best_model.pt", weights_only=True)
+    assert accuracy_of(best) >= 0.9
+    curve = (out / "learning_curve.csv").read_text().splitlines()
+    assert curve[0].startswith("cluster,epoch,step")
+    assert len(curve) > 100
+    assert "val accuracy" in result.stdout
+
+
+def _digits(doc, **training):
+    doc["spec"]["training"].update(training)
+    return doc
+
+
+def test_async_schedule_trains_digits(tmp_path, digits_doc):
+    job = parse_job(_digits(digits_doc, schedule="async", maxInFlight=4))
+    summary = run_job(job, tmp_path, progress=False)
+    assert summary["val_metric"] >= 0.95
+    assert accuracy_of(torch.load(tmp_path / "model.pt", weights_only=True)) >= 0.95
+
+
+def test_one_cluster_of_seven_stages(tmp_path, digits_doc):
+    digits_doc["spec"]["plan"] = {"clusters": 1}
+    digits_doc["spec"]["providers"] = [{"ram": 2, "bandwidth": 1000, "replicas": 7}]
+    digits_doc["spec"]["training"]["epochs"] = 3
+    summary = run_job(parse_job(digits_doc), tmp_path, progress=False)
+    plan = (tmp_path / "plan.txt").read_text()
+    assert plan.count(" stem ") == 5
+    assert summary["val_metric"] >= 0.9
+
+
+def test_clusters_of_one_provider_all_join_the_final_reduce(tmp_path, digits_doc):
+    digits_doc["spec"]["plan"] = {"clusters": 3}
+    digits_doc["spec"]["providers"] = [{"ram": 2, "bandwidth": 1000, "replicas": 3}]
+    # only the final reduce averages: without it the three copies would differ
+    _digits(digits_doc, epochs=2, reduceFactor=100000)
+    summary = run_job(parse_job(digits_doc), tmp_path, progress=False)
+    assert summary["clusters"] == 3 and summary["val_metric"] >= 0.9
+    copies = [fuse_stage_files(tmp_path / "stages", c) for c in range(3)]
+    for other in copies[1:]:
+        for k, v in copies[0].items():
+            torch.testing.assert_close(other[k].float(), v.float(), rtol=0, atol=1e-6)
+
+
+def _children_with(marker: str) -> list[int]:
+    pids = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmd:
+                pids.append(int(pid))
+    return pids
+
+
+def test_worker_failure_is_reported_and_nothing_is_left_running(tmp_path, digits_doc,
+                                                                worker_env):
+    digits_doc["spec"]["data"]["entrypoint"] = "models:broken_data"
+    with pytest.raises(WorkerFailed) as err:
+        run_job(parse_job(digits_doc), tmp_path, progress=False)
+    message = str(err.value)
+    assert "exited with code 1" in message
+    assert "dataset shard missing" in message
+    assert _children_with(str(tmp_path)) == []
+
+
+BAD = [
+    ("providers[0].ram", -1, "spec.providers[0].ram: must be a positive quantity, got -1"),
+    ("training.optimizer.name", "Adamm", "spec.training.optimizer: unknown optimizer 'Adamm'"),
+    ("model.entrypoint", "no_such_module:build",
+     "spec.model.entrypoint: cannot import module 'no_such_module'"),
+    ("providers", [{"ram": "1Ki", "replicas": 2}],
+     "spec.providers: total RAM 1.91e-06 GB is below the model's training memory"),
+    ("providers", [{"ram": 4, "replicas": 40}],
+     "more stages than layers"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "message"), BAD, ids=[b[0] for b in BAD])
+def test_bad_job_gives_one_clear_error_and_starts_nothing(tmp_path, digits_doc, path, value,
+                                                          message):
+    node = digits_doc["spec"]
+    *parents, last = path.replace("[0]", ".0").split(".")
+    for p in parents:
+        node = node[int(p)] if p.isdigit() else node[p]
+    node[last] = value
+    if path == "providers" and value[0].get("replicas") == 40:
+        digits_doc["spec"]["plan"] = {"clusters": 1}
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(digits_doc))
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "ravnest", "run", str(job_file), "-o",
+                             str(out)], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not out.exists()

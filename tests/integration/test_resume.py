@@ -1,0 +1,62 @@
+"""A worker killed mid-training: the run fails loudly, and running it again resumes from the last
+complete checkpoint instead of starting over."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pid_of(marker: str) -> int | None:
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmd and "worker" in cmd:
+                return int(pid)
+    return None
+
+
+def test_kill_a_worker_then_resume_from_checkpoint(tmp_path, digits_doc):
+    digits_doc["spec"]["checkpoint"] = {"everySteps": 10, "keep": 2}
+    digits_doc["spec"]["training"]["epochs"] = 6
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(digits_doc))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "ravnest", "run", str(job), "-o", str(out), "--no-progress"]
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ckpt = out / "checkpoints"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        steps = sorted(ckpt.glob("step-*")) if ckpt.exists() else []
+        if any(int(s.name[5:]) >= 30 for s in steps):
+            break
+        assert first.poll() is None, first.communicate()[1]
+        time.sleep(0.2)
+    victim = _pid_of(str(out / "nodes" / "node_3.json"))
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 1
+    assert "worker node_3 exited with code -9" in err
+
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    logs = "".join(p.read_text() for p in (out / "logs").glob("*.log"))
+    resumed = [int(line.split("at step ")[1].split()[0]) for line in logs.splitlines()
+               if "resumed from checkpoint at step" in line]
+    assert len(resumed) == 6 and len(set(resumed)) == 1 and resumed[0] >= 30
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["updates"] == 6 * 22  # 1437 samples // (2 clusters x 32) per epoch
+    assert summary["val_metric"] >= 0.95
