@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from ravnest import WorkerFailed, parse_job, run_job
 from ravnest.examples.digits import build_model, datasets
 from ravnest.fusing import fuse_stage_files
@@ -140,3 +139,10 @@ def test_bad_job_gives_one_clear_error_and_starts_nothing(tmp_path, digits_doc, 
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert not out.exists()
+
+
+def test_sorter_transformer_example_learns_to_sort(tmp_path):
+    doc = yaml.safe_load((ROOT / "examples" / "sorter.yaml").read_text())
+    doc["spec"]["training"]["epochs"] = 3
+    summary = run_job(parse_job(doc), tmp_path, progress=False)
+    assert summary["fused_val_metric"] >= 0.95

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from models import SkipNet
-
 from ravnest.errors import PlanError
 from ravnest.partitioning import OUTPUT, build_stage, profile
 from ravnest.planning import ProviderInfo, Workload, make_plan
@@ -26,7 +27,7 @@ def split():
     names = [layer.name for layer in prof.layers]
     # stage 0: fc1, bn, relu | stage 1: fc2 .. tanh | stage 2: add, out
     bounds = [0, names.index("fc2"), names.index("add"), len(names)]
-    stages = [build_stage(gm, a, b) for a, b in zip(bounds, bounds[1:])]
+    stages = [build_stage(gm, a, b) for a, b in itertools.pairwise(bounds)]
     return model, stages, prof
 
 
@@ -44,7 +45,7 @@ def test_planner_splits_within_memory_and_covers_every_layer(split):
     nodes = plan.cluster_nodes(0)
     assert [n.role for n in nodes] == ["root", "stem", "leaf"]
     assert nodes[0].start == 0 and nodes[-1].end == len(prof.layers)
-    assert all(a.end == b.start for a, b in zip(nodes, nodes[1:]))
+    assert all(a.end == b.start for a, b in itertools.pairwise(nodes))
     assert sorted(s for n in nodes for s in n.state) == sorted(prof.state_names)
 
 
@@ -63,7 +64,7 @@ def test_split_equals_full_model(split, train):
 
 
 def test_eval_switches_dropout_and_batchnorm(split):
-    model, stages, _ = split
+    _, stages, _ = split
     x = torch.randn(8, 16)
     for st in stages:
         st.eval()
@@ -139,5 +140,5 @@ def test_untraceable_model_names_the_problem():
                 return x
             return -x
 
-    with pytest.raises(PlanError, match="cannot be traced by torch.fx"):
+    with pytest.raises(PlanError, match=r"cannot be traced by torch\.fx"):
         profile(Branchy(), [torch.randn(2)])

@@ -93,7 +93,8 @@ def encode(frame: Frame, compression: str = "none",
             name=name, dtype=NAMES[tensor.dtype], shape=list(tensor.shape),
             wire_dtype="" if wire.dtype == tensor.dtype else NAMES[wire.dtype], offset=offset,
         ))
-        raw = wire.reshape(-1).view(torch.uint8) if wire.numel() else torch.empty(0, dtype=torch.uint8)
+        raw = (wire.reshape(-1).view(torch.uint8) if wire.numel()
+               else torch.empty(0, dtype=torch.uint8))
         views.append((offset, raw))
         offset = _aligned(offset + raw.numel())
     header = pb.FrameHeader(
@@ -132,8 +133,8 @@ def _chunks(header: pb.FrameHeader, views: list[tuple[int, torch.Tensor]], total
     if total > position:
         pending.append(bytes(total - position))
     if first or pending:
-        data = b"".join(pending)
-        yield pb.Chunk(header=header, data=data) if first else pb.Chunk(data=data)
+        tail = b"".join(pending)
+        yield pb.Chunk(header=header, data=tail) if first else pb.Chunk(data=tail)
 
 
 def _check_header(header: pb.FrameHeader, max_frame_bytes: int) -> None:
@@ -142,7 +143,8 @@ def _check_header(header: pb.FrameHeader, max_frame_bytes: int) -> None:
         raise FrameError(f"frame of {total} bytes refused (limit {max_frame_bytes} bytes)")
     for meta in header.tensors:
         if meta.dtype not in DTYPES or (meta.wire_dtype and meta.wire_dtype not in DTYPES):
-            raise FrameError(f"tensor {meta.name!r}: unknown dtype {meta.dtype!r}/{meta.wire_dtype!r}")
+            raise FrameError(f"tensor {meta.name!r}: unknown dtype "
+                             f"{meta.dtype!r}/{meta.wire_dtype!r}")
         if len(meta.shape) > MAX_DIMS or any(d < 0 for d in meta.shape):
             raise FrameError(f"tensor {meta.name!r}: invalid shape {list(meta.shape)}")
         numel = 1

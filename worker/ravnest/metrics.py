@@ -59,7 +59,8 @@ class WorkerMetrics:
         self.finished = gauge("ravnest_finished", "1 once this node finished training.")
         self.checkpoint_step = gauge("ravnest_checkpoint_step", "Step of the last checkpoint.")
         self.step_seconds = hist("ravnest_step_duration_seconds", "Time between optimizer updates.")
-        self.forward_seconds = hist("ravnest_forward_duration_seconds", "Forward pass of a microbatch.")
+        self.forward_seconds = hist("ravnest_forward_duration_seconds",
+                                    "Forward pass of a microbatch.")
         self.backward_seconds = hist("ravnest_backward_duration_seconds",
                                      "Backward pass of a microbatch.")
         self.allreduce_seconds = hist("ravnest_allreduce_duration_seconds",

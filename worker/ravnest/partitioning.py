@@ -79,7 +79,7 @@ def _owned_state(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, torch.Ten
     """(qualified name, tensor, is_parameter) for the state a node owns."""
     if node.op == "call_module":
         mod = gm.get_submodule(str(node.target))
-        out = [(f"{node.target}.{n}", p, True) for n, p in mod.named_parameters()]
+        out: list[tuple[str, torch.Tensor, bool]] = [(f"{node.target}.{n}", p, True) for n, p in mod.named_parameters()]
         out += [(f"{node.target}.{n}", b, False) for n, b in mod.named_buffers()]
         return out
     if node.op == "get_attr":
@@ -119,7 +119,8 @@ class _Profiler(fx.Interpreter):
         return result
 
 
-def profile(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> tuple[fx.GraphModule, Profile]:
+def profile(model: nn.Module,
+            example_inputs: Sequence[torch.Tensor]) -> tuple[fx.GraphModule, Profile]:
     """Trace and profile a model on an example input."""
     gm = trace(model)
     was_training = model.training

@@ -172,7 +172,8 @@ class Plan:
         lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
                  for row in [head, *rows]]
         lines.append(
-            f"{len(self.clusters)} cluster(s), {len(self.nodes)} node(s), {len(self.rings)} ring(s); "
+            f"{len(self.clusters)} cluster(s), {len(self.nodes)} node(s), "
+            f"{len(self.rings)} ring(s); "
             f"model {_human(self.model_bytes)} parameters, {_human(self.memory_bytes)} to train; "
             f"estimated {self.samples_per_second:,.0f} samples/s; plan {self.fingerprint}")
         return "\n".join(lines)

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 from torch.func import functional_call
 
 from . import checkpointing
@@ -130,7 +129,8 @@ class NodeRuntime:
         self.down = peers[down] if down else None
         self.params = dict(stage.named_parameters())
         self.reducers = [
-            (RingReducer(r, name, peers, inbox, settings.reduce_timeout), self._ring_tensors(r.state))
+            (RingReducer(r, name, peers, inbox, settings.reduce_timeout),
+             self._ring_tensors(r.state))
             for r in plan.rings_of(name)
         ]
         self.updates = 0

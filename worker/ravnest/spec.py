@@ -43,7 +43,7 @@ def parse_gigabytes(value: Any) -> float:
     node_configs.json, a string may carry a Kubernetes suffix (``512Mi``, ``8Gi``, ``2G``)."""
     if isinstance(value, int | float) and not isinstance(value, bool):
         try:
-            number, scale = float(value), 2**30
+            number, scale = float(value), float(2**30)
         except OverflowError:
             raise ValueError("must be a positive quantity in GB, got a number too large to use"
                              ) from None
@@ -51,7 +51,7 @@ def parse_gigabytes(value: Any) -> float:
         number = float(m.group(1))
         suffix = m.group(2)
         if not suffix:
-            scale = 2**30
+            scale = float(2**30)
         elif suffix in _BINARY:
             scale = _BINARY[suffix]
         elif suffix in _DECIMAL:

@@ -39,7 +39,8 @@ def build_model(width: int = 16, dropout: float = 0.1) -> nn.Module:
     return DigitsCNN(width=width, dropout=dropout)
 
 
-def datasets(validation_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+def datasets(validation_fraction: float = 0.2,
+             seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     """Train/validation split of the digits, scaled to [0, 1], shaped (N, 1, 8, 8)."""
     from sklearn.datasets import load_digits
 

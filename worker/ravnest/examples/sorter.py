@@ -59,7 +59,8 @@ def build_model(vocab: int = 3, length: int = 6, dim: int = 48, layers: int = 2,
 
 def datasets(n_train: int = 4000, n_val: int = 500, vocab: int = 3, length: int = 6,
              seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
-    """Input: the digits then the sorted prefix; target: ignore (-100) on the prompt, then sorted."""
+    """Input: the digits then the sorted prefix; target: -100 (ignored) on the prompt, then the
+    sorted digits."""
 
     def make(n: int, gen: torch.Generator) -> TensorDataset:
         seq = torch.randint(vocab, (n, length), generator=gen)
