@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+
 from ravnest import WorkerFailed, parse_job, run_job
 from ravnest.examples.digits import build_model, datasets
 from ravnest.fusing import fuse_stage_files
@@ -61,14 +62,27 @@ def test_async_schedule_trains_digits(tmp_path, digits_doc):
     assert accuracy_of(torch.load(tmp_path / "model.pt", weights_only=True)) >= 0.95
 
 
-def test_one_cluster_of_seven_stages(tmp_path, digits_doc):
+def test_one_cluster_of_seven_stages_with_bf16_on_the_wire(tmp_path, digits_doc):
     digits_doc["spec"]["plan"] = {"clusters": 1}
     digits_doc["spec"]["providers"] = [{"ram": 2, "bandwidth": 1000, "replicas": 7}]
-    digits_doc["spec"]["training"]["epochs"] = 3
+    _digits(digits_doc, epochs=3, compression="bf16")
     summary = run_job(parse_job(digits_doc), tmp_path, progress=False)
     plan = (tmp_path / "plan.txt").read_text()
     assert plan.count(" stem ") == 5
     assert summary["val_metric"] >= 0.9
+
+
+def test_torchscript_model_trains_data_parallel(tmp_path, digits_doc):
+    script = tmp_path / "digits_scripted.pt"
+    torch.jit.save(torch.jit.script(build_model()), script)
+    digits_doc["spec"]["model"] = {"torchscript": str(script),
+                                   "exampleInput": {"shape": [32, 1, 8, 8]}}
+    digits_doc["spec"]["plan"] = {}
+    digits_doc["spec"]["providers"] = [{"ram": 2, "bandwidth": 1000, "replicas": 2}]
+    _digits(digits_doc, epochs=3)
+    summary = run_job(parse_job(digits_doc), tmp_path / "out", progress=False)
+    assert summary["clusters"] == 2 and summary["nodes"] == 2
+    assert accuracy_of(torch.load(tmp_path / "out" / "model.pt", weights_only=True)) >= 0.9
 
 
 def test_clusters_of_one_provider_all_join_the_final_reduce(tmp_path, digits_doc):

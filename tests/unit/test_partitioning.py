@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 from models import SkipNet
+
 from ravnest.errors import PlanError
 from ravnest.partitioning import OUTPUT, build_stage, profile
 from ravnest.planning import ProviderInfo, Workload, make_plan

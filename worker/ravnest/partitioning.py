@@ -79,7 +79,8 @@ def _owned_state(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, torch.Ten
     """(qualified name, tensor, is_parameter) for the state a node owns."""
     if node.op == "call_module":
         mod = gm.get_submodule(str(node.target))
-        out: list[tuple[str, torch.Tensor, bool]] = [(f"{node.target}.{n}", p, True) for n, p in mod.named_parameters()]
+        out: list[tuple[str, torch.Tensor, bool]] = [
+            (f"{node.target}.{n}", p, True) for n, p in mod.named_parameters()]
         out += [(f"{node.target}.{n}", b, False) for n, b in mod.named_buffers()]
         return out
     if node.op == "get_attr":
@@ -120,8 +121,13 @@ class _Profiler(fx.Interpreter):
 
 
 def profile(model: nn.Module,
-            example_inputs: Sequence[torch.Tensor]) -> tuple[fx.GraphModule, Profile]:
-    """Trace and profile a model on an example input."""
+            example_inputs: Sequence[torch.Tensor]) -> tuple[nn.Module, Profile]:
+    """Trace and profile a model on an example input.
+
+    A TorchScript model cannot be traced by torch.fx: it is profiled as one indivisible layer, so
+    it trains data-parallel (one stage per cluster)."""
+    if isinstance(model, torch.jit.ScriptModule):
+        return model, _profile_scripted(model, example_inputs)
     gm = trace(model)
     was_training = model.training
     model.eval()
@@ -182,19 +188,45 @@ def _crossing(nodes: list[fx.Node], order: dict[str, int], i: int) -> list[str]:
     return out
 
 
+def _profile_scripted(model: torch.jit.ScriptModule,
+                      example_inputs: Sequence[torch.Tensor]) -> Profile:
+    counter = FlopCounterMode(display=False)
+    try:
+        with torch.no_grad(), counter:
+            out = model(*example_inputs)
+    except Exception as e:
+        raise PlanError(f"TorchScript model failed on the example input: {e}") from e
+    params = list(model.named_parameters())
+    buffers = list(model.named_buffers())
+    layer = Layer(name="torchscript", op="call_module", target="",
+                  state=tuple(model.state_dict().keys()),
+                  params=sum(p.numel() for _, p in params),
+                  param_bytes=sum(_nbytes(p) for _, p in params),
+                  buffer_bytes=sum(_nbytes(b) for _, b in buffers),
+                  flops=int(counter.get_total_flops()), out_bytes=_nbytes(out))
+    batch = int(example_inputs[0].shape[0]) if example_inputs and example_inputs[0].dim() else 1
+    return Profile(layers=(layer,), inputs=tuple(f"input_{i}" for i in range(len(example_inputs))),
+                   cut_ok=(False,), cut_bytes=(0,), example_batch=max(batch, 1),
+                   state_names=tuple(model.state_dict().keys()))
+
+
 class Stage(nn.Module):
     """Layers [start, end) of a traced model as a module: named tensors in, named tensors out."""
 
-    def __init__(self, gm: fx.GraphModule, input_names: tuple[str, ...],
-                 output_names: tuple[str, ...], is_last: bool) -> None:
+    def __init__(self, gm: nn.Module, input_names: tuple[str, ...],
+                 output_names: tuple[str, ...], is_last: bool, whole: bool = False) -> None:
         super().__init__()
         self.graph_module = gm
         self.input_names = input_names
         self.output_names = output_names
         self.is_last = is_last
+        self.whole = whole
+        """The module is a whole (TorchScript) model returning its output, not a tuple."""
 
     def forward(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         out = self.graph_module(*(inputs[n] for n in self.input_names))
+        if self.whole:
+            return {OUTPUT: out}
         return dict(zip(self.output_names, out, strict=True))
 
     def stage_state_dict(self) -> dict[str, torch.Tensor]:
@@ -205,8 +237,14 @@ class Stage(nn.Module):
 OUTPUT = "__output__"
 
 
-def build_stage(gm: fx.GraphModule, start: int, end: int) -> Stage:
+def build_stage(gm: nn.Module, start: int, end: int) -> Stage:
     """Rebuild layers [start, end) of a traced model as a Stage sharing the original modules."""
+    if isinstance(gm, torch.jit.ScriptModule):
+        if (start, end) != (0, 1):
+            raise PlanError("a TorchScript model is one layer: it cannot be split into stages")
+        n_inputs = len(list(gm.graph.inputs())) - 1
+        return Stage(gm, tuple(f"input_{i}" for i in range(n_inputs)), (OUTPUT,), True, whole=True)
+    assert isinstance(gm, fx.GraphModule)
     nodes = list(gm.graph.nodes)
     compute = [n for n in nodes if n.op in _COMPUTE_OPS]
     inputs = [n.name for n in nodes if n.op == "placeholder"]
