@@ -124,7 +124,8 @@ def test_worker_failure_is_reported_and_nothing_is_left_running(tmp_path, digits
 
 BAD = [
     ("providers[0].ram", -1, "spec.providers[0].ram: must be a positive quantity, got -1"),
-    ("training.optimizer.name", "Adamm", "spec.training.optimizer: unknown optimizer 'Adamm'"),
+    ("training.optimizer.name", "Adamm",
+     "spec.training.optimizer.name: must be a torch.optim optimizer such as 'Adam', got 'Adamm'"),
     ("model.entrypoint", "no_such_module:build",
      "spec.model.entrypoint: cannot import module 'no_such_module'"),
     ("providers", [{"ram": "1Ki", "replicas": 2}],

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .errors import TransportError
-from .framing import Frame
+from .framing import COMPRESSIONS, Frame
 from .planning import RingPlan
 from .transport import Inbox, Peer
 
@@ -24,9 +24,19 @@ FINAL_ROUND = 2**40
 
 
 def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One float32 copy of all tensors, back to back (the ring works on the copy)."""
     if not tensors:
         return torch.empty(0)
     return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+
+
+def _round_like_wire(seg: torch.Tensor, wire: torch.dtype | None) -> None:
+    """Round a segment the way the wire will, so its owner keeps what the others receive."""
+    if wire is None:
+        return
+    if wire == torch.float16 and seg.numel() and seg.abs().max().item() > 65504.0:
+        return  # framing sends such a tensor uncompressed
+    seg.copy_(seg.to(wire))
 
 
 def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
@@ -45,7 +55,7 @@ class RingReducer:
     """One node's part in one ring."""
 
     def __init__(self, ring: RingPlan, me: str, peers: dict[str, Peer], inbox: Inbox,
-                 timeout: float, sender: str = "") -> None:
+                 timeout: float, sender: str = "", compression: str = "none") -> None:
         self.ring = ring
         self.rank = ring.members.index(me)
         self.size = len(ring.members)
@@ -53,6 +63,7 @@ class RingReducer:
         self._inbox = inbox
         self._timeout = timeout
         self._sender = sender or me
+        self._wire = COMPRESSIONS[compression]
 
     def average(self, tensors: Sequence[torch.Tensor], round_: int) -> bool:
         """Average `tensors` in place with the other members; False if the round was skipped."""
@@ -76,7 +87,9 @@ class RingReducer:
             send, recv = (r - s) % n, (r - s - 1) % n
             self._post("reduce", segs[send], round_, s)
             segs[recv].add_(self._take(round_, s, segs[recv]))
-        segs[(r + 1) % n].div_(n)
+        owned = segs[(r + 1) % n]
+        owned.div_(n)
+        _round_like_wire(owned, self._wire)
         for s in range(n - 1):
             send, recv = (r + 1 - s) % n, (r - s) % n
             self._post("gather", segs[send], round_, n - 1 + s)

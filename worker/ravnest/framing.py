@@ -42,6 +42,9 @@ NAMES = {v: k for k, v in DTYPES.items()}
 COMPRESSIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_DIMS = 16
 _FP16_MAX = 65504.0
+_MAX_EXTENT = 1 << 62
+"""Bound on the product of a shape's non-zero dims: an empty tensor (some dim 0) has no payload,
+but torch still cannot lay out dims whose product overflows int64."""
 
 
 class FrameError(TransportError):
@@ -60,6 +63,8 @@ class Frame:
     ring: str = ""
     sender: str = ""
     control: dict[str, Any] = field(default_factory=dict)
+    wire_bytes: int = 0
+    """Payload bytes this frame took on the wire (set when decoded)."""
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -105,33 +110,35 @@ def encode(frame: Frame, compression: str = "none",
     yield from _chunks(header, views, offset, chunk_bytes)
 
 
+def _segments(views: list[tuple[int, torch.Tensor]], total: int) -> Iterator[memoryview]:
+    """The payload in order: each tensor's bytes, with the zero padding that aligns the next."""
+    position = 0
+    for offset, raw in views:
+        if offset > position:
+            yield memoryview(bytes(offset - position))
+        yield raw.numpy().data
+        position = offset + raw.numel()
+    if total > position:
+        yield memoryview(bytes(total - position))
+
+
 def _chunks(header: pb.FrameHeader, views: list[tuple[int, torch.Tensor]], total: int,
             chunk_bytes: int) -> Iterator[pb.Chunk]:
     first = True
     pending: list[bytes] = []
     pending_len = 0
-    position = 0
-    for offset, raw in views:
-        if offset > position:
-            pad = offset - position
-            pending.append(bytes(pad))
-            pending_len += pad
-            position = offset
-        data = raw.numpy()
+    for data in _segments(views, total):
         start = 0
         while start < len(data):
             take = min(chunk_bytes - pending_len, len(data) - start)
             pending.append(data[start:start + take].tobytes())
             pending_len += take
             start += take
-            position += take
             if pending_len == chunk_bytes:
                 yield pb.Chunk(header=header, data=b"".join(pending)) if first else pb.Chunk(
                     data=b"".join(pending))
                 first = False
                 pending, pending_len = [], 0
-    if total > position:
-        pending.append(bytes(total - position))
     if first or pending:
         tail = b"".join(pending)
         yield pb.Chunk(header=header, data=tail) if first else pb.Chunk(data=tail)
@@ -147,11 +154,12 @@ def _check_header(header: pb.FrameHeader, max_frame_bytes: int) -> None:
                              f"{meta.dtype!r}/{meta.wire_dtype!r}")
         if len(meta.shape) > MAX_DIMS or any(d < 0 for d in meta.shape):
             raise FrameError(f"tensor {meta.name!r}: invalid shape {list(meta.shape)}")
-        numel = 1
+        numel = extent = 1
         for d in meta.shape:
             numel *= d
-            if numel > total:
-                break
+            extent *= max(d, 1)
+            if extent > _MAX_EXTENT:
+                raise FrameError(f"tensor {meta.name!r}: invalid shape {list(meta.shape)}")
         wire = DTYPES[meta.wire_dtype or meta.dtype]
         size = numel * torch.empty(0, dtype=wire).element_size()
         if meta.offset < 0 or meta.offset % ALIGN or meta.offset + size > total:
@@ -171,10 +179,11 @@ def decode(chunks: Iterator[pb.Chunk], max_frame_bytes: int = DEFAULT_MAX_FRAME_
     view = buffer.numpy()
     position = 0
     for chunk in _with_first(first, chunks):
-        n = len(chunk.data)
+        data = chunk.data  # each attribute read copies the bytes: read once
+        n = len(data)
         if position + n > total:
             raise FrameError(f"frame payload exceeds its declared {total} bytes")
-        view[position:position + n] = memoryview(chunk.data)
+        view[position:position + n] = memoryview(data)
         position += n
     if position != total:
         raise FrameError(f"frame payload truncated: {position} of {total} bytes")
@@ -207,4 +216,4 @@ def _frame(header: pb.FrameHeader, buffer: torch.Tensor) -> Frame:
         raise FrameError("frame control must be a JSON object")
     return Frame(kind=header.kind, tensors=tensors, step=header.step, microbatch=header.microbatch,
                  version=header.version, ring=header.ring, sender=header.sender,
-                 control=dict(control))
+                 control=dict(control), wire_bytes=header.payload_bytes)

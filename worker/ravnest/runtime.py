@@ -63,6 +63,7 @@ class Settings:
     reduce_timeout: float = 30.0
     peer_timeout: float = 300.0
     metric: str = "accuracy"
+    compression: str = "none"
     scheduler_step_on: str = "epoch"
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
@@ -129,7 +130,8 @@ class NodeRuntime:
         self.down = peers[down] if down else None
         self.params = dict(stage.named_parameters())
         self.reducers = [
-            (RingReducer(r, name, peers, inbox, settings.reduce_timeout),
+            (RingReducer(r, name, peers, inbox, settings.reduce_timeout,
+                         compression=settings.compression),
              self._ring_tensors(r.state))
             for r in plan.rings_of(name)
         ]

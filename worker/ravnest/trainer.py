@@ -71,6 +71,7 @@ class Trainer:
             epochs=self.epochs, batch_size=self.batch_size, microbatches=node.microbatches,
             update_frequency=node.update_frequency, reduce_factor=node.reduce_factor or 2**62,
             average_optimizer=node.average_optim, validation_frequency=self.val_freq,
+            compression=node.compression,
             scheduler_step_on="epoch" if node.lr_step_on_epoch_change else "step",
             metric="accuracy" if self.val_loader is not None or not node.me.is_root else "none")
         rt = NodeRuntime(node.name, node.plan, node.stage, settings, node.optimizer,

@@ -94,10 +94,9 @@ class _Servicer(pb_grpc.PeerServicer):
             self._deliver(frame)
         except (KeyError, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"frame rejected: {e}")
-        n = frame.nbytes()
         if self._on_bytes:
-            self._on_bytes(frame.kind, n)
-        return pb.Ack(received_bytes=n)
+            self._on_bytes(frame.kind, frame.wire_bytes)
+        return pb.Ack(received_bytes=frame.wire_bytes)
 
 
 class Server:
@@ -152,8 +151,8 @@ class Peer:
         """Send now, in the caller's thread; raise TransportError on failure."""
         chunks = encode(frame, self._compression if compression is None else compression)
         try:
-            self._stub.Send(chunks, metadata=self._metadata, timeout=self._timeout,
-                            wait_for_ready=True)
+            ack = self._stub.Send(chunks, metadata=self._metadata, timeout=self._timeout,
+                                  wait_for_ready=True)
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -162,7 +161,7 @@ class Peer:
             details = e.details() if hasattr(e, "details") else str(e)
             raise TransportError(f"peer {self.address}: {code}: {details}") from e
         if self._on_bytes:
-            self._on_bytes(frame.kind, frame.nbytes())
+            self._on_bytes(frame.kind, ack.received_bytes)
 
     def post(self, frame: Frame) -> None:
         """Queue a frame for the sender thread (in order); errors surface on the next call."""

@@ -82,7 +82,7 @@ def settings_from(spec: JobSpec, checkpoint_dir: str | None) -> Settings:
         average_optimizer=t.average_optimizer, schedule=t.schedule, max_in_flight=t.max_in_flight,
         validation_frequency=t.validation_frequency, validation_smoothing=t.validation_smoothing,
         clip_norm=t.gradient_clipping.max_norm if t.gradient_clipping else None,
-        reduce_timeout=t.reduce_timeout_seconds, metric=t.metric,
+        reduce_timeout=t.reduce_timeout_seconds, metric=t.metric, compression=t.compression,
         scheduler_step_on=t.lr_scheduler.step_on if t.lr_scheduler else "epoch",
         checkpoint_dir=checkpoint_dir, checkpoint_every=c.every_steps, checkpoint_keep=c.keep)
 
