@@ -1,0 +1,245 @@
+"""Ring all-reduce: our RingReducer over gRPC versus torch.distributed gloo, side by side.
+
+Why it exists: clusters average their parameters with `RingReducer.average` (reduce-scatter then
+all-gather over our transport). This measures its bus bandwidth against gloo's all_reduce on the
+same tensors, in the same rank processes, in the same run, and checks that the result is the mean:
+the max abs error against the float64 mean of all ranks' inputs is printed for ours in fp32, ours
+with bf16 on the wire (Peer compression="bf16"), and gloo.
+
+Each rank is a spawned process with a Server + Inbox on a free 127.0.0.1 port and one Peer per
+compression to its ring successor, all with the same Credentials; gloo's process group (tcp://
+127.0.0.1) is also used for the barriers that line the ranks up before every timed call.
+What is timed:
+- ours: one `RingReducer.average([flat], round)` call (flatten copy, ring, write-back);
+- gloo: one `all_reduce(SUM)` of the input pre-scaled by 1/n outside the timer (that yields the
+  mean without a timed division).
+A repeat's time is the slowest rank's; the median over repeats is reported, after a warmup.
+Bus bandwidth = 2 (n - 1) / n * bytes / time (GB = 1e9 bytes).
+
+    python bench/allreduce.py [--ranks 2 4] [--sizes 64 16] [--repeats 5] [--warmup 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import queue
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ravnest.allreducing import RingReducer
+from ravnest.planning import RingPlan
+from ravnest.transport import Credentials, Inbox, Peer, Server
+
+log = logging.getLogger("bench.allreduce")
+
+MIB = 1 << 20
+CREDS = Credentials(token="bench-token", fingerprint="bench-plan")
+VARIANTS = ("ours", "ours_bf16", "gloo")
+RING_TIMEOUT = 300.0
+
+
+def _emit(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _inputs(rank: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 + rank))
+
+
+def _exact_mean(world: int, numel: int) -> torch.Tensor:
+    total = torch.zeros(numel, dtype=torch.float64)
+    for r in range(world):
+        total += _inputs(r, numel)
+    return total.div_(world)
+
+
+def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int, warmup: int,
+          results: Any) -> None:
+    """One rank: set up both transports, then time every variant for every size."""
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(message)s")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=RING_TIMEOUT))
+    inbox = Inbox()
+    server = Server("127.0.0.1:0", CREDS, inbox.deliver)
+    server.start()
+    ports: list[int] = [0] * world
+    dist.all_gather_object(ports, server.port)
+    members = tuple(f"r{i}" for i in range(world))
+    ring = RingPlan(id="bench", members=members, state=())
+    succ = members[(rank + 1) % world]
+    address = f"127.0.0.1:{ports[(rank + 1) % world]}"
+    peers = {c: Peer(address, CREDS, compression=c) for c in ("none", "bf16")}
+    for peer in peers.values():
+        peer.wait_ready(60)
+    reducers = {c: RingReducer(ring, members[rank], {succ: p}, inbox, RING_TIMEOUT)
+                for c, p in peers.items()}
+    round_ = 0
+    try:
+        for size in sizes:
+            numel = size // 4
+            source = _inputs(rank, numel)
+            scaled = source / world
+            work = torch.empty_like(source)
+
+            def ours(compression: str, work: torch.Tensor = work,
+                     source: torch.Tensor = source) -> Callable[[], float]:
+                def prepare() -> None:
+                    work.copy_(source)
+
+                def call() -> None:
+                    nonlocal round_
+                    round_ += 1
+                    if not reducers[compression].average([work], round_):
+                        raise RuntimeError(f"rank {rank}: ring round {round_} was skipped")
+
+                return _pair(prepare, call)
+
+            def gloo(work: torch.Tensor = work,
+                     scaled: torch.Tensor = scaled) -> Callable[[], float]:
+                return _pair(lambda: work.copy_(scaled), lambda: dist.all_reduce(work))
+
+            variants = {"ours": ours("none"), "ours_bf16": ours("bf16"), "gloo": gloo()}
+            times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            for i in range(warmup + repeats):
+                order = VARIANTS if i % 2 == 0 else tuple(reversed(VARIANTS))
+                for name in order:
+                    seconds = variants[name]()
+                    if i >= warmup:
+                        times[name].append(seconds)
+            errors, spread = {}, {}
+            exact = _exact_mean(world, numel)
+            for name in VARIANTS:
+                variants[name]()
+                errors[name] = (work.double() - exact).abs().max().item()
+                reference = work.clone()
+                dist.broadcast(reference, 0)
+                spread[name] = (work - reference).abs().max().item()
+            del exact
+            results.put((rank, size, times, errors, spread))
+    finally:
+        for peer in peers.values():
+            peer.close()
+        server.stop(0)
+        dist.destroy_process_group()
+
+
+def _pair(prepare: Callable[[], object], call: Callable[[], object]) -> Callable[[], float]:
+    """A timed variant: prepare the input, line the ranks up, time the call alone."""
+    def run() -> float:
+        prepare()
+        dist.barrier()
+        start = time.perf_counter()
+        call()
+        return time.perf_counter() - start
+
+    return run
+
+
+def _run_world(world: int, sizes: list[int], repeats: int,
+               warmup: int) -> dict[int, dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    store_port = _free_port()
+    procs = [ctx.Process(target=_rank, name=f"rank{r}",
+                         args=(r, world, store_port, sizes, repeats, warmup, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    collected: dict[int, dict[str, Any]] = {s: {"times": [], "errors": [], "spread": []}
+                                            for s in sizes}
+    try:
+        for _ in range(world * len(sizes)):
+            while True:
+                try:
+                    rank, size, times, errors, spread = results.get(timeout=5)
+                    break
+                except queue.Empty:
+                    dead = [p for p in procs if p.exitcode not in (None, 0)]
+                    if dead:
+                        raise RuntimeError(
+                            f"{dead[0].name} exited with {dead[0].exitcode}") from None
+            log.info("%d ranks, %d MiB, rank %d: %s", world, size // MIB, rank, times)
+            entry = collected[size]
+            entry["times"].append(times)
+            entry["errors"].append(errors)
+            entry["spread"].append(spread)
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+    return collected
+
+
+def _summary(world: int, size: int, entry: dict[str, Any]) -> dict[str, float]:
+    """Per variant: median over repeats of the slowest rank's time, worst error and spread."""
+    out: dict[str, float] = {}
+    for name in VARIANTS:
+        per_repeat = zip(*(t[name] for t in entry["times"]), strict=True)
+        seconds = statistics.median(max(r) for r in per_repeat)
+        out[f"{name}_s"] = seconds
+        out[f"{name}_bus"] = 2 * (world - 1) / world * size / seconds / 1e9
+        out[f"{name}_err"] = max(e[name] for e in entry["errors"])
+        out[f"{name}_spread"] = max(s[name] for s in entry["spread"])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 16],
+                        help="float32 MiB per rank")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every rank's times")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+    sizes = [s * MIB for s in args.sizes]
+    rows: list[tuple[int, int, dict[str, float]]] = []
+    for world in args.ranks:
+        collected = _run_world(world, sizes, args.repeats, args.warmup)
+        rows.extend((world, s, _summary(world, s, collected[s])) for s in sizes)
+
+    _emit(f"Ring all-reduce on 127.0.0.1, one process per rank; median of {args.repeats} "
+          f"(slowest rank); bus GB/s = 2(n-1)/n * bytes / time")
+    _emit(f"{'ranks':>5} {'size':>7} {'ours ms':>8} {'gloo ms':>8} {'ours bus':>9} "
+          f"{'gloo bus':>9} {'ours/gloo':>9} {'ours max err':>13} {'gloo max err':>13}")
+    for world, size, s in rows:
+        _emit(f"{world:>5} {size // MIB:>4}MiB {s['ours_s'] * 1e3:>8.1f} {s['gloo_s'] * 1e3:>8.1f} "
+              f"{s['ours_bus']:>9.3f} {s['gloo_bus']:>9.3f} {s['gloo_s'] / s['ours_s']:>9.2f} "
+              f"{s['ours_err']:>13.2e} {s['gloo_err']:>13.2e}")
+    _emit()
+    _emit("bf16 on the wire (ours, Peer compression='bf16'); error against the exact fp32 mean; "
+          "spread = max |rank result - rank 0 result|")
+    _emit(f"{'ranks':>5} {'size':>7} {'bf16 ms':>8} {'bf16 bus':>9} {'vs ours fp32':>13} "
+          f"{'bf16 max err':>13} {'bf16 spread':>12} {'fp32 spread':>12}")
+    for world, size, s in rows:
+        _emit(f"{world:>5} {size // MIB:>4}MiB {s['ours_bf16_s'] * 1e3:>8.1f} "
+              f"{s['ours_bf16_bus']:>9.3f} {s['ours_s'] / s['ours_bf16_s']:>12.2f}x "
+              f"{s['ours_bf16_err']:>13.2e} {s['ours_bf16_spread']:>12.2e} "
+              f"{s['ours_spread']:>12.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Point-to-point throughput: one tensor through our transport versus a bare gRPC byte stream.
+
+Why it exists: every activation, gradient and ring piece travels as a `Frame` through
+`Peer.send` -> `Server`. This measures what that costs against the ceiling of Python gRPC on the
+same loopback in the same run: a client-streaming call of plain `bytes` in 1 MiB chunks with no
+protobuf (generic handlers, no serializers), whose server only counts the bytes.
+
+The servers live in a separate process (spawn), so client and server do not share a GIL.
+Both figures are taken alternately, repeat by repeat, after a warmup; the median is printed.
+A second table times the stages of our path in one process (encode, protobuf serialize, parse,
+decode) to show where the difference goes.
+
+    python bench/transfer.py [--sizes 1 16 64] [--repeats 5] [--warmup 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import torch
+
+from ravnest.framing import CHUNK_BYTES, Frame, decode, encode
+from ravnest.proto import ravnest_pb2 as pb
+from ravnest.transport import Credentials, Peer, Server
+
+log = logging.getLogger("bench.transfer")
+
+MIB = 1 << 20
+RAW_METHOD = "/bench.Raw/Sink"
+CREDS = Credentials(token="bench-token", fingerprint="bench-plan")
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 2 * CHUNK_BYTES),
+    ("grpc.max_receive_message_length", 2 * CHUNK_BYTES),
+]
+MIN_BYTES_PER_REPEAT = 32 * MIB
+"""Small tensors are sent several times per repeat so that one repeat moves at least this much."""
+
+
+def _emit(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def _raw_sink(request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+    n = 0
+    for chunk in request_iterator:
+        n += len(chunk)
+    return n.to_bytes(8, "little")
+
+
+def _serve(ports: Any, stop: Any) -> None:
+    """Server process: our Server (deliver counts frames) and a raw bytes sink, until stopped."""
+    received = {"frames": 0, "bytes": 0}
+
+    def deliver(frame: Frame) -> None:
+        received["frames"] += 1
+        received["bytes"] += frame.nbytes()
+
+    ours = Server("127.0.0.1:0", CREDS, deliver)
+    raw = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=GRPC_OPTIONS)
+    raw.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "bench.Raw", {"Sink": grpc.stream_unary_rpc_method_handler(_raw_sink)}),))
+    raw_port = raw.add_insecure_port("127.0.0.1:0")
+    ours.start()
+    raw.start()
+    ports.put((ours.port, raw_port))
+    stop.wait()
+    raw.stop(0).wait()
+    ours.stop(0)
+
+
+def _raw_chunks(t: torch.Tensor) -> Iterator[bytes]:
+    data = t.reshape(-1).view(torch.uint8).numpy()
+    for start in range(0, len(data), CHUNK_BYTES):
+        yield data[start:start + CHUNK_BYTES].tobytes()
+
+
+def _timed(fn: Callable[[], None], times: int) -> float:
+    start = time.perf_counter()
+    for _ in range(times):
+        fn()
+    return (time.perf_counter() - start) / times
+
+
+def _measure(sizes: list[int], repeats: int, warmup: int) -> list[tuple[int, float, float]]:
+    ctx = mp.get_context("spawn")
+    ports, stop = ctx.Queue(), ctx.Event()
+    server = ctx.Process(target=_serve, args=(ports, stop), name="bench-server")
+    server.start()
+    try:
+        our_port, raw_port = ports.get(timeout=120)
+        peer = Peer(f"127.0.0.1:{our_port}", CREDS)
+        peer.wait_ready(60)
+        channel = grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=GRPC_OPTIONS)
+        sink = channel.stream_unary(RAW_METHOD)
+        rows: list[tuple[int, float, float]] = []
+        for size in sizes:
+            t = torch.randn(size // 4)
+            times = max(1, MIN_BYTES_PER_REPEAT // size)
+            frame = Frame(kind="forward", tensors={"x": t})
+
+            def ours(frame: Frame = frame) -> None:
+                peer.send(frame)
+
+            def raw(t: torch.Tensor = t) -> None:
+                got = int.from_bytes(sink(_raw_chunks(t), wait_for_ready=True), "little")
+                if got != t.numel() * 4:
+                    raise RuntimeError(f"raw sink got {got} bytes, sent {t.numel() * 4}")
+
+            for _ in range(warmup):
+                ours()
+                raw()
+            ours_s: list[float] = []
+            raw_s: list[float] = []
+            pair: list[tuple[Callable[[], None], list[float]]] = [(ours, ours_s), (raw, raw_s)]
+            for i in range(repeats):
+                for fn, out in pair if i % 2 == 0 else reversed(pair):
+                    out.append(_timed(fn, times))
+            log.info("%d MiB: ours %s s, raw %s s", size // MIB,
+                     [f"{s:.4f}" for s in ours_s], [f"{s:.4f}" for s in raw_s])
+            rows.append((size, statistics.median(ours_s), statistics.median(raw_s)))
+        peer.close()
+        channel.close()
+        return rows
+    finally:
+        stop.set()
+        server.join(timeout=30)
+        if server.is_alive():
+            server.terminate()
+
+
+def _stages(size: int, repeats: int) -> list[tuple[str, float]]:
+    """Median seconds of each step of our path, in one process, for one tensor of `size` bytes."""
+    t = torch.randn(size // 4)
+    frame = Frame(kind="forward", tensors={"x": t})
+    chunks = list(encode(frame))
+    blobs = [c.SerializeToString() for c in chunks]
+    parsed = [pb.Chunk.FromString(b) for b in blobs]
+    dst = torch.empty_like(t)
+    steps: list[tuple[str, Callable[[], object]]] = [
+        ("memcpy (tensor.copy_)", lambda: dst.copy_(t)),
+        ("raw: tensor -> 1 MiB bytes chunks", lambda: list(_raw_chunks(t))),
+        ("ours: encode (tensor -> pb.Chunk)", lambda: list(encode(frame))),
+        ("ours: pb.Chunk.SerializeToString", lambda: [c.SerializeToString() for c in chunks]),
+        ("ours: pb.Chunk.FromString", lambda: [pb.Chunk.FromString(b) for b in blobs]),
+        ("ours: decode (pb.Chunk -> tensor)", lambda: decode(iter(parsed))),
+    ]
+    out = []
+    for name, fn in steps:
+        fn()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        out.append((name, statistics.median(samples)))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 64],
+                        help="tensor sizes in MiB (float32)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every repeat")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(1)
+
+    rows = _measure([s * MIB for s in args.sizes], args.repeats, args.warmup)
+    _emit(f"Point-to-point, 127.0.0.1, server in another process; median of {args.repeats} "
+          f"(GB = 1e9 bytes)")
+    _emit(f"{'size':>8} {'ours ms':>9} {'raw ms':>9} {'ours GB/s':>10} {'raw GB/s':>9} "
+          f"{'ours/raw':>9}")
+    for size, ours_s, raw_s in rows:
+        _emit(f"{size // MIB:>5}MiB {ours_s * 1e3:>9.1f} {raw_s * 1e3:>9.1f} "
+              f"{size / ours_s / 1e9:>10.3f} {size / raw_s / 1e9:>9.3f} {raw_s / ours_s:>9.2f}")
+
+    size = max(args.sizes) * MIB
+    _emit()
+    _emit(f"Where our time goes: each step alone, one process, {size // MIB} MiB; "
+          f"median of {args.repeats}")
+    _emit(f"{'step':<36} {'ms':>8} {'GB/s':>8}")
+    for name, seconds in _stages(size, args.repeats):
+        _emit(f"{name:<36} {seconds * 1e3:>8.1f} {size / seconds / 1e9:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
