@@ -66,9 +66,9 @@ class _Proc:
     metrics_port: int
 
 
-def scrape(port: int, timeout: float = 1.0) -> dict[str, float]:
+def scrape(port: int, host: str = "127.0.0.1", timeout: float = 1.0) -> dict[str, float]:
     """Unlabelled view of a worker's metrics: sample name -> value (first sample wins)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as r:
         text = r.read().decode()
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -20,6 +20,7 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -256,7 +257,10 @@ class Provider(_Model):
     """One compute provider (or ``replicas`` identical ones), as in the seeds' node_configs.json."""
 
     name: str | None = Field(None, pattern=_NAME, max_length=40)
-    ram: float
+    ram: Annotated[float, WithJsonSchema({
+        "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "description": "Memory for training: GB as a number, or a quantity string such as "
+                       "'512Mi', '8Gi' or '0.5'."})]
     """Memory for training in GB (GiB); strings with a Kubernetes suffix are accepted."""
     bandwidth: float | None = Field(None, gt=0)
     """Network bandwidth in Mbps."""

@@ -184,7 +184,8 @@ class Worker:
         self.metrics_port = 0
 
     def run(self) -> None:
-        self.metrics_port = self.metrics.serve(self.meta.metrics_port)
+        host = self.meta.listen.rsplit(":", 1)[0]
+        self.metrics_port = self.metrics.serve(self.meta.metrics_port, addr=host)
         self.server.start()
         try:
             for peer in self.peers.values():
@@ -208,11 +209,26 @@ class Worker:
         torch.save({"cluster": self.me.cluster, "stage": self.me.stage,
                     "state": rt.stage.stage_state_dict(), "best": rt.best_state},
                    out / "stages" / f"{self.me.name}.pt")
+        result: dict[str, Any] = {"node": self.me.name, "updates": rt.updates,
+                                  "rounds_skipped": rt.rounds_skipped}
         if self.me.is_root:
             (out / "clusters").mkdir(parents=True, exist_ok=True)
-            summary = {"cluster": self.me.cluster, "updates": rt.updates, "samples": rt.samples,
-                       "best_step": rt.curve.best_step, "best_smoothed": rt.curve.best_smoothed,
-                       "val_loss": rt.curve.last_val_loss, "val_metric": rt.curve.last_val_metric,
-                       "rounds_skipped": rt.rounds_skipped, "curve": rt.curve.rows}
+            train_losses = [r["train_loss"] for r in rt.curve.rows if "train_loss" in r]
+            result.update({"cluster": self.me.cluster, "samples": rt.samples,
+                           "train_loss": train_losses[-1] if train_losses else None,
+                           "best_step": rt.curve.best_step,
+                           "best_smoothed": rt.curve.best_smoothed,
+                           "val_loss": rt.curve.last_val_loss,
+                           "val_metric": rt.curve.last_val_metric})
             (out / "clusters" / f"cluster_{self.me.cluster}.json").write_text(
-                json.dumps(summary, indent=1))
+                json.dumps({**result, "curve": rt.curve.rows}, indent=1))
+        _termination_message(result)
+
+
+def _termination_message(result: dict[str, Any]) -> None:
+    """Leave the final figures where Kubernetes reads a container's termination message."""
+    path = Path(os.environ.get("RAVNEST_TERMINATION_LOG", "/dev/termination-log"))
+    try:
+        path.write_text(json.dumps(result, separators=(",", ":"))[:4000])
+    except OSError:
+        log.debug("no termination log at %s", path)

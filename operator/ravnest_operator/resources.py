@@ -1,0 +1,202 @@
+"""Pure builders of the Kubernetes objects of a RavnestJob: spec + plan in, manifests out.
+
+Every object is labelled with the job (and node, role, cluster, stage where it applies) and owned
+by the RavnestJob, so deleting the job garbage-collects everything. Pods get a stable hostname
+under a headless Service, so each worker knows its peers' DNS names before any pod exists.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ravnest.planning import NodePlan, Plan
+from ravnest.spec import Job, Provider
+
+from .crds import GROUP, KIND, VERSION
+
+GRPC_PORT = 50051
+METRICS_PORT = 9400
+DATA_DIR = "/ravnest"
+METADATA_DIR = "/etc/ravnest"
+WORKER_UID = 10001
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The RavnestJob that owns the objects."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": self.name,
+                "uid": self.uid, "controller": True, "blockOwnerDeletion": True}
+
+
+def dns_label(node: str) -> str:
+    """`node_3` -> `node-3` (DNS labels have no underscores)."""
+    return node.replace("_", "-")
+
+
+def service_name(job: str) -> str:
+    return f"{job}-workers"
+
+
+def pod_name(job: str, node: str) -> str:
+    return f"{job}-{dns_label(node)}"
+
+
+def plan_configmap_name(job: str) -> str:
+    return f"{job}-plan"
+
+
+def token_secret_name(job: str) -> str:
+    return f"{job}-token"
+
+
+def address(owner: Owner, node: str) -> str:
+    return f"{dns_label(node)}.{service_name(owner.name)}.{owner.namespace}.svc:{GRPC_PORT}"
+
+
+def job_labels(job: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "ravnest", "app.kubernetes.io/component": "worker",
+            "app.kubernetes.io/managed-by": "ravnest-operator", "ravnest.io/job": job}
+
+
+def node_labels(job: str, node: NodePlan) -> dict[str, str]:
+    return {**job_labels(job), "ravnest.io/node": dns_label(node.name),
+            "ravnest.io/role": node.role, "ravnest.io/cluster": str(node.cluster),
+            "ravnest.io/stage": str(node.stage)}
+
+
+def _meta(owner: Owner, name: str, labels: dict[str, str],
+          annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": owner.namespace, "labels": labels,
+                            "ownerReferences": [owner.reference()]}
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+def service(owner: Owner) -> dict[str, Any]:
+    """Headless Service giving each worker pod a stable DNS name."""
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _meta(owner, service_name(owner.name), job_labels(owner.name)),
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                 "selector": {"ravnest.io/job": owner.name},
+                 "ports": [{"name": "grpc", "port": GRPC_PORT, "targetPort": GRPC_PORT},
+                           {"name": "metrics", "port": METRICS_PORT, "targetPort": METRICS_PORT}]},
+    }
+
+
+def token_secret(owner: Owner, token: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": _meta(owner, token_secret_name(owner.name), job_labels(owner.name)),
+        "data": {"token": base64.b64encode(token.encode()).decode()},
+    }
+
+
+def plan_configmap(owner: Owner, plan: Plan) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": _meta(owner, plan_configmap_name(owner.name), job_labels(owner.name),
+                          {"ravnest.io/plan": plan.fingerprint}),
+        "data": {"plan.json": plan.to_json(), "plan.txt": plan.table() + "\n"},
+    }
+
+
+def node_metadata(owner: Owner, job: Job, plan: Plan, node: str) -> dict[str, Any]:
+    """What `ravnest worker --metadata` reads (see ravnest.worker.NodeMetadata)."""
+    return {"apiVersion": "ravnest.io/v1alpha1", "kind": "RavnestNodeMetadata", "node": node,
+            "job": job.to_dict(), "plan": plan.to_dict(),
+            "addresses": {n: address(owner, n) for n in plan.names()},
+            "outputDir": DATA_DIR, "listen": f"0.0.0.0:{GRPC_PORT}",
+            "metricsPort": METRICS_PORT, "namespace": owner.namespace}
+
+
+def node_configmap(owner: Owner, job: Job, plan: Plan, node: NodePlan) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": _meta(owner, pod_name(owner.name, node.name), node_labels(owner.name, node),
+                          {"ravnest.io/plan": plan.fingerprint}),
+        "data": {"node.json": json.dumps(node_metadata(owner, job, plan, node.name),
+                                         sort_keys=True)},
+    }
+
+
+def _resources(provider: Provider) -> dict[str, Any]:
+    if provider.resources is not None:
+        return dict(provider.resources)
+    memory = f"{max(1, round(provider.ram * 1024))}Mi"
+    return {"requests": {"memory": memory, "cpu": f"{max(1, round(provider.compute * 1000))}m"},
+            "limits": {"memory": memory}}
+
+
+def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
+        attempt: int = 0) -> dict[str, Any]:
+    """The worker pod of one provider."""
+    provider = job.spec.expanded_providers()[node.provider]
+    annotations = {"ravnest.io/plan": plan.fingerprint, "ravnest.io/attempt": str(attempt)}
+    if provider.bandwidth is not None:
+        annotations["ravnest.io/bandwidth-mbps"] = f"{provider.bandwidth:g}"
+    data_volume: dict[str, Any] = {"name": "data"}
+    if job.spec.checkpoint.volume:
+        data_volume.update(job.spec.checkpoint.volume)
+    else:
+        data_volume["emptyDir"] = {}
+    spec: dict[str, Any] = {
+        "hostname": dns_label(node.name),
+        "subdomain": service_name(owner.name),
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": WORKER_UID,
+                            "runAsGroup": WORKER_UID, "fsGroup": WORKER_UID,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [{
+            "name": "worker",
+            "image": provider.image or job.spec.image or image,
+            "command": ["ravnest"],
+            "args": ["worker", "--metadata", f"{METADATA_DIR}/node.json"],
+            "env": [{"name": "RAVNEST_TOKEN", "valueFrom": {"secretKeyRef": {
+                        "name": token_secret_name(owner.name), "key": "token"}}},
+                    {"name": "RAVNEST_TORCH_THREADS",
+                     "value": str(max(1, round(provider.compute)))}],
+            "ports": [{"name": "grpc", "containerPort": GRPC_PORT},
+                      {"name": "metrics", "containerPort": METRICS_PORT}],
+            "readinessProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 2},
+            "resources": _resources(provider),
+            "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                "capabilities": {"drop": ["ALL"]}},
+            "volumeMounts": [{"name": "node-metadata", "mountPath": METADATA_DIR, "readOnly": True},
+                             {"name": "data", "mountPath": DATA_DIR},
+                             {"name": "tmp", "mountPath": "/tmp"}],
+        }],
+        "volumes": [{"name": "node-metadata",
+                     "configMap": {"name": pod_name(owner.name, node.name)}},
+                    data_volume, {"name": "tmp", "emptyDir": {}}],
+    }
+    if provider.node_selector:
+        spec["nodeSelector"] = dict(provider.node_selector)
+    if provider.tolerations:
+        spec["tolerations"] = list(provider.tolerations)
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": _meta(owner, pod_name(owner.name, node.name),
+                              node_labels(owner.name, node), annotations),
+            "spec": spec}
+
+
+def static_objects(owner: Owner, job: Job, plan: Plan, token: str) -> list[dict[str, Any]]:
+    """Everything but the pods: Service, Secret, plan ConfigMap, one ConfigMap per node."""
+    return [service(owner), token_secret(owner, token), plan_configmap(owner, plan),
+            *(node_configmap(owner, job, plan, n) for n in plan.nodes)]
+
+
+def pods(owner: Owner, job: Job, plan: Plan, image: str, attempt: int = 0) -> list[dict[str, Any]]:
+    return [pod(owner, job, plan, n, image, attempt) for n in plan.nodes]

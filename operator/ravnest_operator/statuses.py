@@ -1,0 +1,141 @@
+"""Pure status arithmetic: pods and worker metrics in, RavnestJob status pieces out."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from ravnest.planning import Plan
+
+from .resources import pod_name
+
+PHASES = ("Created", "Planned", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
+
+
+def now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: str) -> dt.datetime:
+    return dt.datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
+
+
+@dataclass
+class NodeState:
+    pod: str
+    phase: str
+    """Pod phase, or Missing when the pod does not exist."""
+    exit_code: int | None = None
+    reason: str | None = None
+    ip: str | None = None
+    attempt: int = 0
+    deleting: bool = False
+
+    def to_status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"pod": self.pod, "phase": self.phase}
+        if self.exit_code is not None:
+            out["exitCode"] = self.exit_code
+        if self.reason:
+            out["reason"] = self.reason
+        return out
+
+
+@dataclass
+class Observation:
+    nodes: dict[str, NodeState] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> list[NodeState]:
+        return [n for n in self.nodes.values() if n.phase == "Failed"]
+
+    @property
+    def all_succeeded(self) -> bool:
+        return bool(self.nodes) and all(n.phase == "Succeeded" for n in self.nodes.values())
+
+    @property
+    def all_running(self) -> bool:
+        return bool(self.nodes) and all(n.phase in ("Running", "Succeeded")
+                                        for n in self.nodes.values())
+
+    @property
+    def missing(self) -> list[str]:
+        return [name for name, n in self.nodes.items() if n.phase == "Missing"]
+
+    def failure_message(self) -> str:
+        parts = [f"pod {n.pod} failed with exit code {n.exit_code}"
+                 + (f" ({n.reason})" if n.reason else "") for n in self.failed]
+        return "; ".join(parts)
+
+
+def _terminated(pod: dict[str, Any]) -> tuple[int | None, str | None]:
+    for cs in pod.get("status", {}).get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated")
+        if term:
+            return term.get("exitCode"), term.get("reason") or term.get("message")
+    return None, None
+
+
+def observe(job: str, plan: Plan, pods: list[dict[str, Any]]) -> Observation:
+    """Per-node state from the job's pods (dicts as the API returns them)."""
+    by_name = {p["metadata"]["name"]: p for p in pods}
+    obs = Observation()
+    for node in plan.nodes:
+        name = pod_name(job, node.name)
+        p = by_name.get(name)
+        if p is None:
+            obs.nodes[node.name] = NodeState(pod=name, phase="Missing")
+            continue
+        status = p.get("status") or {}
+        code, reason = _terminated(p)
+        annotations = p["metadata"].get("annotations") or {}
+        obs.nodes[node.name] = NodeState(
+            pod=name, phase=status.get("phase") or "Pending", exit_code=code, reason=reason,
+            ip=status.get("podIP"), attempt=int(annotations.get("ravnest.io/attempt", "0")),
+            deleting=bool(p["metadata"].get("deletionTimestamp")))
+    return obs
+
+
+def set_condition(conditions: list[dict[str, Any]], type_: str, status: bool, reason: str,
+                  message: str = "") -> list[dict[str, Any]]:
+    """Conditions with `type_` set; lastTransitionTime only moves when the status changes."""
+    value = "True" if status else "False"
+    out = []
+    found = False
+    for c in conditions:
+        if c.get("type") == type_:
+            found = True
+            changed = c.get("status") != value
+            c = {**c, "status": value, "reason": reason, "message": message}
+            if changed:
+                c["lastTransitionTime"] = now()
+        out.append(c)
+    if not found:
+        out.append({"type": type_, "status": value, "reason": reason, "message": message,
+                    "lastTransitionTime": now()})
+    return out
+
+
+def progress(samples: list[dict[str, float]], started: str | None) -> dict[str, Any]:
+    """Job progress from the roots' metrics (one dict per cluster root, cluster 0 first)."""
+    if not samples:
+        return {}
+    first = samples[0]
+    step = int(min(s.get("ravnest_step", 0) for s in samples))
+    total = int(first.get("ravnest_total_steps", 0))
+    out: dict[str, Any] = {"epoch": int(first.get("ravnest_epoch", 0)) + 1, "step": step,
+                           "totalSteps": total, "display": f"{step}/{total}"}
+    if "ravnest_loss" in first:
+        out["loss"] = round(first["ravnest_loss"], 6)
+    if first.get("ravnest_validation_loss"):
+        out["validationLoss"] = round(first["ravnest_validation_loss"], 6)
+    if first.get("ravnest_validation_metric"):
+        out["validationMetric"] = round(first["ravnest_validation_metric"], 6)
+    samples_done = sum(s.get("ravnest_samples_total", 0.0) for s in samples)
+    if started:
+        elapsed = (dt.datetime.now(dt.UTC) - parse_time(started)).total_seconds()
+        if elapsed > 0 and samples_done:
+            out["samplesPerSecond"] = round(samples_done / elapsed, 2)
+        if step and total > step and elapsed > 0:
+            out["etaSeconds"] = int(elapsed / step * (total - step))
+    return out

@@ -1,0 +1,150 @@
+"""The operator's pure pieces: CRD generation, resource builders and status arithmetic."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ravnest import parse_job, plan_job
+from ravnest.worker import NodeMetadata
+from ravnest_operator import crds, resources, statuses
+
+ROOT = Path(__file__).resolve().parents[2]
+OWNER = resources.Owner("digits", "team-a", "0000-1111")
+
+
+@pytest.fixture(scope="module")
+def job_and_plan():
+    doc = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
+    job = parse_job(doc)
+    plan, _, _ = plan_job(job)
+    return job, plan
+
+
+def test_checked_in_crd_is_generated_from_the_spec_model():
+    assert (ROOT / "crds" / "ravnestjob.yaml").read_text() == crds.render(), \
+        "crds/ravnestjob.yaml is stale: run python -m ravnest_operator.crds > crds/ravnestjob.yaml"
+
+
+def _fields(schema, prefix=""):
+    out = set()
+    for name, sub in (schema.get("properties") or {}).items():
+        out.add(prefix + name)
+        out |= _fields(sub.get("items", sub), prefix + name + ".")
+    return out
+
+
+def test_crd_schema_covers_every_spec_field_and_is_structural():
+    schema = crds.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    text = json.dumps(schema)
+    assert "$ref" not in text and "anyOf" not in text and '"null"' not in text
+    fields = _fields(schema)
+    for expected in ("model.entrypoint", "model.exampleInput.shape", "data.batchSize",
+                     "training.reduceFactor", "training.averageOptimizer", "training.schedule",
+                     "providers.ram", "providers.bandwidth", "providers.nodeSelector",
+                     "checkpoint.everySteps", "checkpoint.volume", "runPolicy.backoffLimit",
+                     "runPolicy.cleanPodPolicy", "runPolicy.suspend", "plan.clusters"):
+        assert expected in fields
+    ram = schema["properties"]["providers"]["items"]["properties"]["ram"]
+    assert ram["x-kubernetes-int-or-string"] is True
+    assert schema["properties"]["training"]["properties"]["schedule"]["enum"] == ["sync", "async"]
+    batch = schema["properties"]["data"]["properties"]["batchSize"]
+    assert batch["minimum"] == 0 and batch["exclusiveMinimum"] is True
+
+
+def test_static_objects_are_owned_labelled_and_named(job_and_plan):
+    job, plan = job_and_plan
+    objs = resources.static_objects(OWNER, job, plan, "s3cret")
+    kinds = [o["kind"] for o in objs]
+    assert kinds.count("ConfigMap") == 1 + len(plan.nodes)
+    assert kinds.count("Service") == 1 and kinds.count("Secret") == 1
+    for o in objs:
+        assert o["metadata"]["namespace"] == "team-a"
+        assert o["metadata"]["ownerReferences"] == [{
+            "apiVersion": "ravnest.io/v1alpha1", "kind": "RavnestJob", "name": "digits",
+            "uid": "0000-1111", "controller": True, "blockOwnerDeletion": True}]
+        assert o["metadata"]["labels"]["ravnest.io/job"] == "digits"
+    svc = next(o for o in objs if o["kind"] == "Service")
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
+    secret = next(o for o in objs if o["kind"] == "Secret")
+    assert base64.b64decode(secret["data"]["token"]).decode() == "s3cret"
+    for o in objs:
+        if o["kind"] == "ConfigMap":
+            assert "s3cret" not in json.dumps(o)
+
+
+def test_node_metadata_is_what_the_worker_reads(job_and_plan):
+    job, plan = job_and_plan
+    node = plan.nodes[3]
+    cm = resources.node_configmap(OWNER, job, plan, node)
+    meta = NodeMetadata.from_dict(json.loads(cm["data"]["node.json"]))
+    assert meta.node == node.name and meta.plan == plan and meta.job == job
+    assert meta.addresses["node_0"] == "node-0.digits-workers.team-a.svc:50051"
+    assert meta.namespace == "team-a"
+
+
+def test_worker_pod(job_and_plan):
+    job, plan = job_and_plan
+    node = plan.node("node_1")
+    pod = resources.pod(OWNER, job, plan, node, "ravnest:test", attempt=2)
+    meta, spec = pod["metadata"], pod["spec"]
+    assert meta["name"] == "digits-node-1"
+    assert meta["labels"]["ravnest.io/role"] == node.role
+    assert meta["labels"]["ravnest.io/cluster"] == str(node.cluster)
+    assert meta["annotations"]["ravnest.io/bandwidth-mbps"] == "1000"
+    assert meta["annotations"]["ravnest.io/attempt"] == "2"
+    assert spec["hostname"] == "node-1" and spec["subdomain"] == "digits-workers"
+    assert spec["restartPolicy"] == "Never"
+    c = spec["containers"][0]
+    assert c["image"] == "ravnest:test"
+    assert c["resources"]["requests"]["memory"] == "8192Mi"  # provider 1 has 8 GB
+    assert c["resources"]["limits"]["memory"] == "8192Mi"
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert c["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "digits-token", "key": "token"}
+    assert {"name": "node-metadata", "configMap": {"name": "digits-node-1"}} in spec["volumes"]
+
+
+def _pod(name, phase, code=None, attempt=0, ip="10.0.0.5"):
+    status = {"phase": phase, "podIP": ip}
+    if code is not None:
+        status["containerStatuses"] = [{"state": {"terminated": {"exitCode": code,
+                                                                 "reason": "Error"}}}]
+    return {"metadata": {"name": name, "annotations": {"ravnest.io/attempt": str(attempt)}},
+            "status": status}
+
+
+def test_observe_names_the_failing_pod_and_exit_code(job_and_plan):
+    _, plan = job_and_plan
+    pods = [_pod(resources.pod_name("digits", n), "Running") for n in plan.names()]
+    pods[2] = _pod(resources.pod_name("digits", plan.names()[2]), "Failed", code=137)
+    obs = statuses.observe("digits", plan, pods)
+    assert obs.failure_message() == "pod digits-node-2 failed with exit code 137 (Error)"
+    assert not obs.all_running and not obs.all_succeeded
+    obs = statuses.observe("digits", plan, pods[:3])
+    assert obs.missing == plan.names()[3:]
+
+
+def test_conditions_keep_transition_time_until_status_changes():
+    c = statuses.set_condition([], "Running", True, "PodsRunning")
+    t0 = c[0]["lastTransitionTime"]
+    c[0]["lastTransitionTime"] = "2000-01-01T00:00:00Z"
+    c = statuses.set_condition(c, "Running", True, "PodsRunning", "still")
+    assert c[0]["lastTransitionTime"] == "2000-01-01T00:00:00Z" and c[0]["message"] == "still"
+    c = statuses.set_condition(c, "Running", False, "Completed")
+    assert c[0]["status"] == "False" and c[0]["lastTransitionTime"] >= t0
+
+
+def test_progress_from_root_metrics():
+    samples = [{"ravnest_step": 40, "ravnest_total_steps": 176, "ravnest_epoch": 1,
+                "ravnest_loss": 0.25, "ravnest_validation_metric": 0.93,
+                "ravnest_samples_total": 1280},
+               {"ravnest_step": 38, "ravnest_samples_total": 1216}]
+    p = statuses.progress(samples, statuses.now())
+    assert p["step"] == 38 and p["totalSteps"] == 176 and p["display"] == "38/176"
+    assert p["epoch"] == 2 and p["loss"] == 0.25 and p["validationMetric"] == 0.93
