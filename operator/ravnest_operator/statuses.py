@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ravnest.planning import Plan
+from ravnest.progress import progress as job_progress
 
 from .resources import pod_name
 
@@ -117,25 +118,6 @@ def set_condition(conditions: list[dict[str, Any]], type_: str, status: bool, re
 
 
 def progress(samples: list[dict[str, float]], started: str | None) -> dict[str, Any]:
-    """Job progress from the roots' metrics (one dict per cluster root, cluster 0 first)."""
-    if not samples:
-        return {}
-    first = samples[0]
-    step = int(min(s.get("ravnest_step", 0) for s in samples))
-    total = int(first.get("ravnest_total_steps", 0))
-    out: dict[str, Any] = {"epoch": int(first.get("ravnest_epoch", 0)) + 1, "step": step,
-                           "totalSteps": total, "display": f"{step}/{total}"}
-    if "ravnest_loss" in first:
-        out["loss"] = round(first["ravnest_loss"], 6)
-    if first.get("ravnest_validation_loss"):
-        out["validationLoss"] = round(first["ravnest_validation_loss"], 6)
-    if first.get("ravnest_validation_metric"):
-        out["validationMetric"] = round(first["ravnest_validation_metric"], 6)
-    samples_done = sum(s.get("ravnest_samples_total", 0.0) for s in samples)
-    if started:
-        elapsed = (dt.datetime.now(dt.UTC) - parse_time(started)).total_seconds()
-        if elapsed > 0 and samples_done:
-            out["samplesPerSecond"] = round(samples_done / elapsed, 2)
-        if step and total > step and elapsed > 0:
-            out["etaSeconds"] = int(elapsed / step * (total - step))
-    return out
+    """Job progress from the roots' metrics (see ravnest.progress)."""
+    elapsed = (dt.datetime.now(dt.UTC) - parse_time(started)).total_seconds() if started else None
+    return job_progress(samples, elapsed)

@@ -48,6 +48,12 @@ def test_readme_command_trains_digits(tmp_path):
     assert curve[0].startswith("cluster,epoch,step")
     assert len(curve) > 100
     assert "val accuracy" in result.stdout
+    shown = subprocess.run([sys.executable, "-m", "ravnest", "status", "digits", "-o", str(out)],
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    updates = summary["updates"]
+    assert shown.stdout.startswith(f"Succeeded [{'#' * 30}] {updates}/{updates}")
+    assert f"val {summary['val_metric']:.3f}" in shown.stdout
 
 
 def _digits(doc, **training):

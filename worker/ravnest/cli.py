@@ -6,8 +6,11 @@ import argparse
 import json
 import logging
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 from ._version import __version__
 from .errors import RavnestError, SpecError
@@ -45,6 +48,48 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_status(args: argparse.Namespace) -> dict[str, Any]:
+    local = Path(args.output or Path("runs") / args.job) / "status.json"
+    if not args.kube and local.exists():
+        return dict(json.loads(local.read_text()))
+    cmd = ["kubectl", "get", "ravnestjob", args.job, "-o", "json"]
+    if args.namespace:
+        cmd += ["-n", args.namespace]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RavnestError(f"no local run {local} and kubectl failed: {e}") from e
+    if out.returncode != 0:
+        where = "" if args.kube else f"no local run at {local}, and "
+        last = (out.stderr.strip().splitlines() or ["failed"])[-1]
+        raise RavnestError(f"{where}kubectl: {last}")
+    return dict(json.loads(out.stdout).get("status") or {"phase": "Pending"})
+
+
+def _status(args: argparse.Namespace) -> int:
+    from .progress import render
+
+    while True:
+        status = _read_status(args)
+        line = render(status)
+        if args.watch and sys.stdout.isatty():
+            print("\r" + line, end="", flush=True)
+        else:
+            print(line, flush=True)
+        if not args.watch or status.get("phase") in ("Succeeded", "Failed"):
+            break
+        time.sleep(args.interval)
+    if args.watch and sys.stdout.isatty():
+        print()
+    for name, node in sorted((status.get("nodes") or {}).items()):
+        print(f"  {name:10} {node.get('pod', ''):24} {node.get('phase', '')}"
+              + (f" exit {node['exitCode']}" if "exitCode" in node else ""))
+    for cond in status.get("conditions") or []:
+        if cond.get("status") == "True" and cond.get("message"):
+            print(f"  {cond['type']}: {cond['message']}")
+    return 1 if status.get("phase") == "Failed" else 0
+
+
 def _worker(args: argparse.Namespace) -> int:
     import torch
 
@@ -77,6 +122,14 @@ def parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="check a job file")
     v.add_argument("job")
     v.set_defaults(func=_validate)
+    s = sub.add_parser("status", help="show a job's phase and progress (local run or cluster)")
+    s.add_argument("job", help="job name")
+    s.add_argument("-o", "--output", help="local run folder (default runs/<job>)")
+    s.add_argument("--kube", action="store_true", help="ask the cluster (kubectl) only")
+    s.add_argument("-n", "--namespace", help="namespace of the RavnestJob")
+    s.add_argument("-w", "--watch", action="store_true", help="follow until it finishes")
+    s.add_argument("--interval", type=float, default=2.0, help="seconds between updates")
+    s.set_defaults(func=_status)
     w = sub.add_parser("worker", help="run one worker from its node metadata")
     w.add_argument("--metadata", required=True, help="node metadata JSON file")
     w.add_argument("--token-file", help="file with the job token (default: $RAVNEST_TOKEN)")

@@ -37,6 +37,7 @@ from . import building
 from .errors import RavnestError, WorkerFailed
 from .fusing import fuse_stage_files, ordered_like
 from .planning import Plan
+from .progress import progress
 from .spec import Job
 from .worker import NodeMetadata
 
@@ -153,20 +154,40 @@ class LocalRun:
                     return
                 if deadline and time.monotonic() - started > deadline:
                     raise WorkerFailed(f"job exceeded activeDeadlineSeconds={deadline}")
-                bar.update(roots, started)
+                now = bar.update(roots, started)
+                if now:
+                    self.write_status("Running", now)
                 time.sleep(0.5)
         finally:
             bar.close()
 
+    def write_status(self, phase: str, now: dict[str, Any], **extra: Any) -> None:
+        """`status.json`: what `ravnest status <job>` shows for a local run."""
+        body = {"job": self.job.name, "phase": phase, "progress": now, **extra}
+        tmp = self.out / ".status.json.tmp"
+        tmp.write_text(json.dumps(body))
+        os.replace(tmp, self.out / "status.json")
+
     def run(self) -> dict[str, Any]:
         metas = self.prepare()
         started = time.time()
+        self.write_status("Created", {})
         try:
             self.start(metas)
             self.wait()
+        except BaseException as e:
+            self.write_status("Failed", {}, message=str(e).splitlines()[0] if str(e) else "")
+            raise
         finally:
             self.stop()
-        return self.finish(time.time() - started)
+        summary = self.finish(time.time() - started)
+        self.write_status("Succeeded", {
+            "step": summary["updates"], "totalSteps": summary["updates"],
+            "display": f"{summary['updates']}/{summary['updates']}",
+            "loss": summary["train_loss"], "validationLoss": summary["val_loss"],
+            "validationMetric": summary["val_metric"],
+            "samplesPerSecond": summary["samples_per_second"]}, result=summary)
+        return summary
 
     def finish(self, seconds: float) -> dict[str, Any]:
         assert self.plan is not None
@@ -256,34 +277,32 @@ class _Progress:
         self.bar: Any = None
         self.enabled = enabled
 
-    def update(self, roots: dict[int, _Proc], started: float) -> None:
-        if not self.enabled:
-            return
+    def update(self, roots: dict[int, _Proc], started: float) -> dict[str, Any]:
+        """Scrape the roots; show and return the progress ({} until it is known)."""
         stats = []
         for p in roots.values():
             try:
                 stats.append(scrape(p.metrics_port, timeout=0.5))
             except OSError:
-                return
+                return {}
         if not stats or not stats[0].get("ravnest_total_steps"):
-            return
+            return {}
+        now = progress(stats, time.monotonic() - started)
+        if not self.enabled:
+            return now
         from tqdm import tqdm
 
-        s0 = stats[0]
         if self.bar is None:
-            self.bar = tqdm(total=int(s0["ravnest_total_steps"]), unit="step", dynamic_ncols=True,
+            self.bar = tqdm(total=now["totalSteps"], unit="step", dynamic_ncols=True,
                             desc="training")
-        step = int(min(s.get("ravnest_step", 0) for s in stats))
-        self.bar.n = step
-        samples = sum(s.get("ravnest_samples_total", 0) for s in stats)
-        elapsed = max(time.monotonic() - started, 1e-9)
-        post = {"epoch": int(s0.get("ravnest_epoch", 0)) + 1,
-                "loss": f"{s0.get('ravnest_loss', float('nan')):.4f}",
-                "samples/s": f"{samples / elapsed:.0f}"}
-        if s0.get("ravnest_validation_metric"):
-            post["val"] = f"{s0['ravnest_validation_metric']:.3f}"
+        self.bar.n = now["step"]
+        post = {"epoch": now["epoch"], "loss": f"{now.get('loss', float('nan')):.4f}",
+                "samples/s": f"{now.get('samplesPerSecond', 0):.0f}"}
+        if now.get("validationMetric"):
+            post["val"] = f"{now['validationMetric']:.3f}"
         self.bar.set_postfix(post, refresh=False)
         self.bar.refresh()
+        return now
 
     def close(self) -> None:
         if self.bar is not None:

@@ -1,0 +1,54 @@
+"""Job progress from the cluster roots' metrics, and its one-line rendering.
+
+The local runner, `ravnest status` and the Kubernetes operator all compute progress here, so the
+numbers in a terminal and in `kubectl get rj` are the same numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def progress(samples: list[dict[str, float]], elapsed: float | None) -> dict[str, Any]:
+    """Progress from the roots' metrics (one dict per cluster root, cluster 0 first).
+
+    Steps count optimizer updates of the slowest cluster; samples/s and ETA use `elapsed`
+    seconds since training started."""
+    if not samples:
+        return {}
+    first = samples[0]
+    step = int(min(s.get("ravnest_step", 0) for s in samples))
+    total = int(first.get("ravnest_total_steps", 0))
+    out: dict[str, Any] = {"epoch": int(first.get("ravnest_epoch", 0)) + 1, "step": step,
+                           "totalSteps": total, "display": f"{step}/{total}"}
+    if "ravnest_loss" in first:
+        out["loss"] = round(first["ravnest_loss"], 6)
+    if first.get("ravnest_validation_loss"):
+        out["validationLoss"] = round(first["ravnest_validation_loss"], 6)
+    if first.get("ravnest_validation_metric"):
+        out["validationMetric"] = round(first["ravnest_validation_metric"], 6)
+    done = sum(s.get("ravnest_samples_total", 0.0) for s in samples)
+    if elapsed and elapsed > 0:
+        if done:
+            out["samplesPerSecond"] = round(done / elapsed, 2)
+        if step and total > step:
+            out["etaSeconds"] = int(elapsed / step * (total - step))
+    return out
+
+
+def render(status: dict[str, Any], width: int = 30) -> str:
+    """``Running [#########.....] 66/176 epoch 3 loss 0.0123 val 0.970 412 samples/s eta 40s``"""
+    p = status.get("progress") or {}
+    parts = [str(status.get("phase", "Unknown"))]
+    total, step = p.get("totalSteps") or 0, p.get("step") or 0
+    if total:
+        filled = int(width * min(step, total) / total)
+        parts.append("[" + "#" * filled + "." * (width - filled) + f"] {step}/{total}")
+    for key, label, fmt in (("epoch", "epoch", "{}"), ("loss", "loss", "{:.4f}"),
+                            ("validationMetric", "val", "{:.3f}"),
+                            ("samplesPerSecond", "samples/s", "{:.0f}"),
+                            ("etaSeconds", "eta", "{}s")):
+        if p.get(key) is not None:
+            value = fmt.format(p[key])
+            parts.append(f"{value} {label}" if label == "samples/s" else f"{label} {value}")
+    return " ".join(parts)
