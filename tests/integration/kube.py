@@ -247,7 +247,9 @@ def local_apiserver(workdir: Path | None = None, *, controller_manager: bool = F
         kubeconfig.write_text(yaml.safe_dump({
             "apiVersion": "v1", "kind": "Config", "current-context": "local",
             "clusters": [{"name": "local", "cluster": {
-                "server": server, "insecure-skip-tls-verify": True}}],
+                # the serving cert kube-apiserver made for itself; its file also holds its CA
+                "server": server,
+                "certificate-authority": str(work / "certs" / "apiserver.crt")}}],
             "users": [{"name": "admin", "user": {"token": token}}],
             "contexts": [{"name": "local", "context": {
                 "cluster": "local", "user": "admin", "namespace": "default"}}],
@@ -258,7 +260,8 @@ def local_apiserver(workdir: Path | None = None, *, controller_manager: bool = F
             procs.start("kube-controller-manager", [
                 kcm, f"--kubeconfig={kubeconfig}", "--leader-elect=false",
                 "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
-                "--controllers=garbagecollector,namespace,serviceaccount,serviceaccount-token",
+                "--controllers=garbage-collector-controller,namespace-controller,"
+                "serviceaccount-controller,serviceaccount-token-controller",
                 f"--service-account-private-key-file={sa_key}",
                 f"--root-ca-file={work / 'certs' / 'apiserver.crt'}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
