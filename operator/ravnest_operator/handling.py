@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import secrets
+import threading
 import time
 from typing import Any
 
@@ -45,6 +46,12 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         kubernetes.config.load_kube_config()
     settings.posting.level = logging.INFO
     monitoring.serve(int(os.environ.get("RAVNEST_OPERATOR_METRICS_PORT", "8080")))
+
+
+@kopf.on.probe(id="apiserver")
+def apiserver_reachable(**_: Any) -> str:
+    """Part of `kopf run --liveness=http://0.0.0.0:8081/healthz`: the API answers us."""
+    return str(kubernetes.client.VersionApi().get_code().git_version)
 
 
 def _core() -> kubernetes.client.CoreV1Api:
@@ -252,10 +259,13 @@ def reconcile(body: kopf.Body, spec: dict[str, Any], status: dict[str, Any], nam
     if obs.all_running:
         if phase != "Running":
             patch.status["phase"] = "Running"
-            patch.status["conditions"] = set_condition(
-                set_condition(conditions, "Running", True, "PodsRunning",
-                              f"{len(obs.nodes)} worker pods running"),
-                "Restarting", False, "PodsRunning", "")
+            conds = set_condition(conditions, "Running", True, "PodsRunning",
+                                  f"{len(obs.nodes)} worker pods running")
+            restarting = next((c for c in conds if c["type"] == "Restarting"), None)
+            if restarting and restarting["status"] == "True":  # keep what it recovered from
+                conds = set_condition(conds, "Restarting", False, "Recovered",
+                                      f"running again after: {restarting['message']}")
+            patch.status["conditions"] = conds
             if not started:
                 patch.status["startTime"] = started = now()
                 monitoring.running(body["metadata"].get("creationTimestamp"))
@@ -281,22 +291,44 @@ def _progress(plan: Plan, obs: Any, job: str, started: str | None) -> dict[str, 
     return progress(samples, started)
 
 
-@kopf.on.create(GROUP, VERSION, PLURAL)
-@kopf.on.resume(GROUP, VERSION, PLURAL)
-@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-def on_change(**kwargs: Any) -> None:
-    with monitoring.reconciling():
-        reconcile(kwargs["body"], kwargs["spec"], kwargs["status"], kwargs["name"],
-                  kwargs["namespace"], kwargs["uid"], kwargs["patch"])
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _lock(uid: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault(uid, threading.Lock())
+
+
+def _reconcile_once(kwargs: dict[str, Any], wait: bool) -> None:
+    """Change handlers and the timer share one lock per job: passes never overlap."""
+    lock = _lock(kwargs["uid"])
+    if not lock.acquire(blocking=wait):
+        return
+    try:
+        with monitoring.reconciling():
+            reconcile(kwargs["body"], kwargs["spec"], kwargs["status"], kwargs["name"],
+                      kwargs["namespace"], kwargs["uid"], kwargs["patch"])
+    finally:
+        lock.release()
     monitoring.observe_phase(kwargs["namespace"], kwargs["name"],
                              kwargs["patch"].status.get("phase") or kwargs["status"].get("phase"))
 
 
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+def on_change(**kwargs: Any) -> None:
+    _reconcile_once(kwargs, wait=True)
+
+
 @kopf.timer(GROUP, VERSION, PLURAL, interval=INTERVAL, sharp=False)
 def on_timer(**kwargs: Any) -> None:
-    on_change(**kwargs)
+    _reconcile_once(kwargs, wait=False)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
 def on_delete(**kwargs: Any) -> None:
     monitoring.forget(kwargs["namespace"], kwargs["name"])
+    with _locks_guard:
+        _locks.pop(kwargs["uid"], None)

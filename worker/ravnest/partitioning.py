@@ -13,6 +13,7 @@ and FLOPs (torch's own FLOP counter), which the planner uses as deterministic co
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,10 +64,15 @@ class Profile:
         return sum(layer.param_bytes for layer in self.layers)
 
 
+_TRACING = threading.Lock()
+"""torch.fx tracing patches module-global state: one trace at a time per process."""
+
+
 def trace(model: nn.Module) -> fx.GraphModule:
     """Symbolically trace a model; name the op that cannot be traced if it fails."""
     try:
-        return fx.symbolic_trace(model)
+        with _TRACING:
+            return fx.symbolic_trace(model)
     except Exception as e:
         raise PlanError(
             f"model {type(model).__name__} cannot be traced by torch.fx: {type(e).__name__}: {e}. "

@@ -1,0 +1,180 @@
+"""A small stand-in for the kubelet (and cluster DNS) for the operator's integration tier.
+
+It watches the job pods the operator creates in a real kube-apiserver, runs one real
+`ravnest worker` process per pod from the pod's own spec (its ConfigMap volume, its Secret env),
+and writes pod phase, IP and exit code back through the API, as a kubelet would. Each pod gets its
+own loopback address (127.1.x.y), which also plays the headless Service's DNS: the worker's peer
+addresses are rewritten from DNS names to those addresses. The job's data volume is one shared
+folder per job, as a ReadWriteMany volume would be.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+from kubernetes.client.rest import ApiException
+
+
+@dataclass
+class _Running:
+    pod: str
+    namespace: str
+    uid: str
+    proc: subprocess.Popen[bytes]
+    termination: Path
+
+
+class FakeKubelet(threading.Thread):
+    def __init__(self, kubeconfig: str, workdir: Path, namespace: str = "default") -> None:
+        super().__init__(daemon=True, name="fake-kubelet")
+        client = kubernetes.config.new_client_from_config(config_file=kubeconfig)
+        self.api = kubernetes.client.CoreV1Api(client)
+        self.workdir = workdir
+        self.namespace = namespace
+        self.running: dict[str, _Running] = {}
+        self.started: list[str] = []
+        self._halt = threading.Event()
+        self._jobs: dict[str, int] = {}
+        self.errors: list[str] = []
+
+    # ------------------------------------------------------------------ addresses ("DNS")
+    def ip(self, job: str, node: str) -> str:
+        j = self._jobs.setdefault(job, len(self._jobs) + 1)
+        return f"127.1.{j}.{10 + int(node.rsplit('-', 1)[1])}"
+
+    def kill(self, pod: str, sig: int = signal.SIGKILL) -> None:
+        """Kill a worker process (a crashed container)."""
+        r = self.running[pod]
+        os.killpg(r.proc.pid, sig)
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                self._tick()
+            except Exception as e:  # keep playing the kubelet; the test reads .errors
+                self.errors.append(repr(e))
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=10)
+        for r in list(self.running.values()):
+            if r.proc.poll() is None:
+                os.killpg(r.proc.pid, signal.SIGKILL)
+                r.proc.wait()
+
+    def _tick(self) -> None:
+        pods = self.api.list_namespaced_pod(
+            self.namespace, label_selector="app.kubernetes.io/managed-by=ravnest-operator").items
+        live = {p.metadata.name: p for p in pods}
+        for name, r in list(self.running.items()):
+            p = live.get(name)
+            if p is None or p.metadata.uid != r.uid or p.metadata.deletion_timestamp:
+                if r.proc.poll() is None:
+                    os.killpg(r.proc.pid, signal.SIGTERM)
+                    try:
+                        r.proc.wait(5)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(r.proc.pid, signal.SIGKILL)
+                        r.proc.wait()
+                del self.running[name]
+                if p is not None and p.metadata.deletion_timestamp:
+                    self._finalize_delete(p)
+                continue
+            code = r.proc.poll()
+            if code is not None and (p.status.phase or "Pending") == "Running":
+                self._terminated(p, code, r)
+        for name, p in live.items():
+            if p.metadata.deletion_timestamp:
+                if name not in self.running:
+                    self._finalize_delete(p)
+                continue
+            if name not in self.running and (p.status.phase or "Pending") == "Pending":
+                self._start(p)
+
+    def _finalize_delete(self, p: Any) -> None:
+        try:
+            self.api.delete_namespaced_pod(p.metadata.name, p.metadata.namespace,
+                                           grace_period_seconds=0)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    def _start(self, p: Any) -> None:
+        job = p.metadata.labels["ravnest.io/job"]
+        container = p.spec.containers[0]
+        cm_name = next(v.config_map.name for v in p.spec.volumes if v.config_map)
+        cm = self.api.read_namespaced_config_map(cm_name, p.metadata.namespace)
+        meta = json.loads(cm.data["node.json"])
+        ip = self.ip(job, p.spec.hostname)
+        meta["addresses"] = {n: f"{self.ip(job, n.replace('_', '-'))}:{a.rsplit(':', 1)[1]}"
+                             for n, a in meta["addresses"].items()}
+        meta["listen"] = f"{ip}:{meta['listen'].rsplit(':', 1)[1]}"
+        data = self.workdir / p.metadata.namespace / job
+        data.mkdir(parents=True, exist_ok=True)
+        meta["outputDir"] = str(data)
+        pod_dir = self.workdir / "pods" / p.metadata.name / p.metadata.uid
+        pod_dir.mkdir(parents=True, exist_ok=True)
+        (pod_dir / "node.json").write_text(json.dumps(meta))
+        env = {**os.environ, "RAVNEST_TERMINATION_LOG": str(pod_dir / "termination-log")}
+        for e in container.env or []:
+            if e.value_from and e.value_from.secret_key_ref:
+                ref = e.value_from.secret_key_ref
+                secret = self.api.read_namespaced_secret(ref.name, p.metadata.namespace)
+                env[e.name] = base64.b64decode(secret.data[ref.key]).decode()
+            elif e.value is not None:
+                env[e.name] = e.value
+        args = [a.replace("/etc/ravnest/node.json", str(pod_dir / "node.json"))
+                for a in container.args]
+        log = open(pod_dir / "worker.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "ravnest", *args], stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+        log.close()
+        self.running[p.metadata.name] = _Running(p.metadata.name, p.metadata.namespace,
+                                                 p.metadata.uid, proc,
+                                                 pod_dir / "termination-log")
+        self.started.append(p.metadata.name)
+        self.api.patch_namespaced_pod_status(p.metadata.name, p.metadata.namespace, {"status": {
+            "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+            "startTime": _now(),
+            "conditions": [{"type": "Ready", "status": "True"}],
+            "containerStatuses": [{"name": container.name, "image": container.image,
+                                   "imageID": "", "ready": True, "restartCount": 0,
+                                   "started": True,
+                                   "state": {"running": {"startedAt": _now()}}}]}})
+
+    def _terminated(self, p: Any, code: int, r: _Running) -> None:
+        message = r.termination.read_text() if r.termination.exists() else ""
+        term = {"exitCode": code if code >= 0 else 128 - code,
+                "reason": "Completed" if code == 0 else "Error",
+                "startedAt": _now(), "finishedAt": _now()}
+        if message:
+            term["message"] = message
+        self.api.patch_namespaced_pod_status(p.metadata.name, p.metadata.namespace, {"status": {
+            "phase": "Succeeded" if code == 0 else "Failed",
+            "conditions": [{"type": "Ready", "status": "False"}],
+            "containerStatuses": [{"name": p.spec.containers[0].name,
+                                   "image": p.spec.containers[0].image, "imageID": "",
+                                   "ready": False, "restartCount": 0,
+                                   "state": {"terminated": term}}]}})
+
+    def log_of(self, pod: str) -> str:
+        logs = sorted((self.workdir / "pods" / pod).glob("*/worker.log"))
+        return "".join(p.read_text(errors="replace") for p in logs)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

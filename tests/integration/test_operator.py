@@ -1,0 +1,344 @@
+"""The real operator (`kopf run`) against a real kube-apiserver + etcd (+ kube-controller-manager
+for garbage collection), with tests/integration/kubelet.py playing the kubelet: every pod the
+operator creates runs as a real worker process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kube import LocalApiserver, free_port, local_apiserver
+from kubelet import FakeKubelet
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Operator:
+    """`kopf run` of ravnest_operator as a subprocess, restartable."""
+
+    def __init__(self, kube: LocalApiserver, workdir: Path) -> None:
+        self.kube = kube
+        self.log = workdir / "operator.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.metrics_port = free_port()
+        self.liveness_port = free_port()
+        self.kubelet_errors: list[str] = []
+
+    def start(self) -> None:
+        env = {**os.environ, "KUBECONFIG": str(self.kube.kubeconfig),
+               "RAVNEST_RECONCILE_INTERVAL": "1",
+               "RAVNEST_OPERATOR_METRICS_PORT": str(self.metrics_port)}
+        with open(self.log, "ab") as fh:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kopf", "run", "--standalone", "--namespace", "default",
+                 f"--liveness=http://127.0.0.1:{self.liveness_port}/healthz",
+                 "-m", "ravnest_operator.handling"],
+                stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc and self.proc.poll() is None:
+            (self.proc.kill if kill else self.proc.terminate)()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, ...]]:
+    work = tmp_path_factory.mktemp("cluster")
+    with local_apiserver(work / "kube", controller_manager=True) as kube:
+        kctl(kube, "apply", "-f", str(ROOT / "crds" / "ravnestjob.yaml"))
+        kctl(kube, "wait", "--for=condition=Established", "crd/ravnestjobs.ravnest.io",
+                     "--timeout=60s")
+        kubelet = FakeKubelet(str(kube.kubeconfig), work / "kubelet")
+        kubelet.start()
+        operator = Operator(kube, work)
+        operator.kubelet_errors = kubelet.errors
+        operator.start()
+        try:
+            yield kube, kubelet, operator
+        finally:
+            operator.stop()
+            kubelet.stop()
+
+
+def kctl(kube: LocalApiserver, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """kubectl against the test apiserver, returning the whole result."""
+    result = subprocess.run(["kubectl", "--kubeconfig", str(kube.kubeconfig), *args],
+                            capture_output=True, text=True, timeout=120)
+    if check and result.returncode != 0:
+        raise AssertionError(f"kubectl {' '.join(args)}: {result.stderr}")
+    return result
+
+
+def get(kube: LocalApiserver, kind: str, name: str = "", selector: str = "") -> Any:
+    args = ["get", kind, "-o", "json"]
+    if name:
+        args.insert(2, name)
+    if selector:
+        args += ["-l", selector]
+    out = kctl(kube, *args, check=False)
+    if out.returncode != 0:
+        return None
+    return json.loads(out.stdout)
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, kube: LocalApiserver,
+             operator: Operator) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.5)
+    jobs = kctl(kube, "get", "rj", "-o", "wide", check=False).stdout
+    raise AssertionError(f"timed out waiting for {what}\njobs:\n{jobs}\nkubelet errors: "
+                         f"{operator.kubelet_errors[-5:]}\noperator log:\n"
+                         f"{operator.log.read_text()[-4000:]}")
+
+
+def job_doc(name: str, epochs: int = 3, **changes: Any) -> dict[str, Any]:
+    doc = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
+    doc["metadata"]["name"] = name
+    doc["spec"]["training"]["epochs"] = epochs
+    for path, value in changes.items():
+        node = doc["spec"]
+        *parents, last = path.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return doc
+
+
+def apply(kube: LocalApiserver, doc: dict[str, Any], tmp_path: Path) -> subprocess.CompletedProcess:
+    f = tmp_path / f"{doc['metadata']['name']}.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    return kctl(kube, "apply", "-f", str(f), check=False)
+
+
+def phase_of(kube: LocalApiserver, name: str) -> str | None:
+    rj = get(kube, "rj", name)
+    return (rj or {}).get("status", {}).get("phase")
+
+
+def test_digits_job_runs_to_success(cluster, tmp_path):
+    kube, kubelet, operator = cluster
+    assert apply(kube, job_doc("digits"), tmp_path).returncode == 0
+    phases, steps = [], []
+
+    def succeeded() -> bool:
+        rj = get(kube, "rj", "digits") or {}
+        st = rj.get("status", {})
+        if st.get("phase") and (not phases or phases[-1] != st["phase"]):
+            phases.append(st["phase"])
+        if st.get("progress", {}).get("step"):
+            steps.append(st["progress"]["step"])
+        assert st.get("phase") != "Failed", json.dumps(st.get("conditions"))
+        return st.get("phase") == "Succeeded"
+
+    wait_for("digits to succeed", succeeded, 400, kube, operator)
+    assert phases[0] in ("Created", "Planned") and phases[-1] == "Succeeded"
+    assert "Running" in phases
+    assert len(set(steps)) >= 3 and steps == sorted(steps)  # progress moved while training
+    status = get(kube, "rj", "digits")["status"]
+    assert status["progress"]["validationMetric"] >= 0.95
+    assert status["result"]["updates"] == 66
+    assert status["plan"]["summary"] == "2x2/4"
+    assert status["startTime"] and status["completionTime"]
+    conds = {c["type"]: c["status"] for c in status["conditions"]}
+    assert conds["Created"] == conds["Planned"] == conds["Succeeded"] == "True"
+
+    pods = get(kube, "pods", selector="ravnest.io/job=digits")["items"]
+    assert len(pods) == 6 and all(p["status"]["phase"] == "Succeeded" for p in pods)
+    cms = get(kube, "configmaps", selector="ravnest.io/job=digits")["items"]
+    assert sorted(c["metadata"]["name"] for c in cms) == sorted(
+        ["digits-plan"] + [f"digits-node-{i}" for i in range(6)])
+    assert get(kube, "service", "digits-workers")["spec"]["clusterIP"] == "None"
+    assert get(kube, "secret", "digits-token") is not None
+    roles = sorted(p["metadata"]["labels"]["ravnest.io/role"] for p in pods)
+    assert roles.count("root") == 2 and roles.count("leaf") == 2
+    logs = kubelet.log_of("digits-node-0")
+    assert "Traceback" not in logs
+    table = kctl(kube, "get", "rj", "digits").stdout
+    assert "Succeeded" in table and "66/66" in table and "2x2/4" in table
+
+
+def test_operator_metrics_liveness_and_cli_status(cluster):
+    """After the digits job: the operator's own metrics, its liveness probe, `ravnest status`."""
+    kube, _, operator = cluster
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics",
+                                timeout=10) as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    jobs = {s.labels["phase"]: s.value for s in families["ravnest_operator_jobs"].samples}
+    assert jobs["Succeeded"] >= 1
+    count = {s.name: s.value for f in families.values() for s in f.samples
+             if s.name.endswith("_count")}
+    assert count["ravnest_operator_reconcile_duration_seconds_count"] > 3
+    assert count["ravnest_operator_time_to_running_seconds_count"] >= 1
+    assert count["ravnest_operator_job_duration_seconds_count"] >= 1
+    with urllib.request.urlopen(f"http://127.0.0.1:{operator.liveness_port}/healthz",
+                                timeout=10) as r:
+        assert r.status == 200
+        assert json.loads(r.read())["apiserver"].startswith("v1.")
+    env = {**os.environ, "KUBECONFIG": str(kube.kubeconfig)}
+    out = subprocess.run([sys.executable, "-m", "ravnest", "status", "digits", "--kube"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "Succeeded" in out.stdout and "66/66" in out.stdout
+    assert "digits-node-5" in out.stdout
+    missing = subprocess.run([sys.executable, "-m", "ravnest", "status", "nosuchjob", "--kube"],
+                             capture_output=True, text=True, env=env, timeout=60)
+    assert missing.returncode != 0 and "nosuchjob" in missing.stderr
+
+
+SCHEMA_REJECTED = [
+    ("batch-zero", {"data__batchSize": 0}, "spec.data.batchSize"),
+    ("bad-schedule", {"training__schedule": "sometimes"}, "spec.training.schedule"),
+    ("negative-epochs", {"training__epochs": -2}, "spec.training.epochs"),
+    ("typo-field", {"training__reduceFactr": 2}, "reduceFactr"),
+    ("no-providers", {"providers": []}, "spec.providers"),
+    ("bad-compression", {"training__compression": "zip"}, "spec.training.compression"),
+]
+
+STATUS_REJECTED = [
+    ("bad-optimizer", {"training__optimizer": {"name": "Adamm"}},
+     "spec.training.optimizer.name: must be a torch.optim optimizer"),
+    ("bad-entrypoint", {"model__entrypoint": "nowhere.models:build"},
+     "spec.model.entrypoint: cannot import module 'nowhere.models'"),
+    ("tiny-ram", {"providers": [{"ram": "1Ki", "replicas": 2}]}, "total RAM"),
+    ("too-many-stages", {"providers": [{"ram": 4, "replicas": 30}], "plan": {"clusters": 1}},
+     "more stages than layers"),
+    ("negative-ram", {"providers": [{"ram": "-1"}]}, "spec.providers[0].ram"),
+]
+
+
+@pytest.mark.parametrize(("name", "changes", "message"), SCHEMA_REJECTED,
+                         ids=[c[0] for c in SCHEMA_REJECTED])
+def test_schema_rejects_invalid_jobs_at_apply(cluster, tmp_path, name, changes, message):
+    kube, _, _ = cluster
+    result = apply(kube, job_doc(name, **changes), tmp_path)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert get(kube, "rj", name) is None
+
+
+@pytest.mark.parametrize(("name", "changes", "message"), STATUS_REJECTED,
+                         ids=[c[0] for c in STATUS_REJECTED])
+def test_operator_fails_invalid_jobs_with_a_clear_status(cluster, tmp_path, name, changes,
+                                                         message):
+    kube, _, operator = cluster
+    assert apply(kube, job_doc(name, **changes), tmp_path).returncode == 0
+    wait_for(f"{name} to fail", lambda: phase_of(kube, name) == "Failed", 60, kube, operator)
+    status = get(kube, "rj", name)["status"]
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert message in failed["message"]
+    assert get(kube, "pods", selector=f"ravnest.io/job={name}")["items"] == []
+    kctl(kube, "delete", "rj", name, "--wait=false")
+
+
+def _kill_when(kube, kubelet, operator, job: str, pod: str, step: int) -> None:
+    def far_enough() -> bool:
+        st = (get(kube, "rj", job) or {}).get("status", {})
+        return st.get("phase") == "Running" and st.get("progress", {}).get("step", 0) >= step
+    wait_for(f"{job} step {step}", far_enough, 300, kube, operator)
+    kubelet.kill(pod)
+
+
+def test_killed_worker_restarts_from_checkpoint(cluster, tmp_path):
+    kube, kubelet, operator = cluster
+    doc = job_doc("restart", epochs=4, checkpoint__everySteps=10)
+    assert apply(kube, doc, tmp_path).returncode == 0
+    _kill_when(kube, kubelet, operator, "restart", "restart-node-3", 25)
+    wait_for("restart to restart", lambda: (get(kube, "rj", "restart") or {}).get(
+        "status", {}).get("restarts") == 1, 60, kube, operator)
+    wait_for("restart to succeed", lambda: phase_of(kube, "restart") == "Succeeded", 400, kube,
+             operator)
+    status = get(kube, "rj", "restart")["status"]
+    restarting = next(c for c in status["conditions"] if c["type"] == "Restarting")
+    assert "pod restart-node-3 failed with exit code 137" in restarting["message"]
+    logs = kubelet.log_of("restart-node-0")
+    resumed = [int(line.split("at step ")[1].split()[0]) for line in logs.splitlines()
+               if "resumed from checkpoint at step" in line]
+    assert resumed and resumed[0] >= 20  # did not start over
+    assert status["result"]["updates"] == 88
+    assert status["progress"]["validationMetric"] >= 0.95
+
+
+def test_backoff_limit_zero_fails_naming_pod_and_exit_code(cluster, tmp_path):
+    kube, kubelet, operator = cluster
+    doc = job_doc("fragile", epochs=4, runPolicy__backoffLimit=0)
+    assert apply(kube, doc, tmp_path).returncode == 0
+    _kill_when(kube, kubelet, operator, "fragile", "fragile-node-1", 5)
+    wait_for("fragile to fail", lambda: phase_of(kube, "fragile") == "Failed", 60, kube,
+             operator)
+    failed = next(c for c in get(kube, "rj", "fragile")["status"]["conditions"]
+                  if c["type"] == "Failed")
+    assert failed["reason"] == "BackoffLimitExceeded"
+    assert "pod fragile-node-1 failed with exit code 137" in failed["message"]
+    wait_for("running pods cleaned", lambda: all(
+        p["status"].get("phase") != "Running"
+        for p in get(kube, "pods", selector="ravnest.io/job=fragile")["items"]), 60, kube,
+        operator)
+
+
+def test_suspend_then_resume_continues_from_checkpoint(cluster, tmp_path):
+    kube, kubelet, operator = cluster
+    doc = job_doc("pause", epochs=4, checkpoint__everySteps=10)
+    assert apply(kube, doc, tmp_path).returncode == 0
+
+    def step() -> int:
+        return (get(kube, "rj", "pause") or {}).get("status", {}).get("progress", {}).get(
+            "step", 0)
+    wait_for("pause step 25", lambda: step() >= 25, 300, kube, operator)
+    kctl(kube, "patch", "rj", "pause", "--type=merge", "-p",
+                 '{"spec":{"runPolicy":{"suspend":true}}}')
+    wait_for("suspended", lambda: phase_of(kube, "pause") == "Suspended", 60, kube, operator)
+    wait_for("pods gone", lambda: get(kube, "pods", selector="ravnest.io/job=pause")["items"]
+             == [], 60, kube, operator)
+    kctl(kube, "patch", "rj", "pause", "--type=merge", "-p",
+                 '{"spec":{"runPolicy":{"suspend":false}}}')
+    wait_for("pause to succeed", lambda: phase_of(kube, "pause") == "Succeeded", 400, kube,
+             operator)
+    logs = kubelet.log_of("pause-node-0")
+    assert any("resumed from checkpoint at step" in line for line in logs.splitlines())
+
+
+def test_operator_restart_mid_job_creates_no_duplicates(cluster, tmp_path):
+    kube, kubelet, operator = cluster
+    assert apply(kube, job_doc("survivor", epochs=3), tmp_path).returncode == 0
+    wait_for("survivor running", lambda: phase_of(kube, "survivor") == "Running", 120, kube,
+             operator)
+    operator.stop(kill=True)
+    time.sleep(2)
+    operator.start()
+    wait_for("survivor to succeed", lambda: phase_of(kube, "survivor") == "Succeeded", 400,
+             kube, operator)
+    assert sum(1 for p in kubelet.started if p.startswith("survivor-")) == 6
+    assert len(get(kube, "configmaps", selector="ravnest.io/job=survivor")["items"]) == 7
+
+
+def test_deleting_a_running_job_leaves_nothing_behind(cluster, tmp_path):
+    kube, kubelet, operator = cluster
+    assert apply(kube, job_doc("doomed", epochs=3), tmp_path).returncode == 0
+    wait_for("doomed running", lambda: phase_of(kube, "doomed") == "Running", 120, kube,
+             operator)
+    kctl(kube, "delete", "rj", "doomed", "--wait=true", "--timeout=60s")
+
+    def gone() -> bool:
+        left = []
+        for kind in ("pods", "configmaps", "services", "secrets"):
+            left += get(kube, kind, selector="ravnest.io/job=doomed")["items"]
+        return not left and not any(p.startswith("doomed-") for p in kubelet.running)
+    wait_for("garbage collection of doomed", gone, 120, kube, operator)
