@@ -46,7 +46,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         kubernetes.config.load_kube_config()
     settings.posting.level = logging.INFO
     # A job deleted while its timer is mid-reconcile keeps kopf's finalizer until the timer has
-    # exited; kopf re-checks only every 60 s by default, which makes `kubectl delete` hang that long.
+    # exited; kopf re-checks only every 60 s by default, so `kubectl delete` would hang that long.
     settings.background.cancellation_polling = 1.0
     monitoring.serve(int(os.environ.get("RAVNEST_OPERATOR_METRICS_PORT", "8080")))
 
