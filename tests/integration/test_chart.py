@@ -1,0 +1,786 @@
+"""The Helm chart (charts/ravnest) with the real Helm CLI and a real kube-apiserver.
+
+helm lint and helm template in three configurations (defaults; every optional feature on; that
+with the operator restricted to two namespaces), a server-side dry run of every rendered object, a
+real install/upgrade/uninstall, the CRD kept equal to crds/ravnestjob.yaml, RBAC derived from the
+operator's code and compared both ways with what the chart grants (then proven live: the real
+operator and the helm-test script run with the chart's ServiceAccounts under RBAC), the values
+schema, and dashboards and alerts that only query metrics the code registers.
+
+The ServiceMonitor, PodMonitor and PrometheusRule need the prometheus-operator's CRDs: minimal ones
+are vendored in tests/integration/prometheus_operator_crds.yaml (see its header).
+
+Fails (does not skip) when helm, etcd or kube-apiserver is missing: build them with
+scripts/k8s-tools.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import importlib
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+import pytest
+import yaml
+from kube import LocalApiserver, MissingBinary, find_binary, free_port, local_apiserver
+from prometheus_client.metrics import MetricWrapperBase
+
+from ravnest import __version__
+from ravnest.metrics import Identity, WorkerMetrics
+from ravnest.spec import parse_job
+from ravnest_operator import monitoring
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "ravnest"
+OPERATOR = ROOT / "operator" / "ravnest_operator"
+MONITORING_CRDS = Path(__file__).resolve().parent / "prometheus_operator_crds.yaml"
+RELEASE, NAMESPACE = "rel", "ravnest-system"
+WATCHED = ("team-a", "team-b")
+
+ALL_ON = ["--set", "metrics.serviceMonitor.enabled=true",
+          "--set", "metrics.podMonitor.enabled=true",
+          "--set", "metrics.prometheusRule.enabled=true",
+          "--set", "networkPolicy.enabled=true",
+          "--set", "dashboards.annotations.grafana_folder=Ravnest"]
+NAMESPACED = ["--set", f"operator.watchNamespaces={{{','.join(WATCHED)}}}"]
+CONFIGS = {"defaults": [], "all-on": ALL_ON, "namespaced": [*ALL_ON, *NAMESPACED]}
+
+Triple = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
+
+# What kopf itself does beyond the handlers' own calls (kopf/_cogs/clients/{fetching,watching,
+# patching,events}.py, kopf/_core/reactor/observation.py):
+KOPF_NEEDS: set[Triple] = {
+    # watching the served resource: a list, then a watch from its resourceVersion
+    ("ravnest.io", "ravnestjobs", "list"), ("ravnest.io", "ravnestjobs", "watch"),
+    # its progress and last-handled-configuration annotations, merge-patched on the object
+    ("ravnest.io", "ravnestjobs", "patch"),
+    # the handlers' patch.status, sent to the status subresource (the CRD has one)
+    ("ravnest.io", "ravnestjobs/status", "patch"),
+    # handler failures and kopf.info/warn/event are posted as core v1 Events
+    ("", "events", "create"),
+    # the resource observer lists and watches CRDs to notice served resources (dis)appearing
+    ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+}
+# Only with --namespace (not --all-namespaces): kopf's namespace observer lists and watches the
+# namespaces to match them against the given patterns.
+KOPF_NAMESPACE_NEEDS: set[Triple] = {("", "namespaces", "list"), ("", "namespaces", "watch")}
+# Kubernetes itself: the operator creates objects with ownerReferences[].blockOwnerDeletion=true,
+# which the OwnerReferencesPermissionEnforcement admission plugin allows only to a user who may
+# update the owner's finalizers (test_operator_runs_under_chart_rbac turns that plugin on).
+ADMISSION_NEEDS: set[Triple] = {("ravnest.io", "ravnestjobs/finalizers", "update")}
+CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces"}
+# Non-resource URLs every authenticated user may GET (the default system:public-info-viewer role).
+PUBLIC_URLS = {"/version", "/version/", "/healthz", "/livez", "/readyz"}
+# kopf's helpers that post an Event for the object.
+KOPF_EVENT_FUNCS = {"event", "info", "warn", "exception"}
+
+_VERBS = {"POST": "create", "PATCH": "patch", "PUT": "update"}
+
+
+# --- tools -----------------------------------------------------------------------------------
+
+def _binary(name: str) -> str:
+    """The binary, or the calling test fails (not skips) saying how to build it."""
+    try:
+        return find_binary(name)
+    except MissingBinary as e:
+        message = str(e)
+    pytest.fail(message, pytrace=False)
+
+
+def run_helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([_binary("helm"), *args], capture_output=True, text=True, timeout=120)
+    if check and proc.returncode != 0:
+        pytest.fail(f"helm {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}",
+                    pytrace=False)
+    return proc
+
+
+@functools.cache
+def rendered_text(config: str) -> str:
+    return run_helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE,
+                    *CONFIGS[config]).stdout
+
+
+def rendered(config: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(rendered_text(config)) if d]
+
+
+def is_hook(doc: dict[str, Any]) -> bool:
+    return "helm.sh/hook" in (doc["metadata"].get("annotations") or {})
+
+
+def one(docs: Iterable[dict[str, Any]], kind: str, name: str | None = None,
+        namespace: str | None = None) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind
+             and (name is None or d["metadata"]["name"] == name)
+             and (namespace is None or d["metadata"].get("namespace") == namespace)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, got {len(found)}"
+    return found[0]
+
+
+class Cluster:
+    """The module's apiserver (RBAC and OwnerReferencesPermissionEnforcement on, the CRDs applied,
+    the configurations' namespaces made), started by the first test that asks for it, so that a
+    missing binary fails that test rather than erroring in a fixture."""
+
+    def __init__(self, workdir: Path, stack: contextlib.ExitStack) -> None:
+        self.workdir, self.stack = workdir, stack
+        self.kube: LocalApiserver | None = None
+
+    def __call__(self) -> LocalApiserver:
+        if self.kube is None:
+            for name in ("etcd", "kube-apiserver", "kubectl"):
+                _binary(name)
+            kube = self.stack.enter_context(local_apiserver(self.workdir, extra_args=[
+                "--enable-admission-plugins=OwnerReferencesPermissionEnforcement"]))
+            kube.kubectl("apply", "--server-side", "-f", str(CHART / "crds"),
+                         "-f", str(MONITORING_CRDS))
+            kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd",
+                         "ravnestjobs.ravnest.io", "servicemonitors.monitoring.coreos.com",
+                         "podmonitors.monitoring.coreos.com",
+                         "prometheusrules.monitoring.coreos.com")
+            for ns in (NAMESPACE, *WATCHED):
+                kube.kubectl("create", "namespace", ns)
+            self.kube = kube
+        return self.kube
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with contextlib.ExitStack() as stack:
+        yield Cluster(tmp_path_factory.mktemp("kube"), stack)
+
+
+# --- lint, render, dry run -------------------------------------------------------------------
+
+@pytest.mark.parametrize("config", ["defaults", "all-on", "namespaced"])
+def test_lint(config: str) -> None:
+    out = run_helm("lint", "--strict", str(CHART), "--namespace", NAMESPACE,
+                   *CONFIGS[config]).stdout
+    assert "0 chart(s) failed" in out, out
+    assert "[ERROR]" not in out and "[WARNING]" not in out, out
+
+
+@pytest.mark.parametrize("config", ["defaults", "all-on", "namespaced"])
+def test_server_side_dry_run(cluster: Cluster, config: str) -> None:
+    docs = rendered(config)
+    out = cluster().kubectl("apply", "--dry-run=server", "-f", "-", input=rendered_text(config))
+    lines = [ln for ln in out.splitlines() if "(server dry run)" in ln]
+    assert len(lines) == len(docs), out
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service",
+            "ConfigMap", "Pod"} <= kinds
+    if config != "defaults":
+        assert {"ServiceMonitor", "PodMonitor", "PrometheusRule", "NetworkPolicy"} <= kinds
+    else:
+        assert not {"ServiceMonitor", "PodMonitor", "PrometheusRule", "NetworkPolicy"} & kinds
+
+
+def test_crd_is_the_repository_crd() -> None:
+    chart_crd = (CHART / "crds" / "ravnestjob.yaml").read_bytes()
+    assert chart_crd == (ROOT / "crds" / "ravnestjob.yaml").read_bytes(), (
+        "charts/ravnest/crds/ravnestjob.yaml differs from crds/ravnestjob.yaml: "
+        "cp crds/ravnestjob.yaml charts/ravnest/crds/")
+    assert sorted(p.name for p in (CHART / "crds").iterdir()) == ["ravnestjob.yaml"]
+
+
+def test_operator_deployment() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2" and chart["appVersion"] == __version__
+    docs = rendered("defaults")
+    deploy = one(docs, "Deployment")
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "Recreate"
+    pod = deploy["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["image"] == f"ravnest:{__version__}"
+    assert c["command"] == ["kopf", "run", "--standalone", "--all-namespaces",
+                            "--liveness=http://0.0.0.0:8081/healthz",
+                            "-m", "ravnest_operator.handling"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["RAVNEST_WORKER_IMAGE"] == f"ravnest:{__version__}"
+    assert env["RAVNEST_OPERATOR_METRICS_PORT"] == "8080"
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"metrics": 8080,
+                                                                   "healthz": 8081}
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 10001
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False,
+                                    "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}}
+    assert pod["serviceAccountName"] == one(docs, "ServiceAccount", f"{RELEASE}-ravnest")[
+        "metadata"]["name"]
+    namespaced = one(rendered("namespaced"), "Deployment")
+    args = namespaced["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert [a for a in args if a.startswith("--namespace")] == [f"--namespace={n}"
+                                                                for n in WATCHED]
+    assert "--all-namespaces" not in args
+
+
+CRD_UPGRADE = "kubectl apply --server-side --force-conflicts -f charts/ravnest/crds/"
+
+
+def test_install_upgrade_uninstall(tmp_path: Path) -> None:
+    """On a fresh cluster: `helm install` (every option on) installs the CRD from crds/ and prints
+    NOTES with the next steps; the CRD upgrade NOTES and the README give works on the CRD Helm
+    created (a changed CRD stands in for a new version); `helm upgrade` applies a new value; the
+    CRD outlives `helm uninstall`."""
+    for name in ("etcd", "kube-apiserver", "kubectl"):
+        _binary(name)
+    with local_apiserver(tmp_path / "kube") as kube:
+        kube.kubectl("apply", "--server-side", "-f", str(MONITORING_CRDS))
+        kube.kubectl("create", "namespace", NAMESPACE)
+        base = ["--kubeconfig", str(kube.kubeconfig), "--namespace", NAMESPACE]
+        notes = run_helm("install", RELEASE, str(CHART), *base, *ALL_ON).stdout
+        notes = notes.split("NOTES:", 1)[-1]
+        for step in ("kubectl apply -f examples/digits.yaml", "kubectl get rj",
+                     "ravnest status digits", f"helm test {RELEASE}", CRD_UPGRADE):
+            assert step in notes, notes
+        assert CRD_UPGRADE in (CHART / "README.md").read_text()
+        assert "helm" in kube.kubectl("get", "crd", "ravnestjobs.ravnest.io", "-o",
+                                      "jsonpath={.metadata.managedFields[*].manager}").split()
+        crd = yaml.safe_load((CHART / "crds" / "ravnestjob.yaml").read_text())
+        crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["description"] = "next version"
+        (tmp_path / "crds").mkdir()
+        (tmp_path / "crds" / "ravnestjob.yaml").write_text(yaml.safe_dump(crd))
+        kube.kubectl(*CRD_UPGRADE.split()[1:-1], str(tmp_path / "crds"))
+        assert kube.kubectl("get", "crd", "ravnestjobs.ravnest.io", "-o", "jsonpath={.spec."
+                            "versions[0].schema.openAPIV3Schema.description}") == "next version"
+        run_helm("upgrade", RELEASE, str(CHART), *base, *ALL_ON,
+                 "--set", "operator.reconcileInterval=5")
+        env = kube.kubectl("get", "deploy", f"{RELEASE}-ravnest", "-n", NAMESPACE, "-o",
+                           "jsonpath={.spec.template.spec.containers[0].env}")
+        assert {"name": "RAVNEST_RECONCILE_INTERVAL", "value": "5"} in json.loads(env)
+        run_helm("uninstall", RELEASE, *base)
+        assert not kube.kubectl("get", "deploy,clusterrole,configmap", "-A", "-l",
+                                f"app.kubernetes.io/instance={RELEASE}", "-o", "name").strip()
+        kube.kubectl("get", "crd", "ravnestjobs.ravnest.io")
+
+
+# --- RBAC ------------------------------------------------------------------------------------
+
+_SERIALIZE = re.compile(r"method='(\w+)',\s*resource_path='([^']+)'")
+
+
+@functools.cache
+def _api_classes() -> tuple[type, ...]:
+    """The kubernetes client's API classes (the package loads them lazily, by __all__)."""
+    return tuple(getattr(kubernetes.client, name) for name in kubernetes.client.__all__
+                 if name.endswith("Api"))
+
+
+@functools.cache
+def _endpoint(method: str) -> tuple[type, str, str]:
+    """(API class, HTTP method, path template) of a kubernetes client method, from the code the
+    client generates for it (`_<method>_serialize`)."""
+    found = set()
+    for cls in _api_classes():
+        serialize = getattr(cls, f"_{method}_serialize", None)
+        if serialize is not None:
+            found |= {(cls, *m) for m in _SERIALIZE.findall(inspect.getsource(serialize))}
+    assert len(found) == 1, f"cannot tell the endpoint of kubernetes client .{method}: {found}"
+    return found.pop()
+
+
+@functools.cache
+def _client_methods() -> frozenset[str]:
+    methods = frozenset(name for cls in _api_classes() for name in vars(cls)
+                        if hasattr(cls, f"_{name}_serialize"))
+    assert "create_namespaced_pod" in methods, "the kubernetes client's layout changed"
+    return methods
+
+
+def _constants(tree: ast.Module, package: str) -> dict[str, Any]:
+    """Module-level string constants and names imported from the package's own modules."""
+    out: dict[str, Any] = {}
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)):
+            out.update({t.id: node.value.value for t in node.targets if isinstance(t, ast.Name)})
+        elif isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            module = importlib.import_module(f"{package}.{node.module}")
+            out.update({a.asname or a.name: getattr(module, a.name) for a in node.names})
+    return out
+
+
+def _permission(method: str, call: ast.Call | None, consts: dict[str, Any],
+                where: str) -> Triple | str:
+    """The RBAC (group, resource, verb) one client method needs, or its non-resource URL."""
+    cls, http, path = _endpoint(method)
+    args: dict[str, Any] = {}
+    if call is not None:
+        params = [p for p in inspect.signature(getattr(cls, method)).parameters if p != "self"]
+        pairs = [*zip(params, call.args, strict=False),
+                 *((k.arg, k.value) for k in call.keywords if k.arg)]
+        for name, node in pairs:
+            if isinstance(node, ast.Constant):
+                args[name] = node.value
+            elif isinstance(node, ast.Name) and node.id in consts:
+                args[name] = consts[node.id]
+    parts = path.strip("/").split("/")
+    if parts[0] == "api":
+        group, rest = "", parts[2:]
+    elif parts[0] == "apis":
+        group, rest = parts[1], parts[3:]
+    else:
+        return path
+    if rest[:2] == ["namespaces", "{namespace}"]:
+        rest = rest[2:]
+
+    def resolve(part: str) -> str:
+        if part.startswith("{"):
+            value = args.get(part.strip("{}"))
+            assert isinstance(value, str), (
+                f"{where}: .{method} needs {part} to name what it acts on, and it is not a "
+                f"constant this test can resolve")
+            return value
+        return part
+
+    group, resource = resolve(group), resolve(rest[0])
+    named = len(rest) > 1
+    if len(rest) > 2:
+        resource = f"{resource}/{rest[2]}"
+    if http == "GET":
+        verb = "get" if named else "list"
+    elif http == "DELETE":
+        verb = "delete" if named else "deletecollection"
+    else:
+        verb = _VERBS[http]
+    return group, resource, verb
+
+
+def api_permissions(files: Iterable[Path], package: str) -> tuple[set[Triple], set[str]]:
+    """What the code's Kubernetes API calls need: every kubernetes client method it names (called
+    or passed around) and every kopf event helper; returns (triples, non-resource URLs)."""
+    methods = _client_methods()
+    triples: set[Triple] = set()
+    urls: set[str] = set()
+    for path in files:
+        tree = ast.parse(path.read_text(), str(path))
+        consts = _constants(tree, package)
+        calls = {id(n.func): n for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            if (node.attr in KOPF_EVENT_FUNCS and isinstance(node.value, ast.Name)
+                    and node.value.id == "kopf"):
+                triples.add(("", "events", "create"))
+            elif node.attr in methods:
+                need = _permission(node.attr, calls.get(id(node)), consts,
+                                   f"{path.name}:{node.lineno}")
+                if isinstance(need, str):
+                    urls.add(need)
+                else:
+                    triples.add(need)
+    return triples, urls
+
+
+def granted(rules: list[dict[str, Any]]) -> set[Triple]:
+    out: set[Triple] = set()
+    for rule in rules:
+        assert not {"resourceNames", "nonResourceURLs"} & rule.keys(), rule
+        for field in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[field], f"wildcard in {rule}"
+        out |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"]
+                for v in rule["verbs"]}
+    return out
+
+
+def _diff(needed: set[Triple], got: set[Triple]) -> str:
+    return f"missing: {sorted(needed - got)}\nnot needed: {sorted(got - needed)}"
+
+
+@functools.cache
+def operator_needs() -> tuple[frozenset[Triple], frozenset[str]]:
+    triples, urls = api_permissions(sorted(OPERATOR.glob("*.py")), "ravnest_operator")
+    return frozenset(triples), frozenset(urls)
+
+
+def test_operator_calls_are_found() -> None:
+    """The derivation sees the calls handling.py makes (a guard against it silently finding
+    nothing)."""
+    triples, urls = operator_needs()
+    assert {("", "pods", "create"), ("", "pods", "delete"), ("", "pods", "list"),
+            ("", "configmaps", "get"), ("", "configmaps", "create"), ("", "services", "create"),
+            ("", "secrets", "create"), ("", "events", "create"),
+            ("ravnest.io", "ravnestjobs", "delete")} <= triples
+    assert urls <= PUBLIC_URLS, f"non-resource URLs the default roles do not grant: {urls}"
+
+
+def test_cluster_rbac_is_exactly_what_the_operator_uses() -> None:
+    needed = set(operator_needs()[0]) | KOPF_NEEDS | ADMISSION_NEEDS
+    docs = [d for d in rendered("defaults") if not is_hook(d)]
+    role = one(docs, "ClusterRole")
+    got = granted(role["rules"])
+    assert got == needed, _diff(needed, got)
+    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": f"{RELEASE}-ravnest",
+                                    "namespace": NAMESPACE}]
+
+
+def test_namespaced_rbac_is_exactly_what_the_operator_uses() -> None:
+    needed = set(operator_needs()[0]) | KOPF_NEEDS | ADMISSION_NEEDS
+    docs = [d for d in rendered("namespaced") if not is_hook(d)]
+    cluster = granted(one(docs, "ClusterRole")["rules"])
+    cluster_needed = {t for t in needed | KOPF_NAMESPACE_NEEDS if t[1] in CLUSTER_SCOPED}
+    assert cluster == cluster_needed, _diff(cluster_needed, cluster)
+    for ns in WATCHED:
+        got = granted(one(docs, "Role", namespace=ns)["rules"])
+        ns_needed = {t for t in needed if t[1] not in CLUSTER_SCOPED}
+        assert got == ns_needed, f"Role in {ns}:\n{_diff(ns_needed, got)}"
+        binding = one(docs, "RoleBinding", namespace=ns)
+        assert binding["subjects"][0]["namespace"] == NAMESPACE
+
+
+def test_helm_test_rbac_is_exactly_what_its_script_uses() -> None:
+    needed, urls = api_permissions([CHART / "files" / "smoke.py"], "")
+    assert not urls
+    role = one(rendered("defaults"), "Role", namespace=NAMESPACE)
+    assert role["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    got = granted(role["rules"])
+    assert got == needed == {("ravnest.io", "ravnestjobs", v) for v in ("create", "get",
+                                                                        "delete")}, \
+        _diff(needed, got)
+
+
+def _token_kubeconfig(kube: LocalApiserver, account: str, namespace: str, path: Path) -> Path:
+    """A kubeconfig that authenticates as a ServiceAccount (token from the TokenRequest API)."""
+    token = kube.kubectl("create", "token", account, "-n", namespace, "--duration=1h").strip()
+    config = yaml.safe_load(kube.kubeconfig.read_text())
+    config["users"] = [{"name": "admin", "user": {"token": token}}]
+    config["contexts"][0]["context"]["namespace"] = namespace
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _install(kube: LocalApiserver, docs: list[dict[str, Any]], kinds: set[str]) -> None:
+    """Create the rendered objects of these kinds for real."""
+    chosen = [d for d in docs if d["kind"] in kinds]
+    kube.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(chosen))
+
+
+def _refused(log: Path) -> list[str]:
+    """Requests the API server refused, as kopf and the handlers log them."""
+    return [ln for ln in log.read_text().splitlines()
+            if re.search(r"\b403\b|[Ff]orbidden|Not enough permissions", ln)]
+
+
+def _wait(what: str, check: Any, timeout: float, log: Path | None = None) -> Any:
+    """Poll check() until truthy; fail at the timeout, or at once when the log shows a 403."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        refused = _refused(log) if log else []
+        if refused or time.monotonic() > deadline:
+            tail = "\n".join((refused or log.read_text().splitlines())[-40:]) if log else ""
+            pytest.fail(f"{'refused' if refused else 'timed out'} waiting for {what}\n{tail}",
+                        pytrace=False)
+        time.sleep(0.5)
+
+
+def _test_job(config: str = "defaults") -> dict[str, Any]:
+    cm = one(rendered(config), "ConfigMap", f"{RELEASE}-ravnest-test")
+    return dict(yaml.safe_load(cm["data"]["job.yaml"]))
+
+
+def test_helm_test_job_is_valid() -> None:
+    """The helm-test job is a valid RavnestJob, in a namespace the operator serves, where the
+    test's Role is."""
+    job = _test_job()
+    parsed = parse_job(job)
+    assert parsed.spec.training.epochs == 1
+    assert len(parsed.spec.expanded_providers()) == 2
+    assert job["metadata"]["namespace"] == NAMESPACE
+    assert _test_job("namespaced")["metadata"]["namespace"] == WATCHED[0]
+    hooks = [d for d in rendered("namespaced") if d["kind"] in ("Role", "RoleBinding")
+             and is_hook(d)]
+    assert {d["metadata"]["namespace"] for d in hooks} == {WATCHED[0]}
+
+
+RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+
+
+@pytest.mark.parametrize("config", ["defaults", "namespaced"])
+def test_operator_runs_under_chart_rbac(cluster: Cluster, tmp_path: Path, config: str) -> None:
+    """The real operator, run with the rendered Deployment's command and environment and
+    authenticated as the chart's ServiceAccount, takes a job through plan, pods, suspend (pod
+    deletion) and TTL deletion with no request refused."""
+    kube = cluster()
+    docs = [d for d in rendered(config) if d["kind"] in RBAC_KINDS and not is_hook(d)]
+    account = one(docs, "ServiceAccount")["metadata"]["name"]
+    container = one(rendered(config), "Deployment")["spec"]["template"]["spec"][
+        "containers"][0]
+    kopf_args = [f"--liveness=http://127.0.0.1:{free_port()}/healthz" if a.startswith(
+        "--liveness=") else a for a in container["command"][1:]]
+    env = {**os.environ, **{e["name"]: e["value"] for e in container["env"]},
+           "RAVNEST_RECONCILE_INTERVAL": "1", "RAVNEST_OPERATOR_METRICS_PORT": str(free_port())}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    job = _test_job()
+    ns, name = WATCHED[0], job["metadata"]["name"]
+    job["metadata"]["namespace"] = ns
+    log = tmp_path / "operator.log"
+    installed = yaml.safe_dump_all(docs)
+    kube.kubectl("apply", "--server-side", "-f", "-", input=installed)
+    env["KUBECONFIG"] = str(_token_kubeconfig(kube, account, NAMESPACE,
+                                              tmp_path / "operator.kubeconfig"))
+
+    def status() -> dict[str, Any]:
+        out = kube.kubectl("get", "rj", name, "-n", ns, "-o", "json", check=False)
+        return dict(json.loads(out).get("status") or {}) if out else {}
+
+    def pods() -> list[str]:
+        return kube.kubectl("get", "pods", "-n", ns, "-l", f"ravnest.io/job={name}",
+                            "-o", "name").split()
+
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "kopf", *kopf_args], stdout=fh,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        kube.kubectl("apply", "-f", "-", input=yaml.safe_dump(job))
+        _wait("the worker pods", lambda: len(pods()) == 2, 180, log)
+        assert status().get("phase") == "Planned"
+        for obj in (f"service/{name}-workers", f"secret/{name}-token", f"configmap/{name}-plan"):
+            kube.kubectl("get", obj, "-n", ns)
+        kube.kubectl("patch", "rj", name, "-n", ns, "--type=merge",
+                     "-p", '{"spec": {"runPolicy": {"suspend": true}}}')
+        _wait("Suspended", lambda: status().get("phase") == "Suspended", 60, log)
+        _wait("the pods' deletion", lambda: not pods(), 60, log)
+        kube.kubectl("patch", "rj", name, "-n", ns, "--type=merge", "--subresource=status", "-p",
+                     '{"status": {"phase": "Failed", "completionTime": "2000-01-01T00:00:00Z"}}')
+        kube.kubectl("patch", "rj", name, "-n", ns, "--type=merge",
+                     "-p", '{"spec": {"runPolicy": {"ttlSecondsAfterFinished": 0}}}')
+        _wait("the TTL deletion", lambda: not kube.kubectl(
+            "get", "rj", "-n", ns, "-o", "name").strip(), 60, log)
+        _wait("the Planned event", lambda: "Planned" in kube.kubectl(
+            "get", "events", "-n", ns, "-o", "jsonpath={.items[*].reason}").split(), 30, log)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        kube.kubectl("delete", "--wait=false", "--ignore-not-found", "-f", "-", input=installed)
+        kube.kubectl("delete", "pods", "-n", ns, "-l", f"ravnest.io/job={name}",
+                     "--wait=false", "--ignore-not-found")
+        kube.kubectl("delete", "rj", name, "-n", ns, "--wait=false", "--ignore-not-found")
+    refused = _refused(log)
+    assert not refused, "\n".join(refused)
+
+
+def test_helm_test_script_under_its_rbac(cluster: Cluster, tmp_path: Path) -> None:
+    """files/smoke.py as the test hook's ServiceAccount: it creates the job, sees it succeed (the
+    test plays the operator), deletes it and exits 0."""
+    kube = cluster()
+    docs = rendered("defaults")
+    hooks = [d for d in docs if is_hook(d)]
+    assert {d["kind"] for d in hooks} == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap",
+                                          "Pod"}
+    _install(kube, hooks, {"ServiceAccount", "Role", "RoleBinding"})
+    account = one(hooks, "ServiceAccount")["metadata"]["name"]
+    config = _token_kubeconfig(kube, account, NAMESPACE, tmp_path / "test.kubeconfig")
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(one(hooks, "ConfigMap")["data"]["job.yaml"])
+    name = yaml.safe_load(job_file.read_text())["metadata"]["name"]
+    env = {**os.environ, "KUBECONFIG": str(config), "RAVNEST_TEST_JOB": str(job_file),
+           "RAVNEST_TEST_TIMEOUT": "60"}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    proc = subprocess.Popen([sys.executable, str(CHART / "files" / "smoke.py")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait("the test job", lambda: kube.kubectl("get", "rj", name, "-n", NAMESPACE,
+                                                   check=False), 30)
+        kube.kubectl("patch", "rj", name, "-n", NAMESPACE, "--type=merge",
+                     "--subresource=status", "-p", '{"status": {"phase": "Succeeded"}}')
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert "succeeded" in out, out
+    assert not kube.kubectl("get", "rj", "-n", NAMESPACE, "-o", "name").strip()
+
+
+# --- values schema ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("replicaCount=abc", "/replicaCount': got string, want integer"),
+    ("replicaCount=2", "/replicaCount': maximum"),
+    ("operator.watchNamespace=x", "additional properties 'watchNamespace' not allowed"),
+    ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
+    ("metrics.podMonitor.interval=soon", "/metrics/podMonitor/interval"),
+    ("operator.watchNamespaces={Team_A}", "/operator/watchNamespaces/0"),
+])
+def test_schema_rejects_bad_values(setting: str, message: str) -> None:
+    proc = run_helm("template", RELEASE, str(CHART), "--set", setting, check=False)
+    assert proc.returncode != 0, f"--set {setting} was accepted"
+    assert "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
+    assert message in proc.stderr, proc.stderr
+
+
+# --- dashboards and alerts -------------------------------------------------------------------
+
+def _family_samples(family: Any) -> set[str]:
+    """The sample names Prometheus stores for a metric family (prometheus_client's naming)."""
+    suffixes = {"counter": ["_total", "_created"], "gauge": [""], "histogram":
+                ["_bucket", "_sum", "_count", "_created"], "summary": ["", "_sum", "_count",
+                                                                      "_created"]}
+    return {family.name + s for s in suffixes[family.type]}
+
+
+@functools.cache
+def known_metrics() -> frozenset[str]:
+    """Every metric name a worker or the operator exposes, from their registries, plus `up`
+    (the per-target metric Prometheus adds)."""
+    worker = WorkerMetrics(Identity("j", "ns", "node_0", "root", 0, 0))
+    names = {n for fam in worker.registry.collect() for n in _family_samples(fam)}
+    wrappers = [v for v in vars(monitoring).values() if isinstance(v, MetricWrapperBase)]
+    assert wrappers, "no metrics found in ravnest_operator.monitoring"
+    for metric in wrappers:
+        names |= {n for fam in metric.describe() for n in _family_samples(fam)}
+    return frozenset(names | {"up"})
+
+
+_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
+             "unless", "offset", "inf", "nan"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names a PromQL expression (with Grafana variables) selects."""
+    expr = re.sub(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'', '""', expr)  # strings
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # ranges
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
+    expr = re.sub(r"\$\{?\w+\}?", "", expr)  # Grafana variables
+    names = set()
+    for m in re.finditer(r"(?<![\w.])[a-zA-Z_:][\w:]*", expr):
+        following = expr[m.end():].lstrip()
+        if m.group() not in _KEYWORDS and not following.startswith("("):
+            names.add(m.group())
+    return names
+
+
+def test_metric_name_parser() -> None:
+    assert metric_names('histogram_quantile(0.9, sum by (job, le) (rate(a_bucket{job=~"$job", '
+                        'x="y(z)"}[$__rate_interval]))) / on (job) group_left b > 1e3') == {
+        "a_bucket", "b"}
+    assert metric_names("-sum(increase(c_total[1h])) and d offset 5m") == {"c_total", "d"}
+
+
+def _dashboards() -> dict[str, dict[str, Any]]:
+    return {p.stem: json.loads(p.read_text())
+            for p in sorted((CHART / "dashboards").glob("*.json"))}
+
+
+def _exprs(board: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    for panel in board["panels"]:
+        for target in panel.get("targets", []):
+            yield panel["title"], target["expr"]
+    for var in board["templating"]["list"]:
+        if var["type"] == "query":
+            selector = re.fullmatch(r"label_values\((.*),\s*\w+\)", var["definition"])
+            assert selector, var["definition"]
+            yield f"variable {var['name']}", selector.group(1)
+
+
+def test_dashboards() -> None:
+    boards = _dashboards()
+    assert set(boards) == {"training", "operator"}
+    assert {b["title"] for b in boards.values()} == {"Ravnest training", "Ravnest operator"}
+    assert len({b["uid"] for b in boards.values()}) == 2
+    for name, board in boards.items():
+        variables = {v["name"]: v for v in board["templating"]["list"]}
+        assert {"datasource", "namespace", "job"} <= variables.keys(), name
+        assert all(v["definition"].startswith("label_values(") for v in variables.values()
+                   if v["type"] == "query")
+        ids = [p["id"] for p in board["panels"]]
+        assert len(ids) == len(set(ids)), f"{name}: duplicate panel ids"
+        for panel in board["panels"]:
+            if panel["type"] != "row":
+                assert panel["targets"] and panel["datasource"]["uid"] == "${datasource}"
+    docs = rendered("all-on")
+    for name, board in boards.items():
+        cm = one(docs, "ConfigMap", f"{RELEASE}-ravnest-dashboard-{name}")
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert cm["metadata"]["annotations"] == {"grafana_folder": "Ravnest"}
+        assert json.loads(cm["data"][f"ravnest-{name}.json"]) == board
+    off = run_helm("template", RELEASE, str(CHART), "--set", "dashboards.enabled=false")
+    assert "grafana_dashboard" not in off.stdout
+
+
+def test_dashboards_cover_the_design() -> None:
+    training = " ".join(e for _, e in _exprs(_dashboards()["training"]))
+    for metric in ("ravnest_loss", "ravnest_validation_metric", "ravnest_samples_total",
+                   "histogram_quantile", "ravnest_step_duration_seconds_bucket",
+                   "ravnest_forward_duration_seconds", "ravnest_backward_duration_seconds",
+                   "ravnest_allreduce_duration_seconds", "ravnest_sent_bytes_total",
+                   "ravnest_received_bytes_total", "ravnest_inflight_microbatches",
+                   "ravnest_reduce_rounds_skipped_total", "up{"):
+        assert metric in training, metric
+    ops = " ".join(e for _, e in _exprs(_dashboards()["operator"]))
+    for metric in ("ravnest_operator_jobs", "ravnest_operator_reconcile_duration_seconds_bucket",
+                   "ravnest_operator_time_to_running_seconds_bucket",
+                   "ravnest_operator_job_restarts_total"):
+        assert metric in ops, metric
+
+
+def test_queries_use_only_existing_metrics() -> None:
+    known = known_metrics()
+    assert {"ravnest_steps_total", "ravnest_step_duration_seconds_bucket",
+            "ravnest_operator_jobs", "ravnest_operator_job_restarts_total"} <= known
+    unknown = []
+    for name, board in _dashboards().items():
+        for where, expr in _exprs(board):
+            unknown += [f"{name} / {where}: {m}" for m in metric_names(expr) - known]
+    rule = one(rendered("all-on"), "PrometheusRule")
+    alerts = [r for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert {r["alert"] for r in alerts} == {"RavnestJobFailed", "RavnestJobStalled",
+                                            "RavnestRingRoundsSkipped", "RavnestWorkerDown"}
+    for r in alerts:
+        unknown += [f"alert {r['alert']}: {m}" for m in metric_names(r["expr"]) - known]
+    assert not unknown, "queries of metrics no code registers:\n" + "\n".join(unknown)
+
+
+def test_monitors_select_the_workers_and_the_operator() -> None:
+    docs = rendered("all-on")
+    pm = one(docs, "PodMonitor")["spec"]
+    assert pm["selector"]["matchLabels"]["app.kubernetes.io/managed-by"] == "ravnest-operator"
+    assert pm["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert pm["podMetricsEndpoints"][0]["honorLabels"] is True
+    assert pm["namespaceSelector"] == {"any": True}
+    sm = one(docs, "ServiceMonitor")["spec"]
+    svc = one(docs, "Service")
+    assert sm["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert svc["spec"]["ports"][0]["name"] == sm["endpoints"][0]["port"] == "metrics"
+    deploy = one(docs, "Deployment")
+    pod_labels = deploy["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    policy = one(docs, "NetworkPolicy")["spec"]
+    grpc, metrics = policy["ingress"]
+    assert grpc["ports"] == [{"protocol": "TCP", "port": 50051}]
+    assert metrics["ports"] == [{"protocol": "TCP", "port": 9400}]
+    operator_peer = metrics["from"][0]["podSelector"]["matchLabels"]
+    assert operator_peer.items() <= pod_labels.items(), "the operator could not scrape progress"
+    namespaced = rendered("namespaced")
+    assert {d["metadata"]["namespace"] for d in namespaced
+            if d["kind"] == "NetworkPolicy"} == set(WATCHED)
+    assert one(namespaced, "PodMonitor")["spec"]["namespaceSelector"] == {
+        "matchNames": list(WATCHED)}
