@@ -33,6 +33,10 @@ def serve(port: int) -> None:
     start_http_server(port)
     for phase in PHASES:
         JOBS.labels(phase=phase).set(0)
+    # Exported at 0 before the first job ends: a series that appears already at 1 is not an
+    # increase to Prometheus, and the dashboards' rates of finished jobs would show nothing.
+    for phase in ("Succeeded", "Failed"):
+        DURATION.labels(phase=phase)
 
 
 @contextmanager

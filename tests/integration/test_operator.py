@@ -10,126 +10,17 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import yaml
-from kube import LocalApiserver, free_port, local_apiserver
-from kubelet import FakeKubelet
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-class Operator:
-    """`kopf run` of ravnest_operator as a subprocess, restartable."""
-
-    def __init__(self, kube: LocalApiserver, workdir: Path) -> None:
-        self.kube = kube
-        self.log = workdir / "operator.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.metrics_port = free_port()
-        self.liveness_port = free_port()
-        self.kubelet_errors: list[str] = []
-
-    def start(self) -> None:
-        env = {**os.environ, "KUBECONFIG": str(self.kube.kubeconfig),
-               "RAVNEST_RECONCILE_INTERVAL": "1",
-               "RAVNEST_OPERATOR_METRICS_PORT": str(self.metrics_port)}
-        with open(self.log, "ab") as fh:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kopf", "run", "--standalone", "--namespace", "default",
-                 f"--liveness=http://127.0.0.1:{self.liveness_port}/healthz",
-                 "-m", "ravnest_operator.handling"],
-                stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def stop(self, kill: bool = False) -> None:
-        if self.proc and self.proc.poll() is None:
-            (self.proc.kill if kill else self.proc.terminate)()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+from operator_harness import apply, get, job_doc, kctl, operator_cluster, phase_of, wait_for
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, ...]]:
-    work = tmp_path_factory.mktemp("cluster")
-    with local_apiserver(work / "kube", controller_manager=True) as kube:
-        kctl(kube, "apply", "-f", str(ROOT / "crds" / "ravnestjob.yaml"))
-        kctl(kube, "wait", "--for=condition=Established", "crd/ravnestjobs.ravnest.io",
-                     "--timeout=60s")
-        kubelet = FakeKubelet(str(kube.kubeconfig), work / "kubelet")
-        kubelet.start()
-        operator = Operator(kube, work)
-        operator.kubelet_errors = kubelet.errors
-        operator.start()
-        try:
-            yield kube, kubelet, operator
-        finally:
-            operator.stop()
-            kubelet.stop()
-
-
-def kctl(kube: LocalApiserver, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """kubectl against the test apiserver, returning the whole result."""
-    result = subprocess.run(["kubectl", "--kubeconfig", str(kube.kubeconfig), *args],
-                            capture_output=True, text=True, timeout=120)
-    if check and result.returncode != 0:
-        raise AssertionError(f"kubectl {' '.join(args)}: {result.stderr}")
-    return result
-
-
-def get(kube: LocalApiserver, kind: str, name: str = "", selector: str = "") -> Any:
-    args = ["get", kind, "-o", "json"]
-    if name:
-        args.insert(2, name)
-    if selector:
-        args += ["-l", selector]
-    out = kctl(kube, *args, check=False)
-    if out.returncode != 0:
-        return None
-    return json.loads(out.stdout)
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float, kube: LocalApiserver,
-             operator: Operator) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.5)
-    jobs = kctl(kube, "get", "rj", "-o", "wide", check=False).stdout
-    raise AssertionError(f"timed out waiting for {what}\njobs:\n{jobs}\nkubelet errors: "
-                         f"{operator.kubelet_errors[-5:]}\noperator log:\n"
-                         f"{operator.log.read_text()[-4000:]}")
-
-
-def job_doc(name: str, epochs: int = 3, **changes: Any) -> dict[str, Any]:
-    doc = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
-    doc["metadata"]["name"] = name
-    doc["spec"]["training"]["epochs"] = epochs
-    for path, value in changes.items():
-        node = doc["spec"]
-        *parents, last = path.split("__")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return doc
-
-
-def apply(kube: LocalApiserver, doc: dict[str, Any], tmp_path: Path) -> subprocess.CompletedProcess:
-    f = tmp_path / f"{doc['metadata']['name']}.yaml"
-    f.write_text(yaml.safe_dump(doc))
-    return kctl(kube, "apply", "-f", str(f), check=False)
-
-
-def phase_of(kube: LocalApiserver, name: str) -> str | None:
-    rj = get(kube, "rj", name)
-    return (rj or {}).get("status", {}).get("phase")
+    with operator_cluster(tmp_path_factory.mktemp("cluster")) as parts:
+        yield parts
 
 
 def test_digits_job_runs_to_success(cluster, tmp_path):
