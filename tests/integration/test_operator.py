@@ -74,8 +74,9 @@ def test_operator_metrics_liveness_and_cli_status(cluster):
         families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
     jobs = {s.labels["phase"]: s.value for s in families["ravnest_operator_jobs"].samples}
     assert jobs["Succeeded"] >= 1
-    count = {s.name: s.value for f in families.values() for s in f.samples
-             if s.name.endswith("_count")}
+    count: dict[str, float] = {}
+    for s in (s for f in families.values() for s in f.samples if s.name.endswith("_count")):
+        count[s.name] = count.get(s.name, 0) + s.value  # summed over labels (e.g. phase)
     assert count["ravnest_operator_reconcile_duration_seconds_count"] > 3
     assert count["ravnest_operator_time_to_running_seconds_count"] >= 1
     assert count["ravnest_operator_job_duration_seconds_count"] >= 1
