@@ -88,7 +88,7 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
     peers = {c: Peer(address, CREDS, compression=c) for c in ("none", "bf16")}
     for peer in peers.values():
         peer.wait_ready(60)
-    reducers = {c: RingReducer(ring, members[rank], {succ: p}, inbox, RING_TIMEOUT)
+    reducers = {c: RingReducer(ring, members[rank], {succ: p}, inbox, RING_TIMEOUT, compression=c)
                 for c, p in peers.items()}
     round_ = 0
     try:

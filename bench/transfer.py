@@ -7,8 +7,9 @@ protobuf (generic handlers, no serializers), whose server only counts the bytes.
 
 The servers live in a separate process (spawn), so client and server do not share a GIL.
 Both figures are taken alternately, repeat by repeat, after a warmup; the median is printed.
-A second table times the stages of our path in one process (encode, protobuf serialize, parse,
-decode) to show where the difference goes.
+A second table times the stages of our path in one process (encode_wire: tensors straight into
+serialized Chunk messages; decode_wire: messages into the frame's buffer) next to the protobuf
+object path they replaced, to show where the difference goes.
 
     python bench/transfer.py [--sizes 1 16 64] [--repeats 5] [--warmup 1]
 """
@@ -27,7 +28,7 @@ from typing import Any
 import grpc
 import torch
 
-from ravnest.framing import CHUNK_BYTES, Frame, decode, encode
+from ravnest.framing import CHUNK_BYTES, Frame, decode, decode_wire, encode, encode_wire
 from ravnest.proto import ravnest_pb2 as pb
 from ravnest.transport import Credentials, Peer, Server
 
@@ -143,14 +144,17 @@ def _stages(size: int, repeats: int) -> list[tuple[str, float]]:
     chunks = list(encode(frame))
     blobs = [c.SerializeToString() for c in chunks]
     parsed = [pb.Chunk.FromString(b) for b in blobs]
+    messages = encode_wire(frame)
     dst = torch.empty_like(t)
     steps: list[tuple[str, Callable[[], object]]] = [
         ("memcpy (tensor.copy_)", lambda: dst.copy_(t)),
         ("raw: tensor -> 1 MiB bytes chunks", lambda: list(_raw_chunks(t))),
-        ("ours: encode (tensor -> pb.Chunk)", lambda: list(encode(frame))),
-        ("ours: pb.Chunk.SerializeToString", lambda: [c.SerializeToString() for c in chunks]),
-        ("ours: pb.Chunk.FromString", lambda: [pb.Chunk.FromString(b) for b in blobs]),
-        ("ours: decode (pb.Chunk -> tensor)", lambda: decode(iter(parsed))),
+        ("ours: encode_wire (tensor -> messages)", lambda: encode_wire(frame)),
+        ("ours: decode_wire (messages -> tensor)", lambda: decode_wire(iter(messages))),
+        ("protobuf path: encode (tensor -> pb.Chunk)", lambda: list(encode(frame))),
+        ("protobuf path: SerializeToString", lambda: [c.SerializeToString() for c in chunks]),
+        ("protobuf path: FromString", lambda: [pb.Chunk.FromString(b) for b in blobs]),
+        ("protobuf path: decode (pb.Chunk -> tensor)", lambda: decode(iter(parsed))),
     ]
     out = []
     for name, fn in steps:
@@ -189,9 +193,9 @@ def main() -> None:
     _emit()
     _emit(f"Where our time goes: each step alone, one process, {size // MIB} MiB; "
           f"median of {args.repeats}")
-    _emit(f"{'step':<36} {'ms':>8} {'GB/s':>8}")
+    _emit(f"{'step':<44} {'ms':>8} {'GB/s':>8}")
     for name, seconds in _stages(size, args.repeats):
-        _emit(f"{name:<36} {seconds * 1e3:>8.1f} {size / seconds / 1e9:>8.2f}")
+        _emit(f"{name:<44} {seconds * 1e3:>8.1f} {size / seconds / 1e9:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ from ravnest.framing import (
     Frame,
     FrameError,
     decode,
+    decode_wire,
     encode,
+    encode_wire,
 )
 from ravnest.proto import ravnest_pb2 as pb
 
@@ -438,3 +440,70 @@ def test_mutated_encodings_give_a_frame_or_a_frame_error(
             assert_same(got.tensors[name], tensor)
         return
     _decoded_or_frame_error(chunks)
+
+
+# --- the wire form: serialized Chunk messages, as gRPC carries them ---------------------------
+
+def _assert_frames_equal(got: Frame, want: Frame) -> None:
+    assert json.dumps(got.control) == json.dumps(want.control)
+    assert got.tensors.keys() == want.tensors.keys()
+    for name, tensor in want.tensors.items():
+        assert_same(got.tensors[name], tensor)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(FRAMES, st.integers(1, 200))
+def test_wire_messages_are_the_protobuf_encoding_of_the_chunks(frame: Frame,
+                                                               chunk_bytes: int) -> None:
+    messages = encode_wire(frame, chunk_bytes=chunk_bytes)
+    # protobuf reads our hand-written messages ...
+    _assert_frames_equal(decode(iter([pb.Chunk.FromString(m) for m in messages])), frame)
+    # ... we read them back, and we read what protobuf itself serializes (any other client)
+    _assert_frames_equal(decode_wire(iter(messages)), frame)
+    protobuf = [c.SerializeToString() for c in encode(frame, chunk_bytes=chunk_bytes)]
+    _assert_frames_equal(decode_wire(iter(protobuf)), frame)
+
+
+def test_wire_messages_carry_at_most_one_chunk_of_payload() -> None:
+    frame = Frame("forward", {"x": torch.arange(3 * CHUNK_BYTES // 4 + 5, dtype=torch.float32)})
+    messages = encode_wire(frame)
+    assert pb.Chunk.FromString(messages[0]).header.payload_bytes == frame.nbytes() + 44
+    assert [len(pb.Chunk.FromString(m).data) for m in messages[1:]] == [
+        CHUNK_BYTES, CHUNK_BYTES, CHUNK_BYTES, 64]
+    assert max(len(m) for m in messages) < CHUNK_BYTES + 16
+
+
+def test_wire_messages_are_a_snapshot_of_the_tensors() -> None:
+    x = torch.ones(1000)
+    messages = encode_wire(Frame("reduce", {"x": x}))
+    x.zero_()
+    assert torch.equal(decode_wire(iter(messages)).tensors["x"], torch.ones(1000))
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([], "no header"),
+    ([b"\x12\x03abc"], "no header"),
+    ([b"\xff\xff\xff"], "not a Chunk"),
+    ([pb.Chunk(header=pb.FrameHeader(kind="forward", payload_bytes=4)).SerializeToString(),
+      b"\x12\x09abc"], "not a Chunk"),
+])
+def test_malformed_wire_messages_are_refused(messages: list[bytes], match: str) -> None:
+    with pytest.raises(FrameError, match=match):
+        decode_wire(iter(messages))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(FRAMES, st.integers(1, 200), st.lists(st.tuples(st.integers(0, 50), st.integers(0, 400),
+                                                       st.binary(max_size=4)), max_size=3))
+def test_mutated_wire_bytes_give_a_frame_or_a_frame_error(
+        frame: Frame, chunk_bytes: int, edits: list[tuple[int, int, bytes]]) -> None:
+    messages = encode_wire(frame, chunk_bytes=chunk_bytes)
+    for which, at, replacement in edits:
+        i = which % len(messages)
+        m = messages[i]
+        messages[i] = m[:at % (len(m) + 1)] + replacement + m[at % (len(m) + 1) + len(replacement):]
+    try:
+        got = decode_wire(iter(messages), FUZZ_LIMIT)
+    except FrameError:
+        return
+    assert isinstance(got, Frame)

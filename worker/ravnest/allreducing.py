@@ -22,12 +22,23 @@ log = logging.getLogger(__name__)
 FINAL_ROUND = 2**40
 """Round id of the reduce every node joins after training."""
 
+PIECE_BYTES = 4 << 20
+"""fp32 bytes per ring piece: small enough to overlap the hops, large enough that per-call gRPC
+overhead stays small."""
 
-def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One float32 copy of all tensors, back to back (the ring works on the copy)."""
-    if not tensors:
-        return torch.empty(0)
-    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+
+def _flatten(tensors: Sequence[torch.Tensor], buffer: torch.Tensor | None) -> torch.Tensor:
+    """One float32 copy of all tensors, back to back (the ring works on the copy), in `buffer`
+    when it has the right size: a buffer reused round after round costs no page faults."""
+    numel = sum(t.numel() for t in tensors)
+    if buffer is None or buffer.numel() != numel:
+        buffer = torch.empty(numel, dtype=torch.float32)
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            buffer[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
+            offset += t.numel()
+    return buffer
 
 
 def _round_like_wire(seg: torch.Tensor, wire: torch.dtype | None) -> None:
@@ -55,7 +66,8 @@ class RingReducer:
     """One node's part in one ring."""
 
     def __init__(self, ring: RingPlan, me: str, peers: dict[str, Peer], inbox: Inbox,
-                 timeout: float, sender: str = "", compression: str = "none") -> None:
+                 timeout: float, sender: str = "", compression: str = "none",
+                 piece_bytes: int = PIECE_BYTES) -> None:
         self.ring = ring
         self.rank = ring.members.index(me)
         self.size = len(ring.members)
@@ -64,12 +76,14 @@ class RingReducer:
         self._timeout = timeout
         self._sender = sender or me
         self._wire = COMPRESSIONS[compression]
+        self._piece = max(1, piece_bytes // 4)  # float32 elements per piece
+        self._flat: torch.Tensor | None = None
 
     def average(self, tensors: Sequence[torch.Tensor], round_: int) -> bool:
         """Average `tensors` in place with the other members; False if the round was skipped."""
         if self.size == 1:
             return True
-        flat = _flatten(tensors)
+        flat = self._flat = _flatten(tensors, self._flat)
         try:
             self._all_reduce(flat, round_)
         except TransportError as e:
@@ -80,25 +94,41 @@ class RingReducer:
         return True
 
     def _all_reduce(self, flat: torch.Tensor, round_: int) -> None:
+        """Reduce-scatter then all-gather, pipelined piece by piece: each of the n segments is cut
+        into pieces, and a piece goes on to the next node as soon as it is reduced (or gathered)
+        here, so sending, receiving and adding overlap along the ring instead of each step
+        waiting for a whole segment."""
         n, r = self.size, self.rank
-        segs = list(flat.tensor_split(n))
+        pieces = [list(seg.split(self._piece)) for seg in flat.tensor_split(n)]
+        per = max(len(p) for p in pieces)  # phase id = ring step * per + piece
+
+        def phase(step: int, k: int) -> int:
+            return step * per + k
+
+        for k, piece in enumerate(pieces[r]):
+            self._post("reduce", piece, round_, phase(0, k))
+        for s in range(n - 1):
+            last = s == n - 2
+            for k, piece in enumerate(pieces[(r - s - 1) % n]):
+                piece.add_(self._take(round_, phase(s, k), piece))
+                if not last:
+                    self._post("reduce", piece, round_, phase(s + 1, k))
+                    continue
+                # fully reduced here: this node owns the piece's mean and starts its gather
+                piece.div_(n)
+                _round_like_wire(piece, self._wire)
+                self._post("gather", piece, round_, phase(n - 1, k))
+        for s in range(n - 1):
+            for k, piece in enumerate(pieces[(r - s) % n]):
+                piece.copy_(self._take(round_, phase(n - 1 + s, k), piece))
+                if s < n - 2:
+                    self._post("gather", piece, round_, phase(n + s, k))
         assert self._next is not None
-        for s in range(n - 1):
-            send, recv = (r - s) % n, (r - s - 1) % n
-            self._post("reduce", segs[send], round_, s)
-            segs[recv].add_(self._take(round_, s, segs[recv]))
-        owned = segs[(r + 1) % n]
-        owned.div_(n)
-        _round_like_wire(owned, self._wire)
-        for s in range(n - 1):
-            send, recv = (r + 1 - s) % n, (r - s) % n
-            self._post("gather", segs[send], round_, n - 1 + s)
-            segs[recv].copy_(self._take(round_, n - 1 + s, segs[recv]))
         self._next.flush(self._timeout)
 
     def _post(self, kind: str, seg: torch.Tensor, round_: int, phase: int) -> None:
         assert self._next is not None
-        self._next.post(Frame(kind=kind, tensors={"x": seg.clone()}, step=round_, version=phase,
+        self._next.post(Frame(kind=kind, tensors={"x": seg}, step=round_, version=phase,
                               ring=self.ring.id, sender=self._sender))
 
     def _take(self, round_: int, phase: int, like: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from google.protobuf.message import DecodeError
 
 from .errors import TransportError
 from .proto import ravnest_pb2 as pb
@@ -85,9 +86,9 @@ def _wire_tensor(t: torch.Tensor, compression: torch.dtype | None) -> torch.Tens
     return t.contiguous()
 
 
-def encode(frame: Frame, compression: str = "none",
-           chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Chunk]:
-    """Yield the chunks of a frame; the first carries the header."""
+def _prepare(frame: Frame, compression: str) -> tuple[pb.FrameHeader,
+                                                     list[tuple[int, torch.Tensor]], int]:
+    """The frame's header and its tensors' raw bytes at their payload offsets."""
     wire_dtype = COMPRESSIONS[compression]
     metas, views, offset = [], [], 0
     for name, tensor in frame.tensors.items():
@@ -107,7 +108,66 @@ def encode(frame: Frame, compression: str = "none",
         ring=frame.ring, sender=frame.sender, tensors=metas, payload_bytes=offset,
         control=json.dumps(frame.control, separators=(",", ":")) if frame.control else "",
     )
-    yield from _chunks(header, views, offset, chunk_bytes)
+    return header, views, offset
+
+
+def encode(frame: Frame, compression: str = "none",
+           chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Chunk]:
+    """Yield the chunks of a frame; the first carries the header."""
+    header, views, total = _prepare(frame, compression)
+    yield from _chunks(header, views, total, chunk_bytes)
+
+
+def encode_wire(frame: Frame, compression: str = "none",
+                chunk_bytes: int = CHUNK_BYTES) -> list[bytes]:
+    """The frame as serialized `Chunk` messages, what gRPC sends: the header alone, then the
+    payload. Each data message is written straight from the tensors' memory (one copy, no
+    protobuf objects in between), so the list is also a snapshot of the tensors."""
+    return list(iter_wire(frame, compression, chunk_bytes))
+
+
+def iter_wire(frame: Frame, compression: str = "none",
+              chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """`encode_wire` one message at a time, so that sending starts before the whole frame is
+    copied (the tensors must not change until the last message is taken)."""
+    header, views, total = _prepare(frame, compression)
+    yield pb.Chunk(header=header).SerializeToString()
+    for pieces in _pieces(views, total, chunk_bytes):
+        yield b"".join([_DATA_TAG, _varint(sum(map(len, pieces))), *pieces])
+
+
+_DATA_TAG = b"\x12"
+"""`Chunk.data` on the wire: field 2, length-delimited."""
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _parse_chunk(message: bytes) -> tuple[pb.FrameHeader | None, memoryview | bytes]:
+    """One serialized `Chunk`: a data-only message is sliced without a copy; anything else goes
+    through protobuf."""
+    if message[:1] == _DATA_TAG:
+        n, shift, i = 0, 0, 1
+        while i < len(message) and i < 11:
+            byte = message[i]
+            n |= (byte & 0x7F) << shift
+            shift += 7
+            i += 1
+            if not byte & 0x80:
+                if i + n == len(message):
+                    return None, memoryview(message)[i:]
+                break
+    try:
+        chunk = pb.Chunk.FromString(message)
+    except DecodeError as e:
+        raise FrameError(f"chunk is not a Chunk message: {e}") from e
+    return (chunk.header if chunk.HasField("header") else None), chunk.data
 
 
 def _segments(views: list[tuple[int, torch.Tensor]], total: int) -> Iterator[memoryview]:
@@ -122,26 +182,34 @@ def _segments(views: list[tuple[int, torch.Tensor]], total: int) -> Iterator[mem
         yield memoryview(bytes(total - position))
 
 
-def _chunks(header: pb.FrameHeader, views: list[tuple[int, torch.Tensor]], total: int,
-            chunk_bytes: int) -> Iterator[pb.Chunk]:
-    first = True
-    pending: list[bytes] = []
+def _pieces(views: list[tuple[int, torch.Tensor]], total: int,
+            chunk_bytes: int) -> Iterator[list[memoryview]]:
+    """The payload cut into chunks of `chunk_bytes` (the last one shorter), each given as the
+    zero-copy views that make it up."""
+    pending: list[memoryview] = []
     pending_len = 0
     for data in _segments(views, total):
         start = 0
         while start < len(data):
             take = min(chunk_bytes - pending_len, len(data) - start)
-            pending.append(data[start:start + take].tobytes())
+            pending.append(data[start:start + take])
             pending_len += take
             start += take
             if pending_len == chunk_bytes:
-                yield pb.Chunk(header=header, data=b"".join(pending)) if first else pb.Chunk(
-                    data=b"".join(pending))
-                first = False
+                yield pending
                 pending, pending_len = [], 0
-    if first or pending:
-        tail = b"".join(pending)
-        yield pb.Chunk(header=header, data=tail) if first else pb.Chunk(data=tail)
+    if pending:
+        yield pending
+
+
+def _chunks(header: pb.FrameHeader, views: list[tuple[int, torch.Tensor]], total: int,
+            chunk_bytes: int) -> Iterator[pb.Chunk]:
+    first: pb.FrameHeader | None = header
+    for pieces in _pieces(views, total, chunk_bytes):
+        yield pb.Chunk(header=first, data=b"".join(pieces))
+        first = None
+    if first is not None:
+        yield pb.Chunk(header=first)
 
 
 def _check_header(header: pb.FrameHeader, max_frame_bytes: int) -> None:
@@ -169,30 +237,39 @@ def _check_header(header: pb.FrameHeader, max_frame_bytes: int) -> None:
 
 def decode(chunks: Iterator[pb.Chunk], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame:
     """Rebuild a frame from its chunks, validating everything before and while it is read."""
-    first = next(chunks, None)
-    if first is None or not first.HasField("header"):
+    return _assemble(((c.header if c.HasField("header") else None, c.data) for c in chunks),
+                     max_frame_bytes)
+
+
+def decode_wire(messages: Iterator[bytes],
+                max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame:
+    """Rebuild a frame from serialized `Chunk` messages (what the gRPC server receives)."""
+    return _assemble(map(_parse_chunk, messages), max_frame_bytes)
+
+
+def _assemble(chunks: Iterator[tuple[pb.FrameHeader | None, memoryview | bytes]],
+              max_frame_bytes: int) -> Frame:
+    header, data = next(chunks, (None, b""))
+    if header is None:
         raise FrameError("frame has no header")
-    header = first.header
     _check_header(header, max_frame_bytes)
     total = header.payload_bytes
     buffer = torch.empty(total, dtype=torch.uint8)
     view = buffer.numpy()
     position = 0
-    for chunk in _with_first(first, chunks):
-        data = chunk.data  # each attribute read copies the bytes: read once
+    while True:
         n = len(data)
         if position + n > total:
             raise FrameError(f"frame payload exceeds its declared {total} bytes")
         view[position:position + n] = memoryview(data)
         position += n
+        nxt = next(chunks, None)
+        if nxt is None:
+            break
+        data = nxt[1]
     if position != total:
         raise FrameError(f"frame payload truncated: {position} of {total} bytes")
     return _frame(header, buffer)
-
-
-def _with_first(first: pb.Chunk, rest: Iterator[pb.Chunk]) -> Iterator[pb.Chunk]:
-    yield first
-    yield from rest
 
 
 def _frame(header: pb.FrameHeader, buffer: torch.Tensor) -> Frame:

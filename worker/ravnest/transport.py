@@ -23,9 +23,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from .errors import PeerTimeout, TransportError
-from .framing import CHUNK_BYTES, DEFAULT_MAX_FRAME_BYTES, Frame, FrameError, decode, encode
+from .framing import (
+    CHUNK_BYTES,
+    DEFAULT_MAX_FRAME_BYTES,
+    Frame,
+    FrameError,
+    decode_wire,
+    encode_wire,
+    iter_wire,
+)
 from .proto import ravnest_pb2 as pb
-from .proto import ravnest_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -78,16 +85,19 @@ class _Auth(grpc.ServerInterceptor):
         return continuation(details)
 
 
-class _Servicer(pb_grpc.PeerServicer):
+class _Servicer:
+    """Peer.Send with the request messages left serialized: framing parses them itself, copying
+    each chunk's bytes once, into the frame's buffer."""
+
     def __init__(self, deliver: Callable[[Frame], None], max_frame_bytes: int,
                  on_bytes: Callable[[str, int], None] | None) -> None:
         self._deliver = deliver
         self._max = max_frame_bytes
         self._on_bytes = on_bytes
 
-    def Send(self, request_iterator: Iterator[pb.Chunk], context: grpc.ServicerContext) -> pb.Ack:
+    def Send(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.Ack:
         try:
-            frame = decode(request_iterator, self._max)
+            frame = decode_wire(request_iterator, self._max)
         except FrameError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
@@ -108,8 +118,11 @@ class Server:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
                                                               thread_name_prefix="grpc"),
                                    interceptors=[_Auth(creds)], options=_GRPC_OPTIONS)
-        pb_grpc.add_PeerServicer_to_server(_Servicer(deliver, max_frame_bytes, on_bytes),
-                                           self._server)
+        servicer = _Servicer(deliver, max_frame_bytes, on_bytes)
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+            "Send": grpc.stream_unary_rpc_method_handler(
+                servicer.Send, request_deserializer=None,
+                response_serializer=pb.Ack.SerializeToString)}),))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self.port = self._server.add_insecure_port(address)
@@ -133,12 +146,14 @@ class Peer:
                  on_bytes: Callable[[str, int], None] | None = None) -> None:
         self.address = address
         self._channel = grpc.insecure_channel(address, options=_GRPC_OPTIONS)
-        self._stub = pb_grpc.PeerStub(self._channel)
+        # Peer.Send with pre-serialized Chunk messages (framing.encode_wire) as requests.
+        self._send_rpc = self._channel.stream_unary(
+            f"/{SERVICE}/Send", request_serializer=None, response_deserializer=pb.Ack.FromString)
         self._metadata = creds.metadata()
         self._compression = compression
         self._timeout = timeout
         self._on_bytes = on_bytes
-        self._queue: queue.Queue[Frame | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, list[bytes]] | None] = queue.Queue()
         self._error: TransportError | None = None
         self._idle = threading.Event()
         self._idle.set()
@@ -149,10 +164,13 @@ class Peer:
 
     def send(self, frame: Frame, compression: str | None = None) -> None:
         """Send now, in the caller's thread; raise TransportError on failure."""
-        chunks = encode(frame, self._compression if compression is None else compression)
+        self._send(frame.kind, iter_wire(
+            frame, self._compression if compression is None else compression))
+
+    def _send(self, kind: str, messages: Iterator[bytes]) -> None:
         try:
-            ack = self._stub.Send(chunks, metadata=self._metadata, timeout=self._timeout,
-                                  wait_for_ready=True)
+            ack = self._send_rpc(messages, metadata=self._metadata, timeout=self._timeout,
+                                 wait_for_ready=True)
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -161,15 +179,17 @@ class Peer:
             details = e.details() if hasattr(e, "details") else str(e)
             raise TransportError(f"peer {self.address}: {code}: {details}") from e
         if self._on_bytes:
-            self._on_bytes(frame.kind, ack.received_bytes)
+            self._on_bytes(kind, ack.received_bytes)
 
     def post(self, frame: Frame) -> None:
-        """Queue a frame for the sender thread (in order); errors surface on the next call."""
+        """Queue a frame for the sender thread (in order); errors surface on the next call. The
+        frame is encoded here, so its tensors may change as soon as this returns."""
         self.raise_error()
+        messages = encode_wire(frame, self._compression)
         with self._lock:
             self._pending += 1
             self._idle.clear()
-        self._queue.put(frame)
+        self._queue.put((frame.kind, messages))
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every posted frame was delivered."""
@@ -184,11 +204,12 @@ class Peer:
             raise error
 
     def _run(self) -> None:
-        while (frame := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            kind, messages = item
             try:
-                self.send(frame)
+                self._send(kind, iter(messages))
             except TransportError as e:
-                log.error("sending %s frame to %s failed: %s", frame.kind, self.address, e)
+                log.error("sending %s frame to %s failed: %s", kind, self.address, e)
                 self._error = e
             finally:
                 with self._lock:
