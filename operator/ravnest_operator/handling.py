@@ -217,11 +217,16 @@ def reconcile(body: kopf.Body, spec: dict[str, Any], status: dict[str, Any], nam
             _delete_pod(s.pod, namespace)
     if stale:
         return
-    if obs.failed:
-        message = obs.failure_message()
+    # A worker pod that vanishes (or is being deleted) from a running job, by `kubectl delete pod`,
+    # an eviction or a node drain, is lost like a failed one: its peers would wait for it forever.
+    lost = [s for s in obs.nodes.values() if s.phase == "Missing" or s.deleting] \
+        if phase == "Running" else []
+    if obs.failed or lost:
+        message = "; ".join(filter(None, [obs.failure_message(),
+                                          *(f"pod {s.pod} was deleted" for s in lost)]))
         if restarts < int(run_policy.get("backoffLimit", 3)):
             for s in obs.nodes.values():
-                if s.phase != "Missing":
+                if s.phase != "Missing" and not s.deleting:
                     _delete_pod(s.pod, namespace)
             patch.status["restarts"] = restarts + 1
             patch.status["phase"] = "Restarting"

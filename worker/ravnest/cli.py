@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -101,6 +102,12 @@ def _worker(args: argparse.Namespace) -> int:
     token = os.environ.get("RAVNEST_TOKEN", "")
     if not token and args.token_file:
         token = Path(args.token_file).read_text().strip()
+    # In a container the worker is PID 1, for which an unhandled SIGTERM is ignored: without this,
+    # `kubectl delete pod` would wait out the whole grace period before SIGKILL.
+    def terminate(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
     Worker(NodeMetadata.load(args.metadata), token).run()
     return 0
 
