@@ -1,0 +1,147 @@
+"""Helpers of the cluster tier (see conftest.py): a kubeconfig, kubectl and helm, waits with
+diagnostics, and the image in the local Docker Engine.
+
+RAVNEST_E2E_KUBECONFIG set: that cluster is used as it is (kind in a user's CI, see
+scripts/kind-e2e); the image RAVNEST_E2E_IMAGE (default ravnest-k8s:test) must already be on its
+nodes. Unset: the session brings up the local single-node cluster of scripts/local-cluster
+(etcd, kube-apiserver, controller-manager, scheduler, kube-proxy, kubelet + containerd + runc,
+CNI bridge, CoreDNS), importing the image from the local Docker Engine (built offline like
+tests/integration/test_image.py does when missing), and tears it down at the end.
+
+Nothing here skips: a missing tool or a cluster that does not come up fails with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS = Path(os.environ.get("RAVNEST_TOOLS") or Path.home() / ".cache" / "ravnest-tools")
+BIN = TOOLS / "bin"
+IMAGE = os.environ.get("RAVNEST_E2E_IMAGE", "ravnest-k8s:test")
+RELEASE = "ravnest"
+SYSTEM_NS = "ravnest-e2e-system"
+JOBS_NS = "ravnest-e2e"
+TIMINGS: dict[str, float] = {}
+
+
+def tool(name: str) -> str:
+    """The cached build of `name` (scripts/k8s-tools), else the one on PATH."""
+    cached = BIN / name
+    if cached.is_file() and os.access(cached, os.X_OK):
+        return str(cached)
+    found = shutil.which(name)
+    if not found:
+        pytest.fail(f"`{name}` is neither in {BIN} nor on PATH: run scripts/k8s-tools --cluster")
+    return found
+
+
+@dataclass
+class Cluster:
+    """A kubeconfig and the CLIs that talk to it."""
+
+    kubeconfig: str
+    local: bool
+    logs: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    def run(self, argv: list[str], *, check: bool = True, timeout: float = 120,
+            stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                                input=stdin, env={**os.environ, **self.env,
+                                                  "KUBECONFIG": self.kubeconfig})
+        if check and result.returncode != 0:
+            pytest.fail(f"`{' '.join(argv)}` exited {result.returncode}:\n"
+                        f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        return result
+
+    def kubectl(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        return self.run([tool("kubectl"), *args], **kwargs)
+
+    def helm(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        return self.run([tool("helm"), *args], **kwargs)
+
+    def get(self, kind: str, name: str | None = None, *, namespace: str = JOBS_NS,
+            selector: str | None = None) -> Any:
+        args = ["get", kind, "-n", namespace, "-o", "json"]
+        if name:
+            args.insert(2, name)
+        if selector:
+            args += ["-l", selector]
+        result = self.kubectl(*args, check=False)
+        if result.returncode != 0:
+            if "NotFound" in result.stderr:
+                return None
+            pytest.fail(f"kubectl {' '.join(args)}: {result.stderr[-2000:]}")
+        return json.loads(result.stdout)
+
+    def apply(self, doc: dict[str, Any], namespace: str = JOBS_NS) -> None:
+        self.kubectl("apply", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(doc))
+
+    def diagnostics(self, namespace: str = JOBS_NS) -> str:
+        """What to print when a wait fails: pods, events, the operator's log tail."""
+        parts = []
+        for args in (["get", "rj,pods", "-n", namespace, "-o", "wide"],
+                     ["get", "events", "-n", namespace, "--sort-by=.lastTimestamp"],
+                     ["logs", "-n", SYSTEM_NS, "deploy/ravnest", "--tail=40"]):
+            r = self.kubectl(*args, check=False)
+            parts.append(f"$ kubectl {' '.join(args)}\n{r.stdout[-4000:]}{r.stderr[-1000:]}")
+        if self.logs:
+            for name in ("kubelet", "containerd"):
+                log = self.logs / f"{name}.log"
+                if log.exists():
+                    tail = log.read_text(errors="replace").splitlines()[-25:]
+                    parts.append(f"--- {log} (tail)\n" + "\n".join(tail))
+        return "\n".join(parts)
+
+    def wait_for(self, what: str, predicate: Callable[[], Any], timeout: float,
+                 namespace: str = JOBS_NS, interval: float = 2) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n"
+                            + self.diagnostics(namespace))
+            time.sleep(interval)
+
+
+def ensure_docker_image() -> None:
+    """The image in the local Docker Engine; built offline (test_image.py's recipe) if missing."""
+    if shutil.which("docker") is None:
+        pytest.fail("no `docker` on PATH: run scripts/docker-engine (installs and starts Docker)")
+    info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=60)
+    if info.returncode != 0:
+        pytest.fail(f"the Docker Engine does not answer `docker info`: run scripts/docker-engine"
+                    f"\n{info.stderr[-2000:]}")
+    have = subprocess.run(["docker", "image", "inspect", IMAGE], capture_output=True, timeout=60)
+    if have.returncode == 0:
+        return
+    sys.path.insert(0, str(ROOT / "tests" / "integration"))
+    import test_image  # the offline build: wheelhouse + debootstrap base, --network none
+
+    if IMAGE != test_image.IMAGE:
+        pytest.fail(f"{IMAGE} is not in the Docker Engine (only {test_image.IMAGE} is built here)")
+    if test_image.image_id(test_image.BASE_IMAGE) is None:
+        made = subprocess.run(["bash", str(ROOT / "scripts" / "docker-engine"), "--base"],
+                              capture_output=True, text=True, timeout=1800)
+        if made.returncode != 0:
+            pytest.fail(f"scripts/docker-engine --base failed:\n{made.stderr[-3000:]}")
+    with tempfile.TemporaryDirectory() as tmp:
+        context = test_image.build_context(Path(tmp) / "context", test_image.wheelhouse())
+        test_image.docker_build(context, "--target", "builder", "--tag", f"{IMAGE}-builder")
+        test_image.docker_build(context, "--tag", IMAGE)

@@ -1,0 +1,207 @@
+"""The chart, the operator and real training jobs on a real cluster (see conftest.py).
+
+In order: the operator becomes Ready and `helm test` passes; the digits example (3 epochs, and
+providers shrunk to fit one node, see `digits_doc`) trains to >= 95% validation accuracy with its
+pods scheduled by the scheduler and run from our image by the kubelet, finding each other through
+the headless Service's DNS names; a worker pod deleted mid-run makes the job restart from its
+checkpoint and still succeed; `helm uninstall` and deleting the namespaces leave nothing behind.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from e2e_cluster import IMAGE, JOBS_NS, RELEASE, SYSTEM_NS, TIMINGS, Cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Cold: the first `up` builds kube-scheduler, kubelet, kube-proxy, coredns (minutes on 2 cores).
+pytestmark = pytest.mark.timeout(3600)
+
+# examples/digits.yaml declares 42 GB of RAM and 8 CPUs of requests over its 6 providers (the
+# operator turns `ram` into the memory request and limit, `compute` into the CPU request); one node
+# of this machine has 24 GiB and 2 CPUs. Same shapes, unequal, scaled down to fit: 11 GiB, 0.8 CPU.
+SMALL_PROVIDERS = [
+    {"ram": "1536Mi", "bandwidth": 1000, "compute": 0.1},
+    {"ram": 2, "bandwidth": 1000, "compute": 0.2},
+    {"ram": "1536Mi", "bandwidth": 500, "compute": 0.1},
+    {"ram": "2560Mi", "bandwidth": 1000, "compute": 0.2},
+    {"ram": "1536Mi", "bandwidth": 200, "compute": 0.1},
+    {"ram": 2, "bandwidth": 1000, "compute": 0.1},
+]
+
+
+def digits_doc(name: str, epochs: int = 3) -> dict[str, Any]:
+    doc = copy.deepcopy(yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text()))
+    doc["metadata"] = {"name": name, "namespace": JOBS_NS}
+    doc["spec"]["training"]["epochs"] = epochs
+    doc["spec"]["providers"] = copy.deepcopy(SMALL_PROVIDERS)
+    return doc
+
+
+def status_of(cluster: Cluster, name: str) -> dict[str, Any]:
+    return (cluster.get("rj", name) or {}).get("status") or {}
+
+
+def succeeded(cluster: Cluster, name: str, seen: list[str] | None = None) -> bool:
+    st = status_of(cluster, name)
+    if seen is not None and st.get("phase") and (not seen or seen[-1] != st["phase"]):
+        seen.append(st["phase"])
+    if st.get("phase") == "Failed":
+        pytest.fail(f"job {name} failed: {st.get('conditions')}\n{cluster.diagnostics()}")
+    return st.get("phase") == "Succeeded"
+
+
+def test_operator_ready_and_helm_test_passes(cluster: Cluster, release: str):
+    dep = cluster.get("deployment", "ravnest", namespace=SYSTEM_NS)
+    assert dep["status"].get("readyReplicas") == 1, dep["status"]
+    pods = cluster.get("pods", namespace=SYSTEM_NS,
+                       selector="app.kubernetes.io/name=ravnest")["items"]
+    running = [p for p in pods if p["status"]["phase"] == "Running"]
+    assert running, [p["status"] for p in pods]
+    assert running[0]["spec"]["containers"][0]["image"].endswith(IMAGE)
+    start = time.monotonic()
+    result = cluster.helm("test", release, "-n", SYSTEM_NS, "--timeout", "10m",
+                          timeout=700)
+    TIMINGS["helm_test_s"] = time.monotonic() - start
+    assert "Phase:          Succeeded" in result.stdout, result.stdout
+
+
+def test_digits_trains_on_the_cluster(cluster: Cluster, release: str):
+    cluster.apply(digits_doc("digits"))
+    # Pods are scheduled onto a node and run our image.
+    def all_running() -> list[dict[str, Any]] | None:
+        pods = (cluster.get("pods", selector="ravnest.io/job=digits") or {}).get("items", [])
+        if len(pods) == 6 and all(p["status"].get("phase") == "Running" for p in pods):
+            return pods
+        return None
+
+    phases: list[str] = []
+    start = time.monotonic()
+    pods = cluster.wait_for("6 digits worker pods Running", all_running, 300)
+    for p in pods:
+        assert p["spec"]["nodeName"], p["metadata"]["name"]
+        assert p["spec"]["containers"][0]["image"].endswith(IMAGE)
+        cs = p["status"]["containerStatuses"][0]
+        assert cs["imageID"] and cs["containerID"].startswith(("containerd://", "docker://"))
+        assert p["status"]["podIP"]
+    # Peers' DNS names (headless Service, CoreDNS) resolve inside a worker pod to the pods' IPs.
+    ips = {p["spec"]["hostname"]: p["status"]["podIP"] for p in pods}
+    script = ("import socket, sys\nfor h in sys.argv[1:]:\n"
+              "    print(h.split('.')[0], socket.gethostbyname(h))")
+    names = [f"{h}.digits-workers.{JOBS_NS}.svc.cluster.local" for h in sorted(ips)]
+    out = cluster.kubectl("exec", "-n", JOBS_NS, pods[0]["metadata"]["name"], "--", "python",
+                          "-c", script, *names, check=False)
+    if out.returncode == 0:
+        resolved = dict(line.split() for line in out.stdout.splitlines())
+        assert resolved == ips, (resolved, ips)
+    elif not succeeded(cluster, "digits"):  # the pod may have finished already
+        pytest.fail(f"kubectl exec into {pods[0]['metadata']['name']}: {out.stderr}")
+    table = cluster.kubectl("get", "rj", "-n", JOBS_NS).stdout
+    assert table.split()[:8] == ["NAME", "PHASE", "PLAN", "EPOCH", "STEP", "LOSS", "ACCURACY",
+                                 "AGE"], table
+    cluster.wait_for("digits to succeed", lambda: succeeded(cluster, "digits", phases), 600)
+    TIMINGS["digits_job_s"] = time.monotonic() - start
+    st = status_of(cluster, "digits")
+    assert st["progress"]["validationMetric"] >= 0.95, st["progress"]
+    assert st["result"]["updates"] == 66, st["result"]
+    assert st["plan"]["summary"] == "2x3", st["plan"]
+    assert st.get("restarts", 0) == 0
+    table = cluster.kubectl("get", "rj", "digits", "-n", JOBS_NS).stdout
+    row = table.splitlines()[1].split()
+    assert row[1] == "Succeeded" and row[4] == "66/66", table
+    assert float(row[5]) > 0 and float(row[6]) >= 0.95, table
+    pods = cluster.get("pods", selector="ravnest.io/job=digits")["items"]
+    assert len(pods) == 6 and all(p["status"]["phase"] == "Succeeded" for p in pods)
+    log = cluster.kubectl("logs", "-n", JOBS_NS, "digits-node-0").stdout
+    assert "Traceback" not in log
+
+
+def test_deleted_worker_pod_restarts_job_from_checkpoint(cluster: Cluster, release: str):
+    name = "restart"
+    # Checkpoints must outlive the pods: a hostPath PersistentVolume on the (single) node, made
+    # writable for the workers' uid by a root pod of our image.
+    path = f"/tmp/ravnest-e2e-{int(time.time())}"
+    cluster.apply({"apiVersion": "v1", "kind": "PersistentVolume",
+                   "metadata": {"name": f"{JOBS_NS}-{name}"},
+                   "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
+                            "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                            "claimRef": {"namespace": JOBS_NS, "name": name},
+                            "hostPath": {"path": path, "type": "DirectoryOrCreate"}}})
+    cluster.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                   "metadata": {"name": name, "namespace": JOBS_NS},
+                   "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "",
+                            "volumeName": f"{JOBS_NS}-{name}",
+                            "resources": {"requests": {"storage": "1Gi"}}}})
+    chown = {"apiVersion": "v1", "kind": "Pod",
+             "metadata": {"name": f"{name}-chown", "namespace": JOBS_NS},
+             "spec": {"restartPolicy": "Never",
+                      "containers": [{"name": "chown", "image": IMAGE,
+                                      "imagePullPolicy": "IfNotPresent", "command": ["sh", "-c"],
+                                      "args": ["chown 10001:10001 /data && chmod 0770 /data"],
+                                      "securityContext": {"runAsUser": 0},
+                                      "volumeMounts": [{"name": "d", "mountPath": "/data"}]}],
+                      "volumes": [{"name": "d", "persistentVolumeClaim": {"claimName": name}}]}}
+    cluster.apply(chown)
+    cluster.wait_for("the checkpoint volume prepared", lambda: (cluster.get(
+        "pod", f"{name}-chown") or {}).get("status", {}).get("phase") == "Succeeded", 180)
+    cluster.kubectl("delete", "pod", "-n", JOBS_NS, f"{name}-chown", "--wait=false")
+
+    try:
+        doc = digits_doc(name, epochs=20)  # ~50 s: the pod goes well before the end
+        doc["spec"]["checkpoint"] = {"path": "checkpoints", "everySteps": 10,
+                                     "volume": {"persistentVolumeClaim": {"claimName": name}}}
+        cluster.apply(doc)
+
+        def step() -> int:
+            return int((status_of(cluster, name).get("progress") or {}).get("step") or 0)
+
+        cluster.wait_for("the restart job past step 25", lambda: step() >= 25, 600)
+        victim = f"{name}-node-3"
+        # The worker is its container's PID 1 and does not handle SIGTERM (ignored for PID 1), so a
+        # plain delete takes the whole 30 s grace period, by when this short job is over.
+        cluster.kubectl("delete", "pod", "-n", JOBS_NS, victim, "--grace-period=1", "--wait=false")
+        # The operator must see the vanished pod as a failed worker and restart the whole job.
+        cluster.wait_for(f"the job to restart after pod {victim} was deleted", lambda: status_of(
+            cluster, name).get("restarts", 0) >= 1, 180)
+        cluster.wait_for("the restarted job to succeed", lambda: succeeded(cluster, name), 900)
+        st = status_of(cluster, name)
+        restarting = next(c for c in st["conditions"] if c["type"] == "Restarting")
+        assert "resumes from the last checkpoint" in restarting["message"], restarting
+        assert st["progress"]["validationMetric"] >= 0.95, st["progress"]
+        assert st["result"]["updates"] == 440, st["result"]
+        log = cluster.kubectl("logs", "-n", JOBS_NS, f"{name}-node-0").stdout
+        resumed = [int(line.split("at step ")[1].split()[0]) for line in log.splitlines()
+                   if "resumed from checkpoint at step" in line]
+        assert resumed and resumed[0] >= 20, log[-3000:]  # did not start over
+    finally:
+        cluster.kubectl("delete", "rj", "-n", JOBS_NS, name, "--ignore-not-found", "--wait=true",
+                        timeout=180, check=False)
+        cluster.kubectl("delete", "pvc", "-n", JOBS_NS, name, "--ignore-not-found", "--wait=true",
+                        timeout=120, check=False)
+        cluster.kubectl("delete", "pv", f"{JOBS_NS}-{name}", "--ignore-not-found",
+                        "--wait=true", timeout=120, check=False)
+
+
+def test_uninstall_leaves_nothing_behind(cluster: Cluster, release: str):
+    cluster.kubectl("delete", "rj", "--all", "-n", JOBS_NS, "--wait=true", timeout=300)
+    cluster.helm("uninstall", release, "-n", SYSTEM_NS, "--wait", "--timeout", "5m", timeout=400)
+    cluster.kubectl("delete", "namespace", JOBS_NS, SYSTEM_NS, "--wait=true", timeout=400)
+    kinds = ("pods,services,configmaps,secrets,serviceaccounts,deployments,replicasets,roles,"
+             "rolebindings,persistentvolumeclaims")
+    left = cluster.kubectl("get", kinds, "-A", "-o", "name", "-l",
+                           "app.kubernetes.io/name=ravnest").stdout.split()
+    assert left == [], left
+    for ns in (JOBS_NS, SYSTEM_NS):
+        assert cluster.kubectl("get", "namespace", ns, check=False).returncode != 0
+    cluster_wide = cluster.kubectl("get", "clusterroles,clusterrolebindings,pv", "-o",
+                                   "name").stdout.split()
+    ours = [n for n in cluster_wide if RELEASE in n.split("/", 1)[1] or JOBS_NS in n]
+    assert ours == [], ours
+    # Helm leaves the CRD by design (charts/ravnest/README.md); no RavnestJob remains.
+    assert cluster.kubectl("get", "rj", "-A", "-o", "name").stdout.strip() == ""
