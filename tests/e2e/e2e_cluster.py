@@ -1,15 +1,5 @@
-"""Helpers of the cluster tier (see conftest.py): a kubeconfig, kubectl and helm, waits with
-diagnostics, and the image in the local Docker Engine.
-
-RAVNEST_E2E_KUBECONFIG set: that cluster is used as it is (kind in a user's CI, see
-scripts/kind-e2e); the image RAVNEST_E2E_IMAGE (default ravnest-k8s:test) must already be on its
-nodes. Unset: the session brings up the local single-node cluster of scripts/local-cluster
-(etcd, kube-apiserver, controller-manager, scheduler, kube-proxy, kubelet + containerd + runc,
-CNI bridge, CoreDNS), importing the image from the local Docker Engine (built offline like
-tests/integration/test_image.py does when missing), and tears it down at the end.
-
-Nothing here skips: a missing tool or a cluster that does not come up fails with the reason.
-"""
+"""Helpers of the cluster tier (see conftest.py for which cluster it uses): a kubeconfig,
+kubectl and helm, waits with diagnostics, and the image in the local Docker Engine."""
 
 from __future__ import annotations
 
