@@ -12,6 +12,7 @@ beyond +-65504: such a tensor is sent uncompressed rather than silently clamped.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -249,24 +250,21 @@ def decode_wire(messages: Iterator[bytes],
 
 def _assemble(chunks: Iterator[tuple[pb.FrameHeader | None, memoryview | bytes]],
               max_frame_bytes: int) -> Frame:
-    header, data = next(chunks, (None, b""))
-    if header is None:
+    first = next(chunks, None)
+    if first is None or first[0] is None:
         raise FrameError("frame has no header")
+    header = first[0]
     _check_header(header, max_frame_bytes)
     total = header.payload_bytes
     buffer = torch.empty(total, dtype=torch.uint8)
     view = buffer.numpy()
     position = 0
-    while True:
+    for _, data in itertools.chain([first], chunks):
         n = len(data)
         if position + n > total:
             raise FrameError(f"frame payload exceeds its declared {total} bytes")
         view[position:position + n] = memoryview(data)
         position += n
-        nxt = next(chunks, None)
-        if nxt is None:
-            break
-        data = nxt[1]
     if position != total:
         raise FrameError(f"frame payload truncated: {position} of {total} bytes")
     return _frame(header, buffer)
