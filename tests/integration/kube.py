@@ -125,14 +125,20 @@ class _Procs:
 
     def stop(self, grace: float = 10) -> None:
         for _name, proc in reversed(list(self.running.items())):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(grace)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_process(proc, grace)
         self.running.clear()
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace: float = 10, kill: bool = False) -> None:
+    """Terminate (or kill) a process the tests started and reap it; SIGKILL after `grace` s."""
+    if proc.poll() is not None:
+        return
+    (proc.kill if kill else proc.terminate)()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _wait_ready(url: str, token: str, procs: _Procs, timeout: float) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from kube import LocalApiserver, free_port, local_apiserver
+from kube import LocalApiserver, free_port, local_apiserver, stop_process
 from kubelet import FakeKubelet
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,13 +43,8 @@ class Operator:
                 stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def stop(self, kill: bool = False) -> None:
-        if self.proc and self.proc.poll() is None:
-            (self.proc.kill if kill else self.proc.terminate)()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc:
+            stop_process(self.proc, 15, kill=kill)
 
 
 def kctl(kube: LocalApiserver, *args: str, check: bool = True) -> subprocess.CompletedProcess:

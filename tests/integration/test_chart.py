@@ -34,7 +34,14 @@ from typing import Any
 import kubernetes.client
 import pytest
 import yaml
-from kube import LocalApiserver, MissingBinary, find_binary, free_port, local_apiserver
+from kube import (
+    LocalApiserver,
+    MissingBinary,
+    find_binary,
+    free_port,
+    local_apiserver,
+    stop_process,
+)
 from prometheus_client.metrics import MetricWrapperBase
 
 from ravnest import __version__
@@ -571,12 +578,7 @@ def test_operator_runs_under_chart_rbac(cluster: Cluster, tmp_path: Path, config
         _wait("the Planned event", lambda: "Planned" in kube.kubectl(
             "get", "events", "-n", ns, "-o", "jsonpath={.items[*].reason}").split(), 30, log)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 15)
         kube.kubectl("delete", "--wait=false", "--ignore-not-found", "-f", "-", input=installed)
         kube.kubectl("delete", "pods", "-n", ns, "-l", f"ravnest.io/job={name}",
                      "--wait=false", "--ignore-not-found")

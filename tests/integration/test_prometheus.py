@@ -30,7 +30,7 @@ from typing import Any
 import kubernetes
 import pytest
 import yaml
-from kube import find_binary, free_port
+from kube import find_binary, free_port, stop_process
 from operator_harness import ROOT, apply, get, job_doc, operator_cluster, wait_for
 
 CHART = ROOT / "charts" / "ravnest"
@@ -217,12 +217,7 @@ def prometheus(chart: list[dict[str, Any]], rules_file: Path,
                              service["metadata"]["name"])
         finally:
             discovery.stopped.set()
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, 30)
 
 
 def dashboard(name: str) -> dict[str, Any]:
