@@ -7,7 +7,9 @@ worker succeeded writes the run's outputs into one folder:
 - ``model.pt``: the fused trained model, a state_dict with the original parameter names;
 - ``best_model.pt``: the model with the lowest smoothed validation loss;
 - ``learning_curve.csv`` and ``summary.json`` (losses, accuracy, samples/s, plan);
-- ``plan.txt``, ``nodes/*.json`` (node metadata), ``logs/*.log``, ``checkpoints/``.
+- ``plan.txt``, ``nodes/*.json`` (node metadata), ``logs/*.log``, ``checkpoints/``;
+- ``tls/<node>/`` with `spec.security.tls`: the job CA's certificate and the node's certificate and
+  key (a fresh CA per run, whose own key is never written).
 
 If any worker fails, the others are stopped, no process is left behind, and the error names the
 node, its exit code and the end of its log.
@@ -39,6 +41,7 @@ from .fusing import fuse_stage_files, ordered_like
 from .planning import Plan
 from .progress import progress
 from .spec import Job
+from .tls import identity, issue, make_authority
 from .worker import NodeMetadata
 
 log = logging.getLogger(__name__)
@@ -96,9 +99,16 @@ class LocalRun:
         names = plan.names()
         ports = free_ports(2 * len(names))
         addresses = {n: f"127.0.0.1:{ports[i]}" for i, n in enumerate(names)}
+        tls_dirs: dict[str, str | None] = dict.fromkeys(names)
+        if self.job.spec.security.tls:
+            ca = make_authority(self.job.name)
+            for n in names:
+                folder = (self.out / "tls" / identity(n)).resolve()
+                issue(ca, n, ["localhost"], ["127.0.0.1"]).save(folder)
+                tls_dirs[n] = str(folder)
         metas = [NodeMetadata(job=self.job, plan=plan, node=n, addresses=addresses,
                               output_dir=str(self.out.resolve()), listen=addresses[n],
-                              metrics_port=ports[len(names) + i])
+                              metrics_port=ports[len(names) + i], tls_dir=tls_dirs[n])
                  for i, n in enumerate(names)]
         (self.out / "nodes").mkdir(parents=True, exist_ok=True)
         (self.out / "logs").mkdir(parents=True, exist_ok=True)

@@ -302,6 +302,14 @@ class RunPolicy(_Model):
     suspend: bool = False
 
 
+class SecuritySpec(_Model):
+    """How the job's workers authenticate each other, on top of the job's token."""
+
+    tls: bool = False
+    """Mutual TLS between workers, with a certificate authority made for this job alone (by the
+    operator, or by `ravnest run`); the job token is checked on top."""
+
+
 class JobSpec(_Model):
     model: ModelSpec
     data: DataSpec
@@ -310,6 +318,7 @@ class JobSpec(_Model):
     plan: PlanSpec = PlanSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     run_policy: RunPolicy = RunPolicy()
+    security: SecuritySpec = SecuritySpec()
     image: str | None = None
 
     def expanded_providers(self) -> list[Provider]:

@@ -2,9 +2,10 @@
 
 Every call carries the job's token (``authorization: Bearer …``, compared in constant time) and
 the plan fingerprint; the server rejects anything else with UNAUTHENTICATED or FAILED_PRECONDITION
-before reading a byte of payload. Malformed frames get INVALID_ARGUMENT and the server keeps
-serving. Outgoing frames go through one sender thread per peer, so compute never waits on the
-network and frames to a peer keep their order.
+before reading a byte of payload. With TLS material (see tls.py) the server also requires a client
+certificate from the job's CA and clients verify the server's. Malformed frames get
+INVALID_ARGUMENT and the server keeps serving. Outgoing frames go through one sender thread per
+peer, so compute never waits on the network and frames to a peer keep their order.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .framing import (
     iter_wire,
 )
 from .proto import ravnest_pb2 as pb
+from .tls import TlsMaterial
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +116,8 @@ class Server:
 
     def __init__(self, address: str, creds: Credentials, deliver: Callable[[Frame], None],
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, threads: int = 16,
-                 on_bytes: Callable[[str, int], None] | None = None) -> None:
+                 on_bytes: Callable[[str, int], None] | None = None,
+                 tls: TlsMaterial | None = None) -> None:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
                                                               thread_name_prefix="grpc"),
                                    interceptors=[_Auth(creds)], options=_GRPC_OPTIONS)
@@ -125,7 +128,11 @@ class Server:
                 response_serializer=pb.Ack.SerializeToString)}),))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        self.port = self._server.add_insecure_port(address)
+        if tls is None:
+            self.port = self._server.add_insecure_port(address)
+        else:
+            self.port = self._server.add_secure_port(address, grpc.ssl_server_credentials(
+                [(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True))
         if self.port == 0:
             raise TransportError(f"cannot listen on {address}")
 
@@ -143,9 +150,18 @@ class Peer:
 
     def __init__(self, address: str, creds: Credentials, compression: str = "none",
                  timeout: float = 120.0,
-                 on_bytes: Callable[[str, int], None] | None = None) -> None:
+                 on_bytes: Callable[[str, int], None] | None = None,
+                 tls: TlsMaterial | None = None, server_name: str = "") -> None:
+        """With `tls`, the peer's certificate must come from the same CA and name `server_name`
+        (its node's `tls.identity`) or, without one, the host of `address`."""
         self.address = address
-        self._channel = grpc.insecure_channel(address, options=_GRPC_OPTIONS)
+        if tls is None:
+            self._channel = grpc.insecure_channel(address, options=_GRPC_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(
+                address, grpc.ssl_channel_credentials(tls.ca, tls.key, tls.cert),
+                options=[*_GRPC_OPTIONS, *([("grpc.ssl_target_name_override", server_name)]
+                                           if server_name else [])])
         # Peer.Send with pre-serialized Chunk messages (framing.encode_wire) as requests.
         self._send_rpc = self._channel.stream_unary(
             f"/{SERVICE}/Send", request_serializer=None, response_deserializer=pb.Ack.FromString)

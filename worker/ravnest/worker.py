@@ -25,6 +25,7 @@ from .partitioning import Stage, build_stage, profile
 from .planning import Plan, fingerprint
 from .runtime import Batch, Batches, NodeRuntime, Settings
 from .spec import Job, JobSpec, parse_job
+from .tls import TlsMaterial, identity
 from .transport import Credentials, Inbox, Peer, Server
 
 log = logging.getLogger(__name__)
@@ -45,13 +46,19 @@ class NodeMetadata:
     listen: str = "0.0.0.0:50051"
     metrics_port: int = 9400
     namespace: str = "default"
+    tls_dir: str | None = None
+    """Folder with this node's `ca.crt`, `tls.crt` and `tls.key` when the job uses TLS."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"apiVersion": "ravnest.io/v1alpha1", "kind": METADATA_KIND, "node": self.node,
-                "job": self.job.to_dict(), "plan": self.plan.to_dict(),
-                "addresses": self.addresses, "outputDir": self.output_dir,
-                "listen": self.listen, "metricsPort": self.metrics_port,
-                "namespace": self.namespace}
+        d: dict[str, Any] = {
+            "apiVersion": "ravnest.io/v1alpha1", "kind": METADATA_KIND, "node": self.node,
+            "job": self.job.to_dict(), "plan": self.plan.to_dict(),
+            "addresses": self.addresses, "outputDir": self.output_dir,
+            "listen": self.listen, "metricsPort": self.metrics_port,
+            "namespace": self.namespace}
+        if self.tls_dir is not None:
+            d["tlsDir"] = self.tls_dir
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> NodeMetadata:
@@ -61,7 +68,7 @@ class NodeMetadata:
                    addresses=dict(d["addresses"]), output_dir=d["outputDir"],
                    listen=d.get("listen", "0.0.0.0:50051"),
                    metrics_port=int(d.get("metricsPort", 9400)),
-                   namespace=d.get("namespace", "default"))
+                   namespace=d.get("namespace", "default"), tls_dir=d.get("tlsDir"))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True))
@@ -160,14 +167,21 @@ class Worker:
         self.metrics = WorkerMetrics(Identity(meta.job.name, meta.namespace, me.name, me.role,
                                               me.cluster, me.stage))
         creds = Credentials(token, plan.fingerprint)
+        tls = None
+        if spec.security.tls:
+            if not meta.tls_dir:
+                raise RavnestError(f"{meta.node}: spec.security.tls is on but the node metadata "
+                                   f"names no tlsDir with the node's certificate")
+            tls = TlsMaterial.load(meta.tls_dir)
         self.inbox = Inbox(capacity=4 * spec.training.max_in_flight + 64)
         self.server = Server(meta.listen, creds, self.inbox.deliver,
-                             on_bytes=self.metrics.received)
+                             on_bytes=self.metrics.received, tls=tls)
         up, down = plan.neighbours(me.name)
         wanted = {n for n in (up, down) if n} | {m for r in plan.rings_of(me.name)
                                                  for m in r.members if m != me.name}
         self.peers = {n: Peer(meta.addresses[n], creds, spec.training.compression,
-                              on_bytes=self.metrics.sent) for n in sorted(wanted)}
+                              on_bytes=self.metrics.sent, tls=tls, server_name=identity(n))
+                      for n in sorted(wanted)}
         params = [p for p in stage.parameters() if p.requires_grad]
         optimizer = building.build_optimizer(spec, params) if params else None
         scheduler = building.build_scheduler(spec, optimizer) if optimizer else None
