@@ -53,6 +53,13 @@ class FrameError(TransportError):
     """A frame is malformed, oversized or does not match its header."""
 
 
+def shown(value: object, limit: int = 80) -> str:
+    """`repr(value)`, shortened: header fields come from the sender and go back to it in a gRPC
+    status, whose metadata a client refuses beyond 16 KiB (a long name would hide the error)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 @dataclass
 class Frame:
     """A decoded (or to-be-encoded) message between workers."""
@@ -219,21 +226,23 @@ def _check_header(header: pb.FrameHeader, max_frame_bytes: int) -> None:
         raise FrameError(f"frame of {total} bytes refused (limit {max_frame_bytes} bytes)")
     for meta in header.tensors:
         if meta.dtype not in DTYPES or (meta.wire_dtype and meta.wire_dtype not in DTYPES):
-            raise FrameError(f"tensor {meta.name!r}: unknown dtype "
-                             f"{meta.dtype!r}/{meta.wire_dtype!r}")
+            raise FrameError(f"tensor {shown(meta.name)}: unknown dtype "
+                             f"{shown(meta.dtype)}/{shown(meta.wire_dtype)}")
         if len(meta.shape) > MAX_DIMS or any(d < 0 for d in meta.shape):
-            raise FrameError(f"tensor {meta.name!r}: invalid shape {list(meta.shape)}")
+            raise FrameError(f"tensor {shown(meta.name)}: invalid shape "
+                             f"{shown(list(meta.shape))}")
         numel = extent = 1
         for d in meta.shape:
             numel *= d
             extent *= max(d, 1)
             if extent > _MAX_EXTENT:
-                raise FrameError(f"tensor {meta.name!r}: invalid shape {list(meta.shape)}")
+                raise FrameError(f"tensor {shown(meta.name)}: invalid shape "
+                                 f"{shown(list(meta.shape))}")
         wire = DTYPES[meta.wire_dtype or meta.dtype]
         size = numel * torch.empty(0, dtype=wire).element_size()
         if meta.offset < 0 or meta.offset % ALIGN or meta.offset + size > total:
-            raise FrameError(f"tensor {meta.name!r}: {size} bytes at offset {meta.offset} do not "
-                             f"fit a {total}-byte payload")
+            raise FrameError(f"tensor {shown(meta.name)}: {size} bytes at offset {meta.offset} "
+                             f"do not fit a {total}-byte payload")
 
 
 def decode(chunks: Iterator[pb.Chunk], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame:

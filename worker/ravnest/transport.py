@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from .errors import PeerTimeout, TransportError
@@ -32,6 +33,7 @@ from .framing import (
     decode_wire,
     encode_wire,
     iter_wire,
+    shown,
 )
 from .proto import ravnest_pb2 as pb
 from .tls import TlsMaterial
@@ -111,6 +113,29 @@ class _Servicer:
         return pb.Ack(received_bytes=frame.wire_bytes)
 
 
+def _health_handler(servicer: health.HealthServicer) -> grpc.GenericRpcHandler:
+    """The standard health service (Check, Watch), parsing requests itself: one that is not a
+    HealthCheckRequest gets INVALID_ARGUMENT, where grpc's own parsing would answer INTERNAL and
+    log a traceback for every such call."""
+
+    def parsed(method: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
+        def call(request: bytes, context: grpc.ServicerContext) -> Any:
+            try:
+                message = health_pb2.HealthCheckRequest.FromString(request)
+            except DecodeError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a HealthCheckRequest: {e}")
+            return method(message, context)
+
+        return call
+
+    respond = health_pb2.HealthCheckResponse.SerializeToString
+    return grpc.method_handlers_generic_handler("grpc.health.v1.Health", {
+        "Check": grpc.unary_unary_rpc_method_handler(parsed(servicer.Check),
+                                                     response_serializer=respond),
+        "Watch": grpc.unary_stream_rpc_method_handler(parsed(servicer.Watch),
+                                                      response_serializer=respond)})
+
+
 class Server:
     """The worker's gRPC server: the Peer service plus the standard health service."""
 
@@ -127,7 +152,7 @@ class Server:
                 servicer.Send, request_deserializer=None,
                 response_serializer=pb.Ack.SerializeToString)}),))
         self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self._server.add_generic_rpc_handlers((_health_handler(self.health),))
         if tls is None:
             self.port = self._server.add_insecure_port(address)
         else:
@@ -279,7 +304,7 @@ class Inbox:
         elif frame.kind in ("forward", "backward", "eval", "control"):
             self.pipeline.put(frame)
         else:
-            raise ValueError(f"unknown frame kind {frame.kind!r}")
+            raise ValueError(f"unknown frame kind {shown(frame.kind)}")
 
     def take_ring(self, ring: str, round_: int, phase_step: int, timeout: float) -> Frame:
         deadline = time.monotonic() + timeout
