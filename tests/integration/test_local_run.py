@@ -120,10 +120,11 @@ def _children_with(marker: str) -> list[int]:
 def test_worker_failure_is_reported_and_nothing_is_left_running(tmp_path, digits_doc,
                                                                 worker_env):
     digits_doc["spec"]["data"]["entrypoint"] = "models:broken_data"
+    digits_doc["spec"]["runPolicy"] = {"backoffLimit": 1}
     with pytest.raises(WorkerFailed) as err:
         run_job(parse_job(digits_doc), tmp_path, progress=False)
     message = str(err.value)
-    assert "exited with code 1" in message
+    assert "exited with code 1 after 1 restart(s), backoffLimit 1" in message
     assert "dataset shard missing" in message
     assert _children_with(str(tmp_path)) == []
 

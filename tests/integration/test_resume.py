@@ -1,5 +1,6 @@
-"""A worker killed mid-training: the run fails loudly, and running it again resumes from the last
-complete checkpoint instead of starting over."""
+"""A worker killed mid-training with no restarts allowed (backoffLimit 0): the run fails loudly, and
+running it again resumes from the last complete checkpoint instead of starting over. (Restarts
+within one run: test_faults.py.)"""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def _pid_of(marker: str) -> int | None:
 
 def test_kill_a_worker_then_resume_from_checkpoint(tmp_path, digits_doc):
     digits_doc["spec"]["checkpoint"] = {"everySteps": 10, "keep": 2}
+    digits_doc["spec"]["runPolicy"] = {"backoffLimit": 0}
     digits_doc["spec"]["training"]["epochs"] = 6
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(digits_doc))

@@ -3,8 +3,10 @@
 Layout: ``<dir>/step-00000120/node_3.pt`` plus ``node_3.sha256``. A file is written to a temporary
 name and renamed, and its checksum is written last, so a checkpoint is *complete* for a node only
 when both exist and agree. A step is resumable when it is complete for every node of the plan;
-nodes resume from the newest such step, so they always agree. Old steps are pruned only below the
-newest resumable one.
+nodes resume from the newest such step, so they always agree. A step whose files are all there but
+do not match their checksums (truncated, corrupted) is logged and set aside as
+``corrupt-step-…`` (kept for inspection, never deleted as good data), and the one before is used.
+Old steps, and set-aside ones, are pruned only below the newest resumable one.
 """
 
 from __future__ import annotations
@@ -48,17 +50,33 @@ def save(root: str | Path, step: int, node: str, state: dict[str, Any]) -> Path:
     return path
 
 
-def _valid(d: Path, node: str) -> bool:
+def _problem(d: Path, node: str) -> str | None:
+    """Why `node`'s checkpoint in `d` cannot be used, or None when it matches its checksum."""
     try:
         digest = (d / f"{node}.sha256").read_text().strip()
         data = (d / f"{node}.pt").read_bytes()
-    except OSError:
-        return False
-    return hashlib.sha256(data).hexdigest() == digest
+    except OSError as e:
+        return f"cannot read {e.filename}: {e.strerror}"
+    if hashlib.sha256(data).hexdigest() != digest:
+        return f"{node}.pt ({len(data)} bytes) does not match {node}.sha256"
+    return None
+
+
+def _set_aside(d: Path) -> Path:
+    """Rename a corrupt step out of the way (`corrupt-step-…`, `.1`, `.2` if taken)."""
+    target, n = d.with_name(f"corrupt-{d.name}"), 0
+    while target.exists():
+        n += 1
+        target = d.with_name(f"corrupt-{d.name}.{n}")
+    try:
+        d.rename(target)
+    except FileNotFoundError:  # another node set it aside first
+        pass
+    return target
 
 
 def complete_steps(root: str | Path, nodes: list[str]) -> list[int]:
-    """Steps for which every node's checkpoint exists and matches its checksum, ascending."""
+    """Steps for which every node wrote its checkpoint and checksum (not verified here)."""
     r = Path(root)
     if not r.is_dir():
         return []
@@ -71,12 +89,15 @@ def complete_steps(root: str | Path, nodes: list[str]) -> list[int]:
 
 
 def latest(root: str | Path, nodes: list[str]) -> int | None:
-    """The newest step whose checkpoints are complete and intact for all nodes."""
+    """The newest step whose checkpoints are complete and intact for all nodes; newer complete
+    steps that fail their checksums are logged and set aside."""
     for step in reversed(complete_steps(root, nodes)):
         d = _step_dir(Path(root), step)
-        if all(_valid(d, n) for n in nodes):
+        problems = [p for n in nodes if (p := _problem(d, n)) is not None]
+        if not problems:
             return step
-        log.warning("checkpoint %s is corrupt or incomplete; trying an older one", d)
+        log.warning("checkpoint %s is corrupt (%s); set aside as %s, trying an older one", d,
+                    "; ".join(problems), _set_aside(d).name)
     return None
 
 
@@ -93,6 +114,7 @@ def prune(root: str | Path, nodes: list[str], keep: int) -> None:
         return
     newest_kept = steps[-keep:]
     for d in Path(root).iterdir():
-        if d.is_dir() and d.name.startswith("step-") and d.name[5:].isdigit():
-            if int(d.name[5:]) < newest_kept[0]:
+        name = d.name.removeprefix("corrupt-").split(".")[0]
+        if d.is_dir() and name.startswith("step-") and name[5:].isdigit():
+            if int(name[5:]) < newest_kept[0]:
                 shutil.rmtree(d, ignore_errors=True)

@@ -11,8 +11,10 @@ worker succeeded writes the run's outputs into one folder:
 - ``tls/<node>/`` with `spec.security.tls`: the job CA's certificate and the node's certificate and
   key (a fresh CA per run, whose own key is never written).
 
-If any worker fails, the others are stopped, no process is left behind, and the error names the
-node, its exit code and the end of its log.
+If a worker dies, every worker is stopped and the whole run restarts from the newest checkpoint
+complete for all nodes, as the operator restarts a job's pods: at most `spec.runPolicy.backoffLimit`
+times, each restart logged and counted in ``status.json``. Past that limit the run fails: no
+process is left behind, and the error names the node, its exit code and the end of its log.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from . import building
+from . import building, checkpointing
 from .errors import RavnestError, WorkerFailed
 from .fusing import fuse_stage_files, ordered_like
 from .planning import Plan
@@ -92,6 +94,9 @@ class LocalRun:
         self.worker_threads = worker_threads
         self.procs: list[_Proc] = []
         self.plan: Plan | None = None
+        self.restarts = 0
+        self.conditions: list[dict[str, str]] = []
+        self._started = time.monotonic()
 
     def prepare(self) -> list[NodeMetadata]:
         plan, _, _ = building.plan_job(self.job)
@@ -144,36 +149,70 @@ class LocalRun:
                 _signal_group(p.popen.pid, signal.SIGKILL)
                 p.popen.wait()
 
-    def wait(self) -> None:
+    def wait(self) -> _Proc | None:
+        """Watch the workers until all succeeded (None) or one died (the first that died).
+        Raises when the job runs past its deadline."""
         assert self.plan is not None
         roots = {c.id: next(p for p in self.procs if p.node == c.nodes[0])
                  for c in self.plan.clusters}
         deadline = self.job.spec.run_policy.active_deadline_seconds
-        started = time.monotonic()
         bar = _Progress(self.progress)
         try:
             while True:
                 codes = {p.node: p.popen.poll() for p in self.procs}
                 failed = [p for p in self.procs if codes[p.node] not in (None, 0)]
                 if failed:
-                    first = min(failed, key=lambda p: p.log.stat().st_mtime)
-                    raise WorkerFailed(f"worker {first.node} exited with code "
-                                       f"{codes[first.node]}; last lines of {first.log}:\n"
-                                       f"{_tail(first.log)}")
+                    return min(failed, key=lambda p: p.log.stat().st_mtime)
                 if all(c == 0 for c in codes.values()):
-                    return
-                if deadline and time.monotonic() - started > deadline:
+                    return None
+                if deadline and time.monotonic() - self._started > deadline:
                     raise WorkerFailed(f"job exceeded activeDeadlineSeconds={deadline}")
-                now = bar.update(roots, started)
+                now = bar.update(roots, self._started)
                 if now:
+                    self._recovered()
                     self.write_status("Running", now)
                 time.sleep(0.5)
         finally:
             bar.close()
 
+    def supervise(self, metas: list[NodeMetadata]) -> None:
+        """Start the workers and restart them all after a worker died, from the newest complete
+        checkpoint, until they succeed or `backoffLimit` restarts are used up."""
+        limit = self.job.spec.run_policy.backoff_limit
+        self.start(metas)
+        while (dead := self.wait()) is not None:
+            failure = f"worker {dead.node} exited with code {dead.popen.returncode}"
+            if self.restarts >= limit:
+                used = f" after {self.restarts} restart(s), backoffLimit {limit}" if limit else ""
+                raise WorkerFailed(f"{failure}{used}; last lines of {dead.log}:\n"
+                                   f"{_tail(dead.log)}")
+            self.stop()
+            self.procs = []
+            self.restarts += 1
+            step = checkpointing.latest(self.checkpoint_dir(), [m.node for m in metas])
+            where = f"checkpoint at step {step}" if step is not None else "the start"
+            message = f"{failure}; restart {self.restarts}/{limit} resumes from {where}"
+            log.warning("%s", message)
+            self.conditions = [{"type": "Restarting", "status": "True", "reason": "WorkerFailed",
+                                "message": message}]
+            self.write_status("Restarting", {})
+            self.start(metas)
+
+    def _recovered(self) -> None:
+        """Running again after a restart: Restarting turns False, as in the operator."""
+        for c in self.conditions:
+            if c["type"] == "Restarting" and c["status"] == "True":
+                c.update(status="False", reason="Recovered",
+                         message=f"running again after: {c['message']}")
+
+    def checkpoint_dir(self) -> Path:
+        """Where the workers write checkpoints (relative paths: in the output folder)."""
+        return self.out.resolve() / self.job.spec.checkpoint.path
+
     def write_status(self, phase: str, now: dict[str, Any], **extra: Any) -> None:
         """`status.json`: what `ravnest status <job>` shows for a local run."""
-        body = {"job": self.job.name, "phase": phase, "progress": now, **extra}
+        body = {"job": self.job.name, "phase": phase, "progress": now, "restarts": self.restarts,
+                **({"conditions": self.conditions} if self.conditions else {}), **extra}
         tmp = self.out / ".status.json.tmp"
         tmp.write_text(json.dumps(body))
         os.replace(tmp, self.out / "status.json")
@@ -181,10 +220,10 @@ class LocalRun:
     def run(self) -> dict[str, Any]:
         metas = self.prepare()
         started = time.time()
+        self._started = time.monotonic()
         self.write_status("Created", {})
         try:
-            self.start(metas)
-            self.wait()
+            self.supervise(metas)
         except BaseException as e:
             self.write_status("Failed", {}, message=str(e).splitlines()[0] if str(e) else "")
             raise
