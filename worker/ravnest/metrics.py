@@ -2,16 +2,25 @@
 
 Names follow the Prometheus conventions: `ravnest_` prefix, base units, `_total` counters,
 histograms for durations, and only bounded labels (job, namespace, node, role, cluster, stage,
-plus `kind` for bytes).
+plus `kind` for bytes and `activity` for where the training loop's time goes).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 _LABELS = ("job", "namespace", "node", "role", "cluster", "stage")
+ACTIVITIES = ("compute", "communication", "waiting", "other")
+"""Where a worker's training loop spends its wall time (`ravnest_training_seconds_total`):
+compute (forward, loss, backward, optimizer step, validation forward), communication (encoding and
+queueing frames, ring all-reduce rounds, waiting for frames to be delivered), waiting (idle for a
+frame from a neighbour: the pipeline bubble, a slower stage, transfers in flight) and other
+(data batching, checkpoints, bookkeeping)."""
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -69,12 +78,41 @@ class WorkerMetrics:
         self.reduce_skipped = counter("ravnest_reduce_rounds_skipped",
                                       "Ring rounds skipped because a peer timed out.")
         self.peer_errors = counter("ravnest_peer_errors", "Failed calls to peers.")
+        self._activity = Counter(
+            "ravnest_training_seconds",
+            "Wall time of the training loop by activity; they add up to the loop's wall time.",
+            (*_LABELS, "activity"), registry=r)
+        self._activities = {a: self._activity.labels(**lab, activity=a) for a in ACTIVITIES}
+        self._stack = ["other"]
+        self._mark = time.perf_counter()
         kinds = (*_LABELS, "kind")
         self._sent = Counter("ravnest_sent_bytes", "Tensor bytes sent, by frame kind.", kinds,
                              registry=r)
         self._received = Counter("ravnest_received_bytes", "Tensor bytes received, by frame kind.",
                                  kinds, registry=r)
         self._lab = lab
+
+    def start_loop(self) -> None:
+        """The training loop starts now: time before it (building, waiting for peers) is not
+        charged to any activity."""
+        self._mark = time.perf_counter()
+
+    @contextmanager
+    def timed(self, activity: str) -> Iterator[None]:
+        """Charge the wall time inside the block to `activity` (time outside every block goes to
+        the enclosing one, "other" at the top). Only the training loop's thread may use it."""
+        self._charge()
+        self._stack.append(activity)
+        try:
+            yield
+        finally:
+            self._charge()
+            self._stack.pop()
+
+    def _charge(self) -> None:
+        now = time.perf_counter()
+        self._activities[self._stack[-1]].inc(now - self._mark)
+        self._mark = now
 
     def sent(self, kind: str, n: int) -> None:
         self._sent.labels(**self._lab, kind=kind).inc(n)

@@ -219,16 +219,19 @@ class NodeRuntime:
     def _send_down(self, frame: Frame) -> None:
         assert self.down is not None
         frame.sender = self.name
-        self.down.post(frame)
+        with self.metrics.timed("communication"):
+            self.down.post(frame)
 
     def _send_up(self, frame: Frame) -> None:
         assert self.up is not None
         frame.sender = self.name
-        self.up.post(frame)
+        with self.metrics.timed("communication"):
+            self.up.post(frame)
 
     def _next_frame(self) -> Frame:
         try:
-            return self.inbox.pipeline.get(timeout=self.s.peer_timeout)
+            with self.metrics.timed("waiting"):
+                return self.inbox.pipeline.get(timeout=self.s.peer_timeout)
         except queue.Empty:
             raise PeerTimeout(f"{self.name}: no frame from the pipeline for "
                               f"{self.s.peer_timeout:.0f}s") from None
@@ -272,10 +275,11 @@ class NodeRuntime:
         if missing:
             raise RavnestError(f"{self.name}: forward frame lacks {sorted(missing)}")
         self.stage.train()
-        weights = self._weights()
-        t0 = time.perf_counter()
-        outputs = self._run_stage({k: inputs[k] for k in self.stage.input_names}, weights)
-        self.metrics.forward_seconds.observe(time.perf_counter() - t0)
+        with self.metrics.timed("compute"):
+            weights = self._weights()
+            t0 = time.perf_counter()
+            outputs = self._run_stage({k: inputs[k] for k in self.stage.input_names}, weights)
+            self.metrics.forward_seconds.observe(time.perf_counter() - t0)
         self.pending[mb] = _Pending(inputs, outputs, weights, labels, control)
         if self.me.is_leaf:
             self._leaf_backward(mb)
@@ -289,7 +293,8 @@ class NodeRuntime:
         p = self.pending[mb]
         if p.labels is None or self.criterion is None:
             raise RavnestError(f"{self.name}: leaf got microbatch {mb} without labels")
-        loss = self.criterion(p.outputs[OUTPUT], p.labels)
+        with self.metrics.timed("compute"):
+            loss = self.criterion(p.outputs[OUTPUT], p.labels)
         n = int(p.labels.shape[0])
         scale = n / (self.s.batch_size * self.s.update_frequency)
         info = {**p.control, "loss": float(loss.detach()), "n": n}
@@ -310,17 +315,18 @@ class NodeRuntime:
     def _run_backward(self, mb: int, outs: list[torch.Tensor], grads: list[Any],
                       control: dict[str, Any]) -> None:
         p = self.pending.pop(mb)
-        t0 = time.perf_counter()
-        if outs:
-            torch.autograd.backward(outs, grads)
-        self.metrics.backward_seconds.observe(time.perf_counter() - t0)
-        if p.stash is not None:
-            with torch.no_grad():
-                for k, live in self.params.items():
-                    g = p.stash[k].grad
-                    if g is not None:
-                        live.grad = g.clone() if live.grad is None else live.grad.add_(g)
-                        p.stash[k].grad = None
+        with self.metrics.timed("compute"):
+            t0 = time.perf_counter()
+            if outs:
+                torch.autograd.backward(outs, grads)
+            self.metrics.backward_seconds.observe(time.perf_counter() - t0)
+            if p.stash is not None:
+                with torch.no_grad():
+                    for k, live in self.params.items():
+                        g = p.stash[k].grad
+                        if g is not None:
+                            live.grad = g.clone() if live.grad is None else live.grad.add_(g)
+                            p.stash[k].grad = None
         if self.me.is_root:
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
@@ -336,10 +342,11 @@ class NodeRuntime:
 
     def _optimizer_step(self) -> None:
         if self.optimizer is not None:
-            if self.s.clip_norm is not None:
-                torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.s.clip_norm)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            with self.metrics.timed("compute"):
+                if self.s.clip_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.s.clip_norm)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None and self.s.scheduler_step_on == "step":
             self.scheduler.step()
         self._stash = None
@@ -357,7 +364,8 @@ class NodeRuntime:
         if not self.reducers:
             return
         t0 = time.perf_counter()
-        done, skipped = reduce_all(self.reducers, round_)
+        with self.metrics.timed("communication"):
+            done, skipped = reduce_all(self.reducers, round_)
         self._stash = None
         self.metrics.allreduce_seconds.observe(time.perf_counter() - t0)
         self.metrics.reduce_rounds.inc(done)
@@ -368,7 +376,8 @@ class NodeRuntime:
     def _eval_forward(self, tensors: dict[str, torch.Tensor]) -> None:
         labels = tensors.pop(LABELS, None)
         self.stage.eval()
-        out = self.stage(**{k: tensors[k] for k in self.stage.input_names})
+        with self.metrics.timed("compute"):
+            out = self.stage(**{k: tensors[k] for k in self.stage.input_names})
         if not self.me.is_leaf:
             send = dict(out)
             if labels is not None:
@@ -379,7 +388,8 @@ class NodeRuntime:
         pred = out[OUTPUT]
         n = int(labels.shape[0])
         e = self._eval
-        e["loss"] = e.get("loss", 0.0) + float(self.criterion(pred, labels)) * n
+        with self.metrics.timed("compute"):
+            e["loss"] = e.get("loss", 0.0) + float(self.criterion(pred, labels)) * n
         e["n"] = e.get("n", 0) + n
         if self.s.metric == "accuracy":
             mask = labels != -100
@@ -454,6 +464,7 @@ class NodeRuntime:
 
     def serve(self) -> None:
         """Loop of a non-root node: handle frames until the root says training is over."""
+        self.metrics.start_loop()
         while not self._finished:
             self.handle(self._next_frame())
         self._flush_peers()
@@ -461,7 +472,8 @@ class NodeRuntime:
     def _flush_peers(self) -> None:
         for peer in (self.up, self.down):
             if peer is not None:
-                peer.flush(self.s.peer_timeout)
+                with self.metrics.timed("communication"):
+                    peer.flush(self.s.peer_timeout)
 
     def _wait_until(self, done: Callable[[], bool]) -> None:
         while not done():
@@ -478,6 +490,7 @@ class NodeRuntime:
     def drive(self, on_update: Callable[[NodeRuntime], None] | None = None) -> None:
         """Loop of a cluster's root: feed every batch, validate, checkpoint, finish."""
         assert self.batches is not None
+        self.metrics.start_loop()
         s, b = self.s, self.batches
         total_updates = s.epochs * (b.per_epoch // s.update_frequency)
         self.metrics.total_steps.set(total_updates)
@@ -496,9 +509,12 @@ class NodeRuntime:
                 if (batch + 1) % s.update_frequency:
                     continue
                 # the update this batch completes, counted from what was fed (in async mode the
-                # optimizer steps of this node run behind the feeding)
+                # optimizer steps of this node run behind the feeding); async drains only where
+                # every node must act on the same weights: a ring round (none with one cluster),
+                # a checkpoint, the end of the epoch
                 update = (epoch * b.per_epoch + batch + 1) // s.update_frequency
-                drain = (s.schedule == "sync" or update % s.reduce_factor == 0
+                drain = (s.schedule == "sync"
+                         or (self.plan.rings and update % s.reduce_factor == 0)
                          or (s.checkpoint_every and update % s.checkpoint_every == 0)
                          or batch + 1 == b.per_epoch)
                 if not drain:
