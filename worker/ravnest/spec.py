@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import reprlib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -35,6 +36,7 @@ _QUANTITY = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
 _DECIMAL = {"k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 _NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_KEY = re.compile(r"^[\w-]+$")
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
 
@@ -59,19 +61,20 @@ def parse_gigabytes(value: Any) -> float:
             scale = _DECIMAL[suffix]
         else:
             raise ValueError("must be a quantity with a suffix Ki, Mi, Gi, Ti, Pi, k, M, G, T "
-                             f"or P, got {value!r}")
+                             f"or P, got {_show(value)}")
     else:
         raise ValueError(f"must be a positive quantity such as 4 (GB), '512Mi' or '8Gi', "
-                         f"got {value!r}")
+                         f"got {_show(value)}")
     gigabytes = number * scale / 2**30
     if not math.isfinite(gigabytes) or gigabytes <= 0:
-        raise ValueError(f"must be a positive quantity, got {value!r}")
+        raise ValueError(f"must be a positive quantity, got {_show(value)}")
     return gigabytes
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True,
+        allow_inf_nan=False,
     )
 
 
@@ -356,10 +359,13 @@ class Job(_Model):
 
 
 def _path(loc: tuple[int | str, ...]) -> str:
+    """`spec.providers[2].ram`; a key that is not a plain name is quoted: `kwargs['a b']`."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
+        elif out and not _KEY.match(part):
+            out += f"[{_show(part)}]"
         else:
             out += ("." if out else "") + part
     return out
@@ -373,9 +379,17 @@ def _items(n: int) -> str:
     return f"{n} item" if n == 1 else f"{n} items"
 
 
+_REPR = reprlib.Repr()
+"""repr() within bounds: YAML aliases can make a 10-line document hold 10**9 list items, and
+nesting can go deeper than repr() recurses."""
+_REPR.maxlevel = 4
+_REPR.maxtuple = _REPR.maxlist = _REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 10
+_REPR.maxstring = _REPR.maxlong = _REPR.maxother = 200
+
+
 def _show(value: Any) -> str:
     try:
-        text = repr(value)
+        text = _REPR.repr(value)
     except ValueError:
         return "an integer too large to show"
     return text if len(text) <= 80 else text[:77] + "..."
@@ -450,7 +464,7 @@ def parse_job(document: Any) -> Job:
     except ValidationError as e:
         problems = []
         for err in e.errors():
-            loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and "[" in p))
+            loc = tuple(p for p in err["loc"] if p != "[key]")
             problems.append(f"{_path(loc) or '<document>'}: {_message(dict(err))}")
         raise SpecError(problems) from None
 
