@@ -48,6 +48,8 @@ _GRPC_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 SERVICE = "ravnest.v1.Peer"
+UNORDERED_LANES = 4
+"""Sender threads per peer for frames that may arrive in any order (ring pieces)."""
 
 
 @dataclass(frozen=True)
@@ -171,12 +173,16 @@ class Server:
 
 
 class Peer:
-    """One reused channel to a peer and a sender thread that keeps frames in order."""
+    """One reused channel to a peer, a sender thread that keeps frames in order, and `lanes`
+    more threads for frames whose order does not matter (ring pieces, keyed by their step), so
+    that several of those are in flight at once: each call waits a round trip for its Ack, and on
+    a link with latency one call at a time would leave it idle for that round trip."""
 
     def __init__(self, address: str, creds: Credentials, compression: str = "none",
                  timeout: float = 120.0,
                  on_bytes: Callable[[str, int], None] | None = None,
-                 tls: TlsMaterial | None = None, server_name: str = "") -> None:
+                 tls: TlsMaterial | None = None, server_name: str = "",
+                 lanes: int = UNORDERED_LANES) -> None:
         """With `tls`, the peer's certificate must come from the same CA and name `server_name`
         (its node's `tls.identity`) or, without one, the host of `address`."""
         self.address = address
@@ -200,8 +206,12 @@ class Peer:
         self._idle.set()
         self._pending = 0
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=f"send-{address}", daemon=True)
-        self._thread.start()
+        self._unordered: queue.Queue[tuple[str, list[bytes]] | None] = queue.Queue()
+        self._threads = [threading.Thread(target=self._run, args=(q,), daemon=True,
+                                          name=f"send-{address}-{i}")
+                         for i, q in enumerate([self._queue] + [self._unordered] * lanes)]
+        for thread in self._threads:
+            thread.start()
 
     def send(self, frame: Frame, compression: str | None = None) -> None:
         """Send now, in the caller's thread; raise TransportError on failure."""
@@ -222,15 +232,18 @@ class Peer:
         if self._on_bytes:
             self._on_bytes(kind, ack.received_bytes)
 
-    def post(self, frame: Frame) -> None:
-        """Queue a frame for the sender thread (in order); errors surface on the next call. The
-        frame is encoded here, so its tensors may change as soon as this returns."""
+    def post(self, frame: Frame, ordered: bool = True) -> None:
+        """Queue a frame for the sender threads; errors surface on the next call. Ordered frames
+        arrive in the order they were posted; unordered ones may overtake each other (and
+        ordered ones). The frame is encoded here, so its tensors may change as soon as this
+        returns."""
         self.raise_error()
         messages = encode_wire(frame, self._compression)
         with self._lock:
             self._pending += 1
             self._idle.clear()
-        self._queue.put((frame.kind, messages))
+        (self._queue if ordered or len(self._threads) == 1 else self._unordered).put(
+            (frame.kind, messages))
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every posted frame was delivered."""
@@ -244,8 +257,8 @@ class Peer:
         if error is not None:
             raise error
 
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
+    def _run(self, frames: queue.Queue[tuple[str, list[bytes]] | None]) -> None:
+        while (item := frames.get()) is not None:
             kind, messages = item
             try:
                 self._send(kind, iter(messages))
@@ -276,7 +289,10 @@ class Peer:
 
     def close(self) -> None:
         self._queue.put(None)
-        self._thread.join(timeout=5)
+        for _ in self._threads[1:]:
+            self._unordered.put(None)
+        for thread in self._threads:
+            thread.join(timeout=5)
         self._channel.close()
 
 
@@ -285,7 +301,10 @@ class Inbox:
 
     Pipeline frames (forward, backward, eval, control) go to one FIFO in arrival order, bounded so a
     fast sender gets backpressure. Ring frames are keyed by (ring, round, phase step) so a ring
-    step can wait for exactly the piece it needs.
+    step can wait for exactly the piece it needs. A ring's pieces all come from one peer, in
+    order, so once a piece of a later round is here the awaited one will never come: the peer gave
+    up this round (it ran ahead while this node was cut off or slow), and waiting would only keep
+    this node behind it, round after round, instead of letting it catch up and rejoin.
     """
 
     def __init__(self, capacity: int = 64) -> None:
@@ -293,6 +312,7 @@ class Inbox:
         self._ring: dict[tuple[str, int, int], Frame] = {}
         self._ring_cond = threading.Condition()
         self._min_round: dict[str, int] = {}
+        self._newest_round: dict[str, int] = {}
 
     def deliver(self, frame: Frame) -> None:
         if frame.kind in ("reduce", "gather"):
@@ -300,6 +320,8 @@ class Inbox:
                 if frame.step < self._min_round.get(frame.ring, 0):
                     return
                 self._ring[(frame.ring, frame.step, frame.version)] = frame
+                self._newest_round[frame.ring] = max(frame.step,
+                                                     self._newest_round.get(frame.ring, 0))
                 self._ring_cond.notify_all()
         elif frame.kind in ("forward", "backward", "eval", "control"):
             self.pipeline.put(frame)
@@ -311,6 +333,10 @@ class Inbox:
         key = (ring, round_, phase_step)
         with self._ring_cond:
             while key not in self._ring:
+                newest = self._newest_round.get(ring, 0)
+                if newest > round_:
+                    raise PeerTimeout(f"ring {ring} round {round_}: the peer already moved on to "
+                                      f"round {newest}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise PeerTimeout(f"ring {ring} round {round_}: no data for step "

@@ -1,0 +1,444 @@
+"""Faults a training job must survive, injected into real worker processes.
+
+- `kill -9` of a root, a stem and a leaf at seeded random steps of one `ravnest run`: the runner
+  restarts the job from its newest complete checkpoint (runPolicy.backoffLimit), the job finishes
+  and reaches its accuracy target, and each kill repeats at most one checkpoint interval of work.
+- A corrupted newest checkpoint: the next run says so and resumes from the one before.
+- One cluster cut off from the other (its workers in a network namespace whose veth drops every
+  packet) during ring all-reduces, and one behind a slow link (a `tc tbf` rate limit on that veth):
+  rounds time out and are counted as skipped, nothing hangs, the other cluster keeps training,
+  and once the link is back the rings complete again and the replicas end equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from ravnest import building, checkpointing, parse_job
+from ravnest.fusing import fuse_stage_files
+from ravnest.running import LocalRun, free_ports, scrape
+from ravnest.worker import NodeMetadata
+
+ROOT = Path(__file__).resolve().parents[2]
+EVERY = 8
+"""Checkpoint interval (optimizer updates) of the kill test."""
+TOTAL = 3 * 22
+"""Optimizer updates of 3 digits epochs (1437 samples // (2 clusters x 32) per epoch)."""
+TOTAL_NET = 4 * 22
+"""Optimizer updates of the 4 epochs of the network fault tests."""
+
+
+def _pid_of(node_file: Path) -> int | None:
+    """The worker process started with this node metadata file."""
+    marker = str(node_file)
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmd and "worker" in cmd:
+                return int(pid)
+    return None
+
+
+def _steps(ports: list[int]) -> list[int]:
+    """ravnest_step of the workers still answering on these metrics ports."""
+    out = []
+    for port in ports:
+        try:
+            out.append(int(scrape(port, timeout=0.5).get("ravnest_step", 0)))
+        except OSError:
+            continue
+    return out
+
+
+def _wait(what: str, cond: Any, timeout: float, proc: subprocess.Popen[str]) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended while waiting for {what}:\n{proc.communicate()[1]}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One `ravnest run` of digits (3 epochs, 66 steps, a checkpoint every 8) whose root, stem and
+    leaf are killed with SIGKILL, one after the other, at seeded random steps.
+
+    Each kill lands in the first half of a checkpoint interval, once that interval's checkpoint is
+    complete on disk, so "at most one interval repeated" is an exact bound (a kill while a
+    checkpoint is still being written costs one interval more; the bound that always holds, also
+    checked, is that a restart resumes from the newest checkpoint complete when the worker died).
+    """
+    tmp_path = tmp_path_factory.mktemp("killed")
+    digits_doc = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
+    spec = digits_doc["spec"]
+    spec["training"]["epochs"] = 3
+    spec["checkpoint"] = {"everySteps": EVERY, "keep": 2}
+    spec["runPolicy"] = {"backoffLimit": 3}
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(digits_doc))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "ravnest", "run", str(job), "-o", str(out), "--no-progress"]
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        nodes = _wait("node metadata", lambda: sorted((out / "nodes").glob("node_*.json")), 120,
+                      run)
+        plan = json.loads(nodes[0].read_text())["plan"]
+        names = [n["name"] for n in plan["nodes"]]
+        ports = {n: json.loads((out / "nodes" / f"{n}.json").read_text())["metricsPort"]
+                 for n in names}
+        by_role: dict[str, list[str]] = {}
+        for n in plan["nodes"]:
+            by_role.setdefault(n["role"], []).append(n["name"])
+        root_ports = [ports[n] for n in by_role["root"]]
+        rng = random.Random(7)
+        kills = []
+        for i, role in enumerate(("root", "stem", "leaf")):
+            victim = rng.choice(by_role[role])
+            interval = 1 + 2 * i  # intervals 1, 3, 5 of the 8 (66 steps)
+            target = interval * EVERY + rng.randint(1, EVERY // 2)
+            _wait(f"step {target}", lambda t=target: (s := _steps(root_ports)) and len(s) == len(
+                root_ports) and min(s) >= t, 300, run)
+            _wait(f"checkpoint {interval * EVERY}", lambda k=interval * EVERY: (
+                checkpointing.latest(out / "checkpoints", names) or 0) >= k, 60, run)
+            complete = checkpointing.latest(out / "checkpoints", names)
+            before = _steps(root_ports)
+            pid = _pid_of(out / "nodes" / f"{victim}.json")
+            assert pid is not None, victim
+            os.kill(pid, signal.SIGKILL)
+            after = _steps([ports[n] for n in by_role["root"] if n != victim])
+            kills.append({"victim": victim, "role": role, "target": target,
+                          "complete": complete, "reached": max(before + after)})
+            _wait(f"restart {i + 1}", lambda n=i + 1: json.loads(
+                (out / "status.json").read_text()).get("restarts") == n, 60, run)
+        _, err = run.communicate(timeout=600)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    return {"out": out, "cmd": cmd, "names": names, "kills": kills, "err": err,
+            "returncode": run.returncode}
+
+
+def test_kill_9_of_root_stem_and_leaf_resumes_and_reaches_target(killed_run):
+    out, names, kills, err = (killed_run[k] for k in ("out", "names", "kills", "err"))
+    assert killed_run["returncode"] == 0, err[-3000:]
+    assert [k["role"] for k in kills] == ["root", "stem", "leaf"]
+    restarts = re.findall(r"worker (node_\d+) exited with code -9; restart (\d)/3 resumes from "
+                          r"checkpoint at step (\d+)", err)
+    assert [(v, int(n)) for v, n, _ in restarts] == [(k["victim"], i + 1)
+                                                     for i, k in enumerate(kills)]
+    logs = "\n".join((out / "logs" / f"{n}.log").read_text() for n in names)
+    resumed = [int(s) for s in re.findall(r"resumed from checkpoint at step (\d+)", logs)]
+    assert len(resumed) == 3 * len(names)
+    for kill, (_, _, announced) in zip(kills, restarts, strict=True):
+        step = int(announced)
+        assert resumed.count(step) == len(names), (kill, resumed)  # every node resumed there
+        # nothing older than the newest checkpoint complete at the kill; at most one interval lost
+        assert step >= kill["complete"], kill
+        assert kill["reached"] - step <= EVERY, (kill, step)
+    status = json.loads((out / "status.json").read_text())
+    assert status["phase"] == "Succeeded" and status["restarts"] == 3
+    shown = subprocess.run([sys.executable, "-m", "ravnest", "status", "digits", "-o", str(out)],
+                           capture_output=True, text=True, timeout=60)
+    assert "Restarting: " not in shown.stdout  # recovered: the condition is False again
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["updates"] == TOTAL
+    assert summary["fused_val_metric"] >= 0.95
+    figures = [(k["victim"], k["role"], k["reached"], int(r[2]))
+               for k, r in zip(kills, restarts, strict=True)]
+    print(f"\nkills (victim, role, step reached, resumed from): {figures}; "
+          f"accuracy {summary['fused_val_metric']:.4f}")
+
+
+def test_corrupt_newest_checkpoint_resumes_from_the_previous_one(killed_run):
+    """Damage one node's file of the finished run's last checkpoint: running the job again says
+    so and resumes every node from the checkpoint before, then finishes the remaining steps."""
+    out, names = killed_run["out"], killed_run["names"]
+    assert killed_run["returncode"] == 0
+    steps = checkpointing.complete_steps(out / "checkpoints", names)
+    assert steps[-1] == TOTAL and len(steps) == 2
+    victim = out / "checkpoints" / f"step-{TOTAL:08d}" / f"{names[-1]}.pt"
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    logs = [out / "logs" / f"{n}.log" for n in names]
+    logged = [len(log.read_text()) for log in logs]
+    again = subprocess.run(killed_run["cmd"], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    new = "".join(log.read_text()[n:] for log, n in zip(logs, logged, strict=True))
+    assert f"step-{TOTAL:08d} is corrupt ({names[-1]}.pt" in new
+    resumed = re.findall(r"resumed from checkpoint at step (\d+)", new)
+    assert resumed == [str(steps[0])] * len(names)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["updates"] == TOTAL and summary["fused_val_metric"] >= 0.95
+
+
+# ------------------------------------------------------------------ cluster 1 behind a veth link
+
+class _Link:
+    """Cluster 1's workers in their own network namespace, joined to the host (cluster 0) by a veth
+    pair: cutting or slowing that link touches only the traffic between the two clusters (their
+    ring all-reduces), never a pipeline inside a cluster or anything else on the machine."""
+
+    def __init__(self) -> None:
+        tag = f"rvf{os.getpid() % 100000}"
+        self.ns, self.host_if, self.ns_if = f"{tag}n", f"{tag}h", f"{tag}p"
+        net = f"10.213.{os.getpid() % 250}"
+        self.host_ip, self.ns_ip = f"{net}.1", f"{net}.2"
+
+    def _ip(self, *args: str, ns: bool = False) -> None:
+        cmd = ["ip", "netns", "exec", self.ns, *args] if ns else list(args)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode == 0, f"{' '.join(cmd)}: {done.stderr.strip()} (needs root)"
+
+    def up(self) -> None:
+        self._ip("ip", "netns", "add", self.ns)
+        self._ip("ip", "link", "set", "lo", "up", ns=True)
+        self._ip("ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
+        self._ip("ip", "link", "set", self.ns_if, "netns", self.ns)
+        self._ip("ip", "addr", "add", f"{self.host_ip}/30", "dev", self.host_if)
+        self._ip("ip", "link", "set", self.host_if, "up")
+        self._ip("ip", "addr", "add", f"{self.ns_ip}/30", "dev", self.ns_if, ns=True)
+        self._ip("ip", "link", "set", self.ns_if, "up", ns=True)
+
+    def cut(self) -> None:
+        """Drop every packet crossing the link, both ways (the namespace's own iptables)."""
+        self._ip("iptables", "-A", "INPUT", "-i", self.ns_if, "-j", "DROP", ns=True)
+        self._ip("iptables", "-A", "OUTPUT", "-o", self.ns_if, "-j", "DROP", ns=True)
+
+    def slow(self, rate: str) -> None:
+        """Limit both directions to `rate` (tc tbf; sch_netem is not in every kernel, this
+        machine's included): a frame now waits its size / rate, queued behind the ones before."""
+        for ns, dev in ((False, self.host_if), (True, self.ns_if)):
+            self._ip("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+                     "burst", "8kb", "latency", "2s", ns=ns)
+
+    def heal(self) -> None:
+        self._ip("iptables", "-F", ns=True)
+        for ns, dev in ((False, self.host_if), (True, self.ns_if)):
+            cmd = ["tc", "qdisc", "del", "dev", dev, "root"]
+            subprocess.run(["ip", "netns", "exec", self.ns, *cmd] if ns else cmd,
+                           capture_output=True)
+
+    def down(self) -> None:
+        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+
+
+@pytest.fixture
+def link() -> Any:
+    net = _Link()
+    try:
+        net.up()
+        yield net
+    finally:
+        net.down()
+
+
+class _SplitRun:
+    """A digits job whose cluster 1 runs in the link's namespace: one worker process per node,
+    started as `ravnest run` starts them, with each worker's final figures in a file."""
+
+    def __init__(self, doc: dict[str, Any], out: Path, net: _Link) -> None:
+        self.job = parse_job(doc)
+        self.out = out
+        self.plan, _, _ = building.plan_job(self.job)
+        names = self.plan.names()
+        self.far = set(next(c for c in self.plan.clusters if c.id == 1).nodes)
+        ports = free_ports(2 * len(names))
+        self.hosts = {n: net.ns_ip if n in self.far else net.host_ip for n in names}
+        addresses = {n: f"{self.hosts[n]}:{ports[i]}" for i, n in enumerate(names)}
+        self.metrics_ports = {n: ports[len(names) + i] for i, n in enumerate(names)}
+        (out / "nodes").mkdir(parents=True)
+        (out / "logs").mkdir()
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        env = {**os.environ, "RAVNEST_TOKEN": "t" * 32, "OMP_NUM_THREADS": "1",
+               "RAVNEST_TORCH_THREADS": "1"}
+        for n in names:
+            meta = NodeMetadata(job=self.job, plan=self.plan, node=n, addresses=addresses,
+                                output_dir=str(out), listen=addresses[n],
+                                metrics_port=self.metrics_ports[n])
+            meta.save(out / "nodes" / f"{n}.json")
+            cmd = [sys.executable, "-m", "ravnest", "worker", "--metadata",
+                   str(out / "nodes" / f"{n}.json")]
+            if n in self.far:
+                cmd = ["ip", "netns", "exec", net.ns, *cmd]
+            with open(out / "logs" / f"{n}.log", "wb") as log:
+                self.procs[n] = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    env={**env, "RAVNEST_TERMINATION_LOG": str(out / f"{n}.result.json")},
+                    start_new_session=True)
+
+    def near(self) -> list[str]:
+        """Cluster 0's nodes (on the host side: their metrics answer during a cut)."""
+        return [n for n in self.plan.names() if n not in self.far]
+
+    def metrics(self, node: str) -> dict[str, float]:
+        """Labels dropped, histogram buckets kept as `name{le}`; {} while it does not answer."""
+        url = f"http://{self.hosts[node]}:{self.metrics_ports[node]}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                text = r.read().decode()
+        except OSError:
+            return {}
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                key = f"{s.name}{{{s.labels['le']}}}" if "le" in s.labels else s.name
+                out.setdefault(key, s.value)
+        return out
+
+    def wait_for(self, what: str, cond: Any, timeout: float = 300) -> dict[str, float]:
+        """Poll `cond(metrics of a node)` (node chosen by the caller) until true; the workers
+        must stay alive meanwhile."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = cond()
+            if got:
+                return dict(got)
+            dead = {n: p.returncode for n, p in self.procs.items() if p.poll() not in (None, 0)}
+            assert not dead, f"workers died while waiting for {what}: {dead}\n{self.tails()}"
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}\n{self.tails()}")
+
+    def finish(self, timeout: float = 300) -> dict[str, Any]:
+        """Wait for every worker to succeed; the job's summary (fused model, accuracy)."""
+        deadline = time.monotonic() + timeout
+        for n, p in self.procs.items():
+            try:
+                code = p.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                tails = self.tails()
+                raise AssertionError(f"{n} still running after {timeout}s\n{tails}") from None
+            assert code == 0, f"{n} exited with {code}\n{self.tails()}"
+        run = LocalRun(self.job, self.out, progress=False)
+        run.plan = self.plan
+        return run.finish(0.0)
+
+    def results(self) -> dict[str, dict[str, Any]]:
+        return {n: json.loads((self.out / f"{n}.result.json").read_text()) for n in self.procs}
+
+    def tails(self) -> str:
+        return "\n".join(f"--- {n}\n" + "\n".join(
+            (self.out / "logs" / f"{n}.log").read_text(errors="replace").splitlines()[-8:])
+            for n in self.procs)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def _net_job(doc: dict[str, Any], timeout: float) -> dict[str, Any]:
+    spec = doc["spec"]
+    spec["training"].update(epochs=4, reduceTimeoutSeconds=timeout)
+    spec["checkpoint"] = {"everySteps": 0}
+    return doc
+
+
+def _replicas_equal(out: Path) -> None:
+    """Both clusters end with the same weights: the final reduce averaged them."""
+    a, b = (fuse_stage_files(out / "stages", c) for c in (0, 1))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k].float(), b[k].float(), rtol=0, atol=1e-6, msg=k)
+
+
+ROUNDS = "ravnest_reduce_rounds_total"
+SKIPPED = "ravnest_reduce_rounds_skipped_total"
+STEP = "ravnest_step"
+
+
+def test_cluster_cut_off_skips_rounds_others_keep_training_and_it_rejoins(tmp_path, digits_doc,
+                                                                         link):
+    run = _SplitRun(_net_job(digits_doc, timeout=1.0), tmp_path, link)
+    try:
+        node = run.near()[0]
+        m = run.metrics
+        run.wait_for("step 8 with rounds done", lambda: (x := m(node)) and x[STEP] >= 8 and x[
+            ROUNDS] >= 2 and x)
+        link.cut()
+        before = m(node)
+        cut = run.wait_for("3 rounds skipped in the cut", lambda: (x := m(node)) and x[
+            SKIPPED] >= before[SKIPPED] + 3 and x)
+        link.heal()
+        summary = run.finish()
+    finally:
+        run.stop()
+    # cut off: its rounds timed out and were counted, while this cluster kept training
+    assert cut[ROUNDS] <= before[ROUNDS] + 1  # (one round may have been under way at the cut)
+    assert cut[STEP] >= before[STEP] + 4  # two updates between the rounds skipped
+    results = run.results()
+    rounds = TOTAL_NET // 2 + 1  # every reduceFactor=2 updates, plus the final reduce
+    for n, r in results.items():
+        assert r["updates"] == TOTAL_NET, (n, r)
+        if run.plan.rings_of(n):
+            assert r["rounds_skipped"] >= 3, (n, r)  # both sides saw the cut
+    # rejoined: after the cut the rounds of every node completed again
+    done_after = rounds - results[node]["rounds_skipped"] - int(cut[ROUNDS])
+    assert done_after >= 5, (results, cut)
+    _replicas_equal(tmp_path)
+    assert summary["fused_val_metric"] >= 0.95
+    print(f"\ncut: rounds skipped by node {({n: r['rounds_skipped'] for n, r in results.items()})}"
+          f" of {rounds}; {node} completed {done_after} rounds after the cut; accuracy "
+          f"{summary['fused_val_metric']:.4f}")
+
+
+def test_slow_link_rounds_take_longer_then_time_out_and_nothing_hangs(tmp_path, digits_doc,
+                                                                      link):
+    run = _SplitRun(_net_job(digits_doc, timeout=3.0), tmp_path, link)
+    # the cluster-0 node holding the most parameters: each of its rounds moves them both ways
+    node = max(run.near(), key=lambda n: run.plan.node(n).params)
+    floor = 4 * run.plan.node(node).params / 500_000  # seconds at 4 Mbit/s = 500 kB/s
+    assert floor > 0.25
+    m = run.metrics
+    count = "ravnest_allreduce_duration_seconds_count"
+    fast = "ravnest_allreduce_duration_seconds_bucket{0.25}"
+    try:
+        run.wait_for("step 6", lambda: (x := m(node)) and x[STEP] >= 6 and x)
+        link.slow("4mbit")
+        first = m(node)  # a round under way may still be fast: start counting after it
+        start = run.wait_for("a slow round", lambda: (x := m(node)) and x[count] > first[
+            count] and x)
+        slow = run.wait_for("3 slow rounds", lambda: (x := m(node)) and x[count] >= start[
+            count] + 3 and x)
+        link.slow("256kbit")  # a round now needs far longer than the 3 s reduce timeout
+        crawl = run.wait_for("2 rounds skipped", lambda: (x := m(node)) and x[
+            SKIPPED] >= slow[SKIPPED] + 2 and x)
+        link.heal()
+        summary = run.finish()
+    finally:
+        run.stop()
+    # 4 Mbit/s: every round of this node took at least its bytes / rate, and the histogram says so
+    assert slow[fast] == start[fast], (start, slow)
+    assert slow[SKIPPED] == start[SKIPPED]
+    # 256 kbit/s: rounds time out and are skipped, training goes on, and the job finishes
+    assert crawl[STEP] > slow[STEP]
+    _replicas_equal(tmp_path)
+    assert summary["updates"] == TOTAL_NET and summary["fused_val_metric"] >= 0.95
+    mean = (slow["ravnest_allreduce_duration_seconds_sum"] - start[
+        "ravnest_allreduce_duration_seconds_sum"]) / (slow[count] - start[count])
+    print(f"\nslow link: {node} reduce rounds at 4 Mbit/s took {mean:.2f}s on average (floor "
+          f"{floor:.2f}s); at 256 kbit/s {crawl[SKIPPED] - slow[SKIPPED]:.0f} skipped while "
+          f"training went from step {slow[STEP]:.0f} to {crawl[STEP]:.0f}")
