@@ -90,14 +90,14 @@ class ExampleInput(_Model):
     @classmethod
     def _positive_dims(cls, v: list[int]) -> list[int]:
         if any(d <= 0 for d in v):
-            raise ValueError(f"every dimension must be positive, got {v}")
+            raise ValueError(f"every dimension must be positive, got {_show(v)}")
         return v
 
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, v: str) -> str:
         if v not in _DTYPES:
-            raise ValueError(f"must be one of {', '.join(_DTYPES)}, got {v!r}")
+            raise ValueError(f"must be one of {', '.join(_DTYPES)}, got {_show(v)}")
         return v
 
 
@@ -111,7 +111,7 @@ class EntrypointRef(_Model):
     @classmethod
     def _entrypoint_form(cls, v: str) -> str:
         if not _ENTRYPOINT.match(v):
-            raise ValueError(f"must look like 'package.module:callable', got {v!r}")
+            raise ValueError(f"must look like 'package.module:callable', got {_show(v)}")
         return v
 
 
@@ -127,7 +127,7 @@ class ModelSpec(_Model):
     @classmethod
     def _entrypoint_form(cls, v: str | None) -> str | None:
         if v is not None and not _ENTRYPOINT.match(v):
-            raise ValueError(f"must look like 'package.module:callable', got {v!r}")
+            raise ValueError(f"must look like 'package.module:callable', got {_show(v)}")
         return v
 
     @model_validator(mode="after")
@@ -154,7 +154,7 @@ class DataSpec(_Model):
     @classmethod
     def _entrypoint_form(cls, v: str) -> str:
         if not _ENTRYPOINT.match(v):
-            raise ValueError(f"must look like 'package.module:callable', got {v!r}")
+            raise ValueError(f"must look like 'package.module:callable', got {_show(v)}")
         return v
 
     @field_validator("microbatches")
@@ -183,7 +183,7 @@ class OptimizerSpec(NamedCall):
 
         cls_ = getattr(torch.optim, v, None)
         if not (isinstance(cls_, type) and issubclass(cls_, torch.optim.Optimizer)):
-            raise ValueError(f"must be a torch.optim optimizer such as 'Adam', got {v!r}")
+            raise ValueError(f"must be a torch.optim optimizer such as 'Adam', got {_show(v)}")
         return v
 
 
@@ -200,7 +200,7 @@ class SchedulerSpec(NamedCall):
 
         if not isinstance(getattr(sched, v, None), type):
             raise ValueError(
-                f"must be a torch.optim.lr_scheduler class such as 'StepLR', got {v!r}"
+                f"must be a torch.optim.lr_scheduler class such as 'StepLR', got {_show(v)}"
             )
         return v
 
@@ -215,13 +215,13 @@ class CriterionSpec(NamedCall):
 
         if ":" in v:
             if not _ENTRYPOINT.match(v):
-                raise ValueError(f"must look like 'package.module:callable', got {v!r}")
+                raise ValueError(f"must look like 'package.module:callable', got {_show(v)}")
             return v
         cls_ = getattr(torch.nn, v, None)
         if not (isinstance(cls_, type) and issubclass(cls_, torch.nn.Module)):
             raise ValueError(
                 "must be a torch.nn loss such as 'CrossEntropyLoss' or an entrypoint "
-                f"'package.module:callable', got {v!r}"
+                f"'package.module:callable', got {_show(v)}"
             )
         return v
 
