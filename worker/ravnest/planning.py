@@ -8,22 +8,31 @@ Cost model (per microbatch, per stage): compute time = 3 x forward FLOPs / (comp
 gradients back) over the slower of the two links. A cluster's time per batch is the pipeline bound
 (m + S - 1) x the slowest stage for m microbatches and S stages. Memory per stage = parameters x
 (weights + gradients + optimizer slots) + buffers + activations of the microbatches in flight.
+A step (every cluster trains one batch) adds the ring all-reduce of all parameters over k
+clusters, 2 (k - 1) / k x parameter bytes at the slowest provider's bandwidth, divided by the
+reduce factor.
 
-Cluster formation searches the number of clusters (unless the spec fixes it) and the assignment
-of providers to clusters, minimising the estimated time of the slowest cluster under every
-provider's memory limit, and picks the count with the best estimated throughput including the ring
-all-reduce cost. Within a cluster, a dynamic program finds the contiguous split that minimises the
-slowest stage's time while respecting each provider's RAM.
+Cluster formation uses every provider. For each candidate number of clusters (all of them for
+small pools, a geometric grid refined by bisection for large ones, skipping counts whose upper
+bound cannot beat the best so far) a local search moves or swaps providers out of the slowest
+cluster, minimising the estimated time of the slowest cluster under every provider's memory
+limit; the count with the best estimated throughput, ring all-reduce included, wins. Within a
+cluster, providers are ordered by link speed (both ways are tried) and a vectorised dynamic
+program finds the contiguous split that minimises the slowest stage's time while respecting each
+provider's RAM. `estimate` scores any grouping and split with the same cost model.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+import numpy as np
 
 from .errors import PlanError
 from .partitioning import Profile
@@ -188,7 +197,8 @@ def _human(n: float) -> str:
 
 
 class _Costs:
-    """Prefix sums over a profile, scaled to one microbatch."""
+    """Prefix sums over a profile, scaled to one microbatch, and the same figures as matrices over
+    the allowed cuts (`allowed`), for the vectorised split."""
 
     def __init__(self, profile: Profile, work: Workload) -> None:
         self.profile = profile
@@ -203,16 +213,49 @@ class _Costs:
         self.cut = [b * scale for b in profile.cut_bytes]
         self.params = _prefix(layer.param_bytes for layer in profile.layers)
         self.microbatches = work.microbatches
+        self.batch_size = work.batch_size
+        self.reduce_factor = work.reduce_factor
         self.mb = mb
+        self.allowed = sorted({0, self.n} | {i + 1 for i, ok in enumerate(profile.cut_ok) if ok})
+        at = np.array(self.allowed)
+        flops, mem = np.array(self.flops)[at], np.array(self.mem)[at]
+        ahead = np.triu(np.ones((len(at), len(at)), dtype=bool), 1)
+        self.d_seconds = np.where(ahead, (flops[None, :] - flops[:, None]) / REF_FLOPS, math.inf)
+        """d_seconds[a, b]: seconds at compute 1.0 of the stage from allowed[a] to allowed[b]
+        (infinite unless a < b)."""
+        self.d_mem = mem[None, :] - mem[:, None]
+        self.cut_at = np.array([self.cut[j - 1] if 0 < j < self.n else 0.0 for j in self.allowed])
+        self._stage: dict[tuple[float, float], Any] = {}
+
+    def compute_matrix(self, p: ProviderInfo) -> Any:
+        """Compute seconds of every possible stage on provider p, infinite where it does not fit
+        p's RAM (cached per compute and RAM)."""
+        key = (p.compute, p.ram_gb)
+        m = self._stage.get(key)
+        if m is None:
+            m = self._stage[key] = np.where(self.d_mem <= p.ram_gb * GB,
+                                            self.d_seconds / p.compute, math.inf)
+        return m
 
     def stage_memory(self, i: int, j: int) -> float:
         return self.mem[j] - self.mem[i]
 
     def stage_time(self, i: int, j: int, p: ProviderInfo, nxt: ProviderInfo | None) -> float:
-        t = (self.flops[j] - self.flops[i]) / (p.compute * REF_FLOPS)
+        t = (self.flops[j] - self.flops[i]) / REF_FLOPS / p.compute
         if nxt is not None:
-            t += 2 * self.cut[j - 1] / min(p.bytes_per_second, nxt.bytes_per_second)
+            t += self.cut[j - 1] * (2 / min(p.bytes_per_second, nxt.bytes_per_second))
         return t
+
+    def cluster_seconds(self, stages: int, slowest: float) -> float:
+        """Seconds per batch of a pipeline: (m + S - 1) x its slowest stage."""
+        return (self.microbatches + stages - 1) * slowest
+
+    def ring_seconds(self, clusters: int, slowest: float) -> float:
+        """Ring all-reduce of all parameters per step over `clusters` replicas, at `slowest`
+        bytes/s, divided by the reduce factor."""
+        if clusters < 2:
+            return 0.0
+        return 2 * (clusters - 1) / clusters * self.params[-1] / slowest / self.reduce_factor
 
     @property
     def total_memory(self) -> float:
@@ -226,130 +269,216 @@ def _prefix(values: Any) -> list[float]:
     return out
 
 
+def _too_many_stages(costs: _Costs, s: int) -> PlanError:
+    return PlanError(f"a cluster of {s} providers needs {s} stages but the model can be cut "
+                     f"into at most {len(costs.allowed) - 1} (more stages than layers); use fewer "
+                     "providers per cluster or more clusters")
+
+
+def _min_max_split(costs: _Costs, providers: Sequence[ProviderInfo],
+                   backtrack: bool) -> tuple[float, list[Any]]:
+    """The dynamic program over allowed cuts, one stage (provider) at a time, vectorised.
+
+    best[b]: the slowest stage of the best split of the layers before allowed[b] over the
+    providers so far; with `backtrack`, ties go to the smaller sum of squared stage times
+    (balanced stages) and the chosen predecessors are kept for `split_cluster`.
+    """
+    s, width = len(providers), len(costs.allowed)
+    best = np.full(width, math.inf)
+    best[0] = 0.0
+    squares = best.copy()
+    back: list[Any] = []
+    for st, p in enumerate(providers):
+        t = costs.compute_matrix(p)
+        if st + 1 < s:
+            t = t + costs.cut_at * (2 / min(p.bytes_per_second, providers[st + 1].bytes_per_second))
+        cand = np.maximum(best[:, None], t)
+        new = cand.min(axis=0)
+        if backtrack:
+            tied = np.where(cand == new, squares[:, None] + t * t, math.inf)
+            pick = tied.argmin(axis=0)
+            squares = tied[pick, np.arange(width)]
+            back.append(pick)
+        best = new
+    return float(best[-1]), back
+
+
 def split_cluster(costs: _Costs, providers: Sequence[ProviderInfo]) -> tuple[list[int], float]:
     """Best contiguous split of the layers over ordered providers.
 
     Returns the stage boundaries (len(providers)+1 indices into the layers) and the slowest
     stage's seconds per microbatch; raises PlanError when no split fits in memory.
     """
-    n, s = costs.n, len(providers)
-    allowed = [0] + [i + 1 for i, ok in enumerate(costs.profile.cut_ok) if ok] + [n]
-    allowed = sorted(set(allowed))
-    if s > len(allowed) - 1:
-        raise PlanError(f"a cluster of {s} providers needs {s} stages but the model can be cut "
-                        f"into at most {len(allowed) - 1} (more stages than layers); use fewer "
-                        "providers per cluster or more clusters")
-    inf = math.inf
-    index = {b: k for k, b in enumerate(allowed)}
-    # best[st][k]: (slowest stage, sum of squared stage times) of the first st stages ending at
-    # allowed[k]; the second term breaks ties towards balanced stages.
-    best = [[(inf, inf)] * len(allowed) for _ in range(s + 1)]
-    back = [[-1] * len(allowed) for _ in range(s + 1)]
-    best[0][0] = (0.0, 0.0)
-    for st in range(1, s + 1):
-        p = providers[st - 1]
-        nxt = providers[st] if st < s else None
-        cap = p.ram_gb * GB
-        for kj in range(st, len(allowed)):
-            j = allowed[kj]
-            if st == s and j != n:
-                continue
-            for ki in range(st - 1, kj):
-                prev = best[st - 1][ki]
-                if prev[0] == inf:
-                    continue
-                i = allowed[ki]
-                if costs.stage_memory(i, j) > cap:
-                    continue
-                t = costs.stage_time(i, j, p, nxt)
-                cand = (max(prev[0], t), prev[1] + t * t)
-                if cand < best[st][kj]:
-                    best[st][kj], back[st][kj] = cand, ki
-    if best[s][index[n]][0] == inf:
+    s = len(providers)
+    if s > len(costs.allowed) - 1:
+        raise _too_many_stages(costs, s)
+    slowest, back = _min_max_split(costs, providers, backtrack=True)
+    if slowest == math.inf:
         need = costs.total_memory / GB
         have = sum(p.ram_gb for p in providers)
         raise PlanError(f"a cluster with {have:.3g} GB of RAM over {s} provider(s) cannot hold the "
                         f"model ({need:.3g} GB to train, and each stage must fit its provider)")
-    bounds = [n]
-    k = index[n]
-    for st in range(s, 0, -1):
-        k = back[st][k]
-        bounds.append(allowed[k])
-    return bounds[::-1], best[s][index[n]][0]
+    k = len(costs.allowed) - 1
+    bounds = [costs.n]
+    for st in range(s - 1, -1, -1):
+        k = int(back[st][k])
+        bounds.append(costs.allowed[k])
+    return bounds[::-1], slowest
 
 
-def _cluster_time(costs: _Costs, providers: Sequence[ProviderInfo]) -> float:
-    try:
-        _, t = split_cluster(costs, providers)
-    except PlanError:
-        return math.inf
-    return (costs.microbatches + len(providers) - 1) * t
+def _ring_seconds(costs: _Costs, groups: Sequence[Sequence[int]],
+                  pool: Sequence[ProviderInfo]) -> float:
+    """Ring all-reduce per step: 2 (k-1)/k x parameter bytes over the slowest provider used."""
+    return costs.ring_seconds(len(groups), min(pool[i].bytes_per_second for g in groups for i in g))
 
 
-def _ring_seconds(costs: _Costs, groups: list[list[int]], pool: Sequence[ProviderInfo],
-                  reduce_factor: int) -> float:
-    k = len(groups)
-    if k == 1:
-        return 0.0
-    slowest = min(p.bytes_per_second for p in pool)
-    return 2 * (k - 1) / k * costs.params[-1] / slowest / reduce_factor
+def _pair_better(new: tuple[float, float], old: tuple[float, float]) -> bool:
+    """Whether two clusters' new times beat the old ones, slowest first (by more than noise)."""
+    hi_n, lo_n = max(new), min(new)
+    hi_o, lo_o = max(old), min(old)
+    if hi_n < hi_o * (1 - 1e-9):
+        return True
+    return hi_n <= hi_o and lo_n < lo_o * (1 - 1e-9)
 
 
-def _assign(costs: _Costs, pool: Sequence[ProviderInfo], k: int) -> list[list[int]]:
-    """Assign providers to k clusters, then improve by moves and swaps."""
-    order = sorted(range(len(pool)), key=lambda i: (-pool[i].compute, -pool[i].ram_gb, i))
-    groups: list[list[int]] = [[] for _ in range(k)]
-    for pos, i in enumerate(order):
-        lap, r = divmod(pos, k)
-        groups[r if lap % 2 == 0 else k - 1 - r].append(i)
-    groups = [sorted(g) for g in groups]
+class _Search:
+    """Cluster formation for a pool: cached cluster times and a local search per cluster count.
 
-    def score(gs: list[list[int]]) -> tuple[float, float]:
-        times = [_cluster_time(costs, [pool[i] for i in g]) if g else math.inf for g in gs]
-        infeasible = sum(1 for t in times if t == math.inf)
-        finite = [t for t in times if t != math.inf]
-        return (infeasible, max(finite) if finite and not infeasible else 0.0)
+    A cluster's time is its best pipeline over two orders of its providers (fastest link first,
+    and slowest first), split by the dynamic program; times are cached by member set, so the
+    search mostly looks up what it has seen.
+    """
 
-    current = score(groups)
-    for _ in range(4 * len(pool)):
-        improved = False
-        for a in range(k):
-            for b in range(k):
-                if a == b:
-                    continue
-                for x in list(groups[a]):
-                    trial = [list(g) for g in groups]
-                    if len(trial[a]) > 1:
-                        trial[a].remove(x)
-                        trial[b] = sorted([*trial[b], x])
-                        s = score(trial)
-                        if s < current:
-                            groups, current, improved = trial, s, True
-                            break
-                    for y in groups[b]:
-                        trial = [list(g) for g in groups]
-                        trial[a][trial[a].index(x)] = y
-                        trial[b][trial[b].index(y)] = x
-                        trial = [sorted(g) for g in trial]
-                        s = score(trial)
-                        if s < current:
-                            groups, current, improved = trial, s, True
-                            break
-                    if improved:
-                        break
-                if improved:
-                    break
-            if improved:
+    def __init__(self, costs: _Costs, pool: Sequence[ProviderInfo]) -> None:
+        self.costs, self.pool = costs, pool
+        self.cache: dict[tuple[int, ...], tuple[float, tuple[int, ...]]] = {}
+        self.evaluations = 0
+
+    def cluster(self, members: tuple[int, ...]) -> tuple[float, tuple[int, ...]]:
+        """(seconds per batch, members in pipeline order) of the best pipeline of `members`."""
+        hit = self.cache.get(members)
+        if hit is not None:
+            return hit
+        pool, costs = self.pool, self.costs
+        best: tuple[float, tuple[int, ...]] = (math.inf, members)
+        if len(members) < len(costs.allowed):
+            fast = tuple(sorted(members, key=lambda i: (-pool[i].bytes_per_second, i)))
+            slow = tuple(sorted(members, key=lambda i: (pool[i].bytes_per_second, i)))
+            for order in (fast, slow) if slow != fast else (fast,):
+                self.evaluations += 1
+                slowest, _ = _min_max_split(costs, [pool[i] for i in order], backtrack=False)
+                t = costs.cluster_seconds(len(order), slowest)
+                if t < best[0]:
+                    best = (t, order)
+        self.cache[members] = best
+        return best
+
+    def time(self, members: tuple[int, ...]) -> float:
+        return self.cluster(members)[0]
+
+    def deal(self, k: int) -> list[tuple[int, ...]]:
+        """k clusters dealt back and forth from the providers, strongest first."""
+        pool = self.pool
+        order = sorted(range(len(pool)), key=lambda i: (-pool[i].compute, -pool[i].ram_gb,
+                                                        -pool[i].bytes_per_second, i))
+        groups: list[list[int]] = [[] for _ in range(k)]
+        for pos, i in enumerate(order):
+            lap, r = divmod(pos, k)
+            groups[r if lap % 2 == 0 else k - 1 - r].append(i)
+        return [tuple(sorted(g)) for g in groups]
+
+    def improve(self, groups: list[tuple[int, ...]], budget: int) -> list[tuple[int, ...]]:
+        """Move or swap providers out of the slowest cluster while that helps, within `budget`
+        new cluster evaluations."""
+        groups = list(groups)
+        times = [self.time(g) for g in groups]
+        stop = self.evaluations + budget
+        while self.evaluations < stop:
+            a = min(range(len(groups)), key=lambda c: (-times[c], c))
+            found = self._relieve(groups, times, a, stop)
+            if found is None:
                 break
-        if not improved:
-            break
-    return sorted(groups, key=lambda g: g[0])
+            (b, ga, gb) = found
+            groups[a], groups[b] = ga, gb
+            times[a], times[b] = self.time(ga), self.time(gb)
+        return groups
+
+    def _relieve(self, groups: list[tuple[int, ...]], times: list[float], a: int,
+                 stop: int) -> tuple[int, tuple[int, ...], tuple[int, ...]] | None:
+        """The first move or swap between cluster `a` and another that improves the pair."""
+        partners = sorted((c for c in range(len(groups)) if c != a), key=lambda c: (times[c], c))
+        members = groups[a]
+        for b in partners:
+            old = (times[a], times[b])
+            for x in members:
+                rest = tuple(i for i in members if i != x)
+                trials = []
+                if rest and self.time(rest) < times[a]:
+                    trials.append((rest, tuple(sorted((*groups[b], x)))))
+                for y in groups[b]:
+                    ga = tuple(sorted((*rest, y)))
+                    if self.time(ga) < times[a]:
+                        trials.append((ga, tuple(sorted(i if i != y else x for i in groups[b]))))
+                for ga, gb in trials:
+                    if _pair_better((self.time(ga), self.time(gb)), old):
+                        return b, ga, gb
+                if self.evaluations >= stop:
+                    return None
+        return None
+
+    def plan(self, k: int, budget: int) -> tuple[float, list[tuple[int, ...]]]:
+        """(estimated samples/s, clusters) for k clusters after `budget` evaluations of search."""
+        groups = self.improve(self.deal(k), budget)
+        times = [self.time(g) for g in groups]
+        if math.inf in times:
+            return 0.0, groups
+        seconds = max(times) + _ring_seconds(self.costs, groups, self.pool)
+        return (k * self.costs.batch_size / seconds if seconds > 0 else math.inf), groups
+
+
+def _cluster_counts(lo: int, hi: int) -> list[int]:
+    """Cluster counts to try first: all of them when few, else a geometric grid from lo to hi."""
+    if hi - lo < 16:
+        return list(range(lo, hi + 1))
+    ratio = (hi / lo) ** (1 / 12)
+    grid = {lo, hi}
+    k = float(lo)
+    while k < hi:
+        grid.add(round(k))
+        k *= ratio
+    return sorted(g for g in grid if lo <= g <= hi)
+
+
+def _upper_bound(costs: _Costs, pool: Sequence[ProviderInfo], k: int) -> float:
+    """Samples/s that no plan of k clusters (every provider used) can beat.
+
+    The largest cluster has at least ceil(n/k) stages; its slowest stage takes at least the
+    model's compute over the fastest providers' summed compute, and when it has two stages or
+    more, one of them sends the smallest cut over the fastest link.
+    """
+    n = len(pool)
+    size = math.ceil(n / k)
+    deepest = min(n, len(costs.allowed) - 1)
+    fastest = sum(sorted((p.compute for p in pool), reverse=True)[:deepest])
+    stage = costs.flops[-1] / REF_FLOPS / fastest
+    inner = costs.cut_at[1:-1]
+    if size > 1 and len(inner):
+        stage = max(stage, float(inner.min()) * 2 / max(p.bytes_per_second for p in pool))
+    seconds = costs.cluster_seconds(size, stage) + costs.ring_seconds(
+        k, min(p.bytes_per_second for p in pool))
+    return k * costs.batch_size / seconds if seconds > 0 else math.inf
 
 
 def make_plan(profile: Profile, pool: Sequence[ProviderInfo], work: Workload,
               clusters: int | None = None, max_clusters: int | None = None,
               identity: dict[str, Any] | None = None) -> Plan:
-    """Plan clusters, stages and rings; `identity` (model/data spec) goes into the fingerprint."""
+    """Plan clusters, stages and rings; `identity` (model/data spec) goes into the fingerprint.
+
+    Every provider is used. Each candidate cluster count gets a short local search (all counts
+    for small pools; for large ones a geometric grid, refined around the best by bisection),
+    skipping counts whose upper bound cannot beat the best so far; the best count then gets a
+    longer search. Deterministic: no randomness, and budgets count evaluations, not seconds.
+    """
     if not pool:
         raise PlanError("spec.providers: at least one provider is needed")
     costs = _Costs(profile, work)
@@ -362,29 +491,123 @@ def make_plan(profile: Profile, pool: Sequence[ProviderInfo], work: Workload,
     if clusters is not None and clusters > len(pool):
         raise PlanError(f"spec.plan.clusters: {clusters} clusters need at least {clusters} "
                         f"providers, got {len(pool)}")
-    candidates = [clusters] if clusters else list(range(1, min(len(pool), max_clusters or
-                                                                len(pool)) + 1))
-    best: tuple[float, list[list[int]]] | None = None
-    for k in candidates:
-        groups = _assign(costs, pool, k)
-        times = [_cluster_time(costs, [pool[i] for i in g]) for g in groups]
-        if any(t == math.inf for t in times):
-            continue
-        seconds = max(times) + _ring_seconds(costs, groups, pool, work.reduce_factor)
-        throughput = k * work.batch_size / seconds if seconds > 0 else math.inf
-        if best is None or throughput > best[0] * (1 + 1e-9):
-            best = (throughput, groups)
-    if best is None:
-        k = candidates[0]
-        groups = _assign(costs, pool, k)
-        for g in groups:
+    n = len(pool)
+    search = _Search(costs, pool)
+    quick, full = 2 * n + 20, 20 * n + 200
+    if clusters:
+        lo = hi = clusters
+    else:
+        hi = min(n, max_clusters or n, max(1, int(total_ram * GB // costs.total_memory)))
+        lo = min(hi, math.ceil(n / (len(costs.allowed) - 1)))
+    best: tuple[float, int, list[tuple[int, ...]]] = (0.0, lo, [])
+    tried: set[int] = set()
+
+    def consider(k: int) -> None:
+        nonlocal best
+        tried.add(k)
+        if _upper_bound(costs, pool, k) <= best[0]:
+            return
+        throughput, groups = search.plan(k, quick)
+        if throughput > best[0] * (1 + 1e-9) or (throughput >= best[0] * (1 - 1e-9) > 0
+                                                  and k < best[1]):
+            best = (throughput, k, groups)
+
+    grid = _cluster_counts(lo, hi)
+    for k in sorted(grid, key=lambda k: (-_upper_bound(costs, pool, k), k)):
+        consider(k)
+    while True:  # bisect the gaps next to the best count
+        ks = sorted(tried)
+        pos = ks.index(best[1])
+        gaps = [(ks[p] + best[1]) // 2 for p in (pos - 1, pos + 1)
+                if 0 <= p < len(ks) and abs(ks[p] - best[1]) > 1]
+        if not gaps:
+            break
+        for k in gaps:
+            consider(k)
+    throughput, k, groups = best
+    if throughput <= 0:
+        for g in search.deal(k):
             split_cluster(costs, [pool[i] for i in g])
         raise PlanError(f"no way to form {k} cluster(s) that each hold the model")
-    return _build(profile, costs, pool, best[1], best[0], identity or {})
+    longer = search.plan(k, full)
+    if longer[0] > throughput * (1 + 1e-9):
+        throughput, groups = longer
+    ordered = sorted((search.cluster(g)[1] for g in groups), key=min)
+    return _build(profile, costs, pool, ordered, throughput, identity or {})
 
 
-def _build(profile: Profile, costs: _Costs, pool: Sequence[ProviderInfo], groups: list[list[int]],
-           throughput: float, identity: dict[str, Any]) -> Plan:
+@dataclass(frozen=True)
+class Estimate:
+    """What the cost model says about one grouping and split (see `estimate`)."""
+
+    cluster_seconds: tuple[float, ...]
+    """Per cluster, seconds per batch: (microbatches + stages - 1) x its slowest stage."""
+    ring_seconds: float
+    """Ring all-reduce seconds per optimizer step, divided by the reduce factor."""
+    step_seconds: float
+    """Slowest cluster plus ring: one step, in which every cluster trains one batch."""
+    samples_per_second: float
+    overflows: tuple[str, ...]
+    """One line per stage whose memory exceeds its provider's RAM (the time ignores it)."""
+
+    @property
+    def fits(self) -> bool:
+        return not self.overflows
+
+
+def estimate(profile: Profile, pool: Sequence[ProviderInfo], work: Workload,
+             clusters: Sequence[Sequence[int]],
+             bounds: Sequence[Sequence[int]] | None = None) -> Estimate:
+    """Score any grouping and split with the planner's cost model.
+
+    `clusters[c]` lists provider indices (into `pool`) in pipeline order; `bounds[c]` the stage
+    boundaries of cluster c as layer indices (0, ..., len(profile.layers)), one more than its
+    providers, cutting only where the model may be cut. Without `bounds`, each cluster gets the
+    planner's split of its providers in the order given. Providers may be left out.
+    """
+    costs = _Costs(profile, work)
+    seen: set[int] = set()
+    for c, members in enumerate(clusters):
+        if not members:
+            raise PlanError(f"clusters[{c}]: a cluster needs at least one provider")
+        for i in members:
+            if not 0 <= i < len(pool) or i in seen:
+                raise PlanError(f"clusters[{c}]: provider {i} is out of range or in two clusters")
+            seen.add(i)
+    if not clusters:
+        raise PlanError("clusters: at least one cluster is needed")
+    if bounds is not None and len(bounds) != len(clusters):
+        raise PlanError(f"bounds: one list per cluster, got {len(bounds)} for {len(clusters)}")
+    allowed = set(costs.allowed)
+    times, overflows = [], []
+    for c, members in enumerate(clusters):
+        providers = [pool[i] for i in members]
+        if bounds is None:
+            cut, _ = split_cluster(costs, providers)
+        else:
+            cut = list(bounds[c])
+            if (len(cut) != len(members) + 1 or cut[0] != 0 or cut[-1] != costs.n
+                    or any(a >= b for a, b in itertools.pairwise(cut))
+                    or not set(cut) <= allowed):
+                raise PlanError(f"bounds[{c}]: {cut} must run from 0 to {costs.n} in "
+                                f"{len(members)} non-empty stages, cutting only at {costs.allowed}")
+        stage = []
+        for st, p in enumerate(providers):
+            nxt = providers[st + 1] if st + 1 < len(providers) else None
+            stage.append(costs.stage_time(cut[st], cut[st + 1], p, nxt))
+            need = costs.stage_memory(cut[st], cut[st + 1])
+            if need > p.ram_gb * GB:
+                overflows.append(f"cluster {c} stage {st} (provider {members[st]}): "
+                                 f"{need / GB:.3g} GB > {p.ram_gb:g} GB")
+        times.append(costs.cluster_seconds(len(providers), max(stage)))
+    ring = _ring_seconds(costs, clusters, pool)
+    step = max(times) + ring
+    return Estimate(tuple(times), ring, step, len(clusters) * work.batch_size / step,
+                    tuple(overflows))
+
+
+def _build(profile: Profile, costs: _Costs, pool: Sequence[ProviderInfo],
+           groups: Sequence[Sequence[int]], throughput: float, identity: dict[str, Any]) -> Plan:
     nodes: list[NodePlan] = []
     cluster_plans = []
     for cid, group in enumerate(groups):
@@ -407,7 +630,7 @@ def _build(profile: Profile, costs: _Costs, pool: Sequence[ProviderInfo], groups
                 seconds_per_microbatch=costs.stage_time(i, j, pool[idx], nxt)))
             names.append(f"node_{idx}")
         cluster_plans.append(ClusterPlan(cid, tuple(names),
-                                         (costs.microbatches + len(group) - 1) * slowest))
+                                         costs.cluster_seconds(len(group), slowest)))
     nodes.sort(key=lambda n: n.provider)
     rings = _rings(profile, nodes, len(groups))
     plan = Plan(clusters=tuple(cluster_plans), nodes=tuple(nodes), rings=tuple(rings),
