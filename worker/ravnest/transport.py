@@ -301,10 +301,12 @@ class Inbox:
 
     Pipeline frames (forward, backward, eval, control) go to one FIFO in arrival order, bounded so a
     fast sender gets backpressure. Ring frames are keyed by (ring, round, phase step) so a ring
-    step can wait for exactly the piece it needs. A ring's pieces all come from one peer, in
-    order, so once a piece of a later round is here the awaited one will never come: the peer gave
-    up this round (it ran ahead while this node was cut off or slow), and waiting would only keep
-    this node behind it, round after round, instead of letting it catch up and rejoin.
+    step can wait for exactly the piece it needs. A ring's pieces all come from one peer, which
+    starts a round only once the one before is over for it: completed, and then all its pieces
+    were delivered (flushed), or given up. So once a piece of a later round is here while one of
+    an earlier round is awaited, the peer gave that round up (it ran ahead while this node was cut
+    off or slow) and it cannot complete here either: waiting it out would only keep this node
+    behind, round after round, instead of letting it catch up and rejoin.
     """
 
     def __init__(self, capacity: int = 64) -> None:
