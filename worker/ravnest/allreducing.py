@@ -129,7 +129,7 @@ class RingReducer:
     def _post(self, kind: str, seg: torch.Tensor, round_: int, phase: int) -> None:
         assert self._next is not None
         self._next.post(Frame(kind=kind, tensors={"x": seg}, step=round_, version=phase,
-                              ring=self.ring.id, sender=self._sender))
+                              ring=self.ring.id, sender=self._sender), ordered=False)
 
     def _take(self, round_: int, phase: int, like: torch.Tensor) -> torch.Tensor:
         frame = self._inbox.take_ring(self.ring.id, round_, phase, self._timeout)

@@ -1,0 +1,347 @@
+"""The paper model against a measurement: our ring all-reduce and point-to-point transfer over
+links with added latency and limited bandwidth, between hosts in network namespaces.
+
+Why it exists: on this machine every other figure is taken over loopback, where the CPU is the
+limit. Providers of a real job sit behind internet links (10-1000 Mbps, 20-150 ms), where bandwidth
+and latency are. `docs/performance.md` models our ring and transfer times from n, S, B, d and the
+piece size; this script builds such a network and checks the model against it.
+
+The kernel of this machine has no netem qdisc (`tc qdisc add ... netem` answers "Specified qdisc
+kind is unknown"; tbf and htb exist). So the rate is limited by tbf on each host's uplink, and the
+latency is added by a delay line: a small asyncio TCP proxy in the sender's namespace that forwards
+every chunk it reads `D` seconds later, in order, both ways (what Toxiproxy's latency toxic does).
+
+Topology (all made here, all removed at the end; needs root, iproute2 and tc):
+    netns rvb-sw: one bridge
+    netns rvb-h0 .. rvb-h{n-1}: one host each, a veth into the bridge, address 10.213.0.(i+1)
+Each host's uplink (its veth's egress) gets `tbf rate B`, and its rank reaches its successor
+through the delay line, so a hop costs one-way latency D (round trip 2D) and at most B bits/s
+per host. One rank process runs in
+each host's namespace (`ip netns exec`) with our Server, a Peer to its successor, and a
+RingReducer; rank 0 also times Peer.send of one tensor to rank 1.
+
+For every (n, D, B) it prints measured and modelled times and their ratio (the model and its
+terms are in docs/performance.md):
+    ring   T = 2(n-1) * ceil(S/(n P)) * max(P/B, (P/B + 2D) / lanes) + 2D
+    send   T = S/B + 2D   (the stream, then the Ack)
+with S bytes per rank, P the ring's piece size and `lanes` the sender threads per peer that
+carry ring pieces (--lanes 0 gives the one ordered sender thread, as before they existed).
+
+    python bench/wan.py [--ranks 2 3] [--delays 0 20 50] [--rates 100 1000] [--size 8]
+                          [--rounds 3] [--lanes 0 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+log = logging.getLogger("bench.wan")
+
+PREFIX = "rvb"
+SUBNET = "10.213.0"
+PORT = 47000
+PROXY_PORT = 47001
+MIB = 1 << 20
+TOKEN = "bench-netem-token"
+
+
+def _emit(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def _ip(*args: str, netns: str | None = None) -> None:
+    cmd = ["ip", *(["-n", netns] if netns else []), *args]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+def _tc(netns: str, *args: str) -> None:
+    subprocess.run(["ip", "netns", "exec", netns, "tc", *args], check=True,
+                   capture_output=True, text=True)
+
+
+def _cleanup(n: int) -> None:
+    for name in [f"{PREFIX}-sw", *(f"{PREFIX}-h{i}" for i in range(n))]:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@contextlib.contextmanager
+def network(n: int) -> Iterator[list[str]]:
+    """n hosts on one bridge; yields their addresses. Removes everything afterwards."""
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
+            raise SystemExit(f"bench/wan.py needs {tool} (iproute2) and root")
+    _cleanup(n)
+    try:
+        _ip("netns", "add", f"{PREFIX}-sw")
+        _ip("link", "add", "br0", "type", "bridge", netns=f"{PREFIX}-sw")
+        _ip("link", "set", "br0", "up", netns=f"{PREFIX}-sw")
+        addresses = []
+        for i in range(n):
+            host = f"{PREFIX}-h{i}"
+            _ip("netns", "add", host)
+            _ip("link", "add", "eth0", "netns", host, "type", "veth", "peer", "name", f"p{i}",
+                "netns", f"{PREFIX}-sw")
+            _ip("link", "set", f"p{i}", "master", "br0", netns=f"{PREFIX}-sw")
+            _ip("link", "set", f"p{i}", "up", netns=f"{PREFIX}-sw")
+            address = f"{SUBNET}.{i + 1}"
+            _ip("addr", "add", f"{address}/24", "dev", "eth0", netns=host)
+            _ip("link", "set", "eth0", "up", netns=host)
+            _ip("link", "set", "lo", "up", netns=host)
+            addresses.append(address)
+        yield addresses
+    finally:
+        _cleanup(n)
+
+
+def shape_links(n: int, rate_mbit: float) -> None:
+    """Every host's uplink limited to `rate_mbit` (tbf; its queue holds a second of traffic)."""
+    rate = rate_mbit * 1e6 / 8
+    burst = max(64 << 10, int(rate / 250))
+    for i in range(n):
+        host = f"{PREFIX}-h{i}"
+        subprocess.run(["ip", "netns", "exec", host, "tc", "qdisc", "del", "dev", "eth0", "root"],
+                       capture_output=True)
+        _tc(host, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", f"{rate_mbit}mbit",
+            "burst", str(burst), "limit", str(int(rate) + burst))
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                delay: float) -> None:
+    """Forward bytes, each chunk `delay` seconds after it was read (a delay line: order kept,
+    throughput not limited)."""
+    line: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+    async def emit() -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due, data = await line.get()
+            if not data:
+                break
+            if (wait := due - loop.time()) > 0:
+                await asyncio.sleep(wait)
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    task = asyncio.create_task(emit())
+    loop = asyncio.get_running_loop()
+    try:
+        while data := await reader.read(1 << 16):
+            line.put_nowait((loop.time() + delay, data))
+    except ConnectionError:
+        pass
+    line.put_nowait((loop.time() + delay, b""))
+    await task
+
+
+async def _proxy(listen: int, target: str, delay: float) -> None:
+    host, port = target.rsplit(":", 1)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        except OSError:  # the successor is not listening yet: the client will retry
+            writer.close()
+            return
+        await asyncio.gather(_pump(reader, up_writer, delay), _pump(up_reader, writer, delay),
+                             return_exceptions=True)
+
+    server = await asyncio.start_server(handle, "127.0.0.1", listen)
+    print("ready", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+def model_ring(n: int, size: int, rate_bps: float, delay_s: float, piece: int,
+               lanes: int) -> float:
+    """Seconds for one ring all-reduce (docs/performance.md, "Ring"): 2(n-1) steps of k pieces
+    each go through one uplink; a piece's call takes P/B plus a round trip for its Ack, and
+    `lanes` calls are in flight at once, so a piece costs max(P/B, (P/B + 2d) / lanes)."""
+    seg = size / n
+    pieces = math.ceil(seg / piece)
+    per_piece = min(piece, seg) / rate_bps
+    effective = max(per_piece, (per_piece + 2 * delay_s) / lanes)
+    return 2 * (n - 1) * pieces * effective + 2 * delay_s
+
+
+def model_send(size: int, rate_bps: float, delay_s: float) -> float:
+    """Seconds for one Peer.send: the bytes through the link, then the Ack back."""
+    return size / rate_bps + 2 * delay_s
+
+
+# ---- rank processes (run inside a host's namespace) -------------------------------------------
+
+def rank_main(args: argparse.Namespace) -> None:
+    """One rank: serve, ring with the successor, print a JSON line of timings."""
+    import torch
+
+    from ravnest.allreducing import RingReducer
+    from ravnest.framing import Frame
+    from ravnest.planning import RingPlan
+    from ravnest.transport import Credentials, Inbox, Peer, Server
+
+    torch.set_num_threads(1)
+    n, rank = args.world, args.rank
+    creds = Credentials(TOKEN, "bench-netem")
+    inbox = Inbox()
+    received: list[float] = []
+
+    def deliver(frame: Frame) -> None:
+        if frame.kind == "forward":
+            received.append(time.perf_counter())
+        else:
+            inbox.deliver(frame)
+
+    server = Server(f"{SUBNET}.{rank + 1}:{PORT}", creds, deliver)
+    server.start()
+    succ = (rank + 1) % n
+    peer = Peer(args.target, creds, timeout=600, lanes=args.lane)
+    peer.wait_ready(120)
+    members = tuple(f"r{i}" for i in range(n))
+    reducer = RingReducer(RingPlan(id="netem", members=members, state=()), members[rank],
+                          {members[succ]: peer}, inbox, timeout=600, piece_bytes=args.piece)
+    t = torch.randn(args.size // 4, generator=torch.Generator().manual_seed(rank))
+    expected = sum(torch.randn(args.size // 4, generator=torch.Generator().manual_seed(r))
+                   for r in range(n)) / n
+    ring: list[float] = []
+    for round_ in range(args.rounds + 1):  # round 0 is the warmup
+        work = t.clone()
+        start = time.perf_counter()
+        if not reducer.average([work], round_):
+            raise SystemExit(f"rank {rank}: ring round {round_} skipped")
+        if round_:
+            ring.append(time.perf_counter() - start)
+        err = (work - expected).abs().max().item()
+        if err > 1e-5:
+            raise SystemExit(f"rank {rank}: ring result off by {err}")
+    send: list[float] = []
+    if rank == 0:
+        frame = Frame(kind="forward", tensors={"x": t})
+        for i in range(args.rounds + 1):
+            start = time.perf_counter()
+            peer.send(frame)
+            if i:
+                send.append(time.perf_counter() - start)
+    # a last ring round keeps every rank serving until rank 0's sends are done
+    if not reducer.average([t.clone()], args.rounds + 1):
+        raise SystemExit(f"rank {rank}: closing round skipped")
+    print(json.dumps({"rank": rank, "ring": ring, "send": send}), flush=True)
+    peer.close()
+    server.stop(0)
+
+
+def run_ranks(n: int, size: int, rounds: int, piece: int, lanes: int,
+              delay_s: float) -> tuple[float, float]:
+    """(median ring seconds over rounds of the slowest rank, median send seconds). With a delay,
+    each rank reaches its successor through a delay line in its own namespace."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proxies: list[subprocess.Popen[str]] = []
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        targets = []
+        for rank in range(n):
+            succ = f"{SUBNET}.{(rank + 1) % n + 1}:{PORT}"
+            if delay_s <= 0:
+                targets.append(succ)
+                continue
+            proxy = subprocess.Popen(
+                ["ip", "netns", "exec", f"{PREFIX}-h{rank}", sys.executable, __file__, "--proxy",
+                 str(PROXY_PORT), succ, str(delay_s)], stdout=subprocess.PIPE, text=True, env=env)
+            proxies.append(proxy)
+            assert proxy.stdout is not None
+            if proxy.stdout.readline().strip() != "ready":
+                raise RuntimeError("delay line did not start")
+            targets.append(f"127.0.0.1:{PROXY_PORT}")
+        for rank in range(n):
+            cmd = ["ip", "netns", "exec", f"{PREFIX}-h{rank}", sys.executable, __file__,
+                   "--rank", str(rank), "--world", str(n), "--size", str(size), "--rounds",
+                   str(rounds), "--piece", str(piece), "--lane", str(lanes), "--target",
+                   targets[rank]]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True, env=env))
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=900)
+            if p.returncode != 0:
+                raise RuntimeError(f"rank failed ({p.returncode}): {err[-2000:]}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs + proxies:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    per_round = [max(r["ring"][i] for r in results) for i in range(rounds)]
+    send = next(r["send"] for r in results if r["rank"] == 0)
+    return statistics.median(per_round), statistics.median(send)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--delays", type=float, nargs="+", default=[0, 20, 50],
+                        help="one-way delay per host uplink, ms")
+    parser.add_argument("--rates", type=float, nargs="+", default=[100, 1000],
+                        help="uplink rate, Mbit/s")
+    parser.add_argument("--size", type=int, default=8, help="MiB of float32 per rank")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--piece", type=int, default=0,
+                        help="ring piece bytes (default: the engine's PIECE_BYTES)")
+    parser.add_argument("--lanes", type=int, nargs="+", default=None,
+                        help="sender threads per peer for ring pieces (default: the engine's)")
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--lane", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--target", help=argparse.SUPPRESS)
+    parser.add_argument("--proxy", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.proxy:
+        asyncio.run(_proxy(int(args.proxy[0]), args.proxy[1], float(args.proxy[2])))
+        return
+    if args.rank is not None:
+        args.size = int(args.size)
+        rank_main(args)
+        return
+    logging.basicConfig(level=logging.WARNING)
+    if os.geteuid() != 0:
+        raise SystemExit("bench/wan.py makes network namespaces: run it as root")
+    from ravnest.allreducing import PIECE_BYTES
+    from ravnest.transport import UNORDERED_LANES
+
+    piece = args.piece or PIECE_BYTES
+    size = args.size * MIB
+    _emit(f"Ring all-reduce and Peer.send between network namespaces, {args.size} MiB float32 "
+          f"per rank, ring piece {piece / MIB:g} MiB; median of {args.rounds}")
+    _emit("model: docs/performance.md; ratio = measured / model")
+    _emit(f"{'ranks':>5} {'delay':>6} {'rate':>9} {'lanes':>5} {'ring ms':>9} {'model ms':>9} "
+          f"{'ratio':>6} {'send ms':>9} {'model ms':>9} {'ratio':>6}")
+    for n in args.ranks:
+        with network(n):
+            for rate in args.rates:
+                for delay in args.delays:
+                    shape_links(n, rate)
+                    for lanes in args.lanes or [UNORDERED_LANES]:
+                        ring_s, send_s = run_ranks(n, size, args.rounds, piece, lanes,
+                                                   delay / 1e3)
+                        bps, d = rate * 1e6 / 8, delay / 1e3
+                        ring_m = model_ring(n, size, bps, d, piece, max(1, lanes))
+                        send_m = model_send(size, bps, d)
+                        _emit(f"{n:>5} {delay:>4.0f}ms {rate:>5.0f}Mbps {lanes:>5} "
+                              f"{ring_s * 1e3:>9.0f} {ring_m * 1e3:>9.0f} {ring_s / ring_m:>6.2f} "
+                              f"{send_s * 1e3:>9.0f} {send_m * 1e3:>9.0f} {send_s / send_m:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
