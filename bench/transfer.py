@@ -1,24 +1,33 @@
-"""Point-to-point throughput: one tensor through our transport versus a bare gRPC byte stream.
+"""Point-to-point throughput: one tensor through our transport versus a bare gRPC byte stream and
+torch.distributed gloo send/recv.
 
 Why it exists: every activation, gradient and ring piece travels as a `Frame` through
 `Peer.send` -> `Server`. This measures what that costs against the ceiling of Python gRPC on the
 same loopback in the same run: a client-streaming call of plain `bytes` in 1 MiB chunks with no
 protobuf (generic handlers, no serializers), whose server only counts the bytes.
 
-The servers live in a separate process (spawn), so client and server do not share a GIL.
-Both figures are taken alternately, repeat by repeat, after a warmup; the median is printed.
+The servers live in a separate process (spawn), so client and server do not share a GIL; the
+same two processes also form a gloo group, and gloo's figure is `dist.send` of the tensor to the
+server process, which `dist.recv`s it into a preallocated tensor (then one small ack back).
+The three are taken in turn, repeat by repeat, after a warmup; the median is printed.
 A second table times the stages of our path in one process (encode_wire: tensors straight into
 serialized Chunk messages; decode_wire: messages into the frame's buffer) next to the protobuf
 object path they replaced, to show where the difference goes.
 
-    python bench/transfer.py [--sizes 1 16 64] [--repeats 5] [--warmup 1]
+    python bench/transfer.py [--sizes 1 16 64] [--repeats 5] [--warmup 1] [--csv rows.csv]
+
+`--csv` writes one row per size (bytes and the three medians in seconds) for bench/plot.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import datetime
 import logging
 import multiprocessing as mp
+import os
+import socket
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +36,7 @@ from typing import Any
 
 import grpc
 import torch
+import torch.distributed as dist
 
 from ravnest.framing import CHUNK_BYTES, Frame, decode, decode_wire, encode, encode_wire
 from ravnest.proto import ravnest_pb2 as pb
@@ -56,8 +66,9 @@ def _raw_sink(request_iterator: Iterator[bytes], context: grpc.ServicerContext) 
     return n.to_bytes(8, "little")
 
 
-def _serve(ports: Any, stop: Any) -> None:
-    """Server process: our Server (deliver counts frames) and a raw bytes sink, until stopped."""
+def _serve(ports: Any, stop: Any, gloo_port: int, gloo_jobs: Any) -> None:
+    """Server process: our Server (deliver counts frames), a raw bytes sink, and gloo rank 1
+    that receives what each job (numel, times) says, until stopped."""
     received = {"frames": 0, "bytes": 0}
 
     def deliver(frame: Frame) -> None:
@@ -72,6 +83,16 @@ def _serve(ports: Any, stop: Any) -> None:
     ours.start()
     raw.start()
     ports.put((ours.port, raw_port))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=1,
+                            world_size=2, timeout=datetime.timedelta(seconds=600))
+    ack = torch.zeros(1)
+    while (job := gloo_jobs.get()) is not None:
+        numel, times = job
+        into = torch.empty(numel)
+        for _ in range(times):
+            dist.recv(into, 0)
+        dist.send(ack, 0)
+    dist.destroy_process_group()
     stop.wait()
     raw.stop(0).wait()
     ours.stop(0)
@@ -83,6 +104,10 @@ def _raw_chunks(t: torch.Tensor) -> Iterator[bytes]:
         yield data[start:start + CHUNK_BYTES].tobytes()
 
 
+def _size(n: int) -> str:
+    return f"{n / MIB:g}MiB" if n >= MIB else f"{n / 1024:g}KiB"
+
+
 def _timed(fn: Callable[[], None], times: int) -> float:
     start = time.perf_counter()
     for _ in range(times):
@@ -90,51 +115,73 @@ def _timed(fn: Callable[[], None], times: int) -> float:
     return (time.perf_counter() - start) / times
 
 
-def _measure(sizes: list[int], repeats: int, warmup: int) -> list[tuple[int, float, float]]:
+def _measure(sizes: list[int], repeats: int,
+             warmup: int) -> list[tuple[int, float, float, float]]:
     ctx = mp.get_context("spawn")
-    ports, stop = ctx.Queue(), ctx.Event()
-    server = ctx.Process(target=_serve, args=(ports, stop), name="bench-server")
+    ports, stop, gloo_jobs = ctx.Queue(), ctx.Event(), ctx.Queue()
+    gloo_port = _free_port()
+    server = ctx.Process(target=_serve, args=(ports, stop, gloo_port, gloo_jobs),
+                         name="bench-server")
     server.start()
     try:
         our_port, raw_port = ports.get(timeout=120)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=0,
+                                world_size=2, timeout=datetime.timedelta(seconds=600))
         peer = Peer(f"127.0.0.1:{our_port}", CREDS)
         peer.wait_ready(60)
         channel = grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=GRPC_OPTIONS)
         sink = channel.stream_unary(RAW_METHOD)
-        rows: list[tuple[int, float, float]] = []
+        ack = torch.zeros(1)
+        rows: list[tuple[int, float, float, float]] = []
         for size in sizes:
             t = torch.randn(size // 4)
             times = max(1, MIN_BYTES_PER_REPEAT // size)
             frame = Frame(kind="forward", tensors={"x": t})
 
-            def ours(frame: Frame = frame) -> None:
-                peer.send(frame)
+            def ours(frame: Frame = frame, times: int = times) -> float:
+                return _timed(lambda: peer.send(frame), times)
 
-            def raw(t: torch.Tensor = t) -> None:
-                got = int.from_bytes(sink(_raw_chunks(t), wait_for_ready=True), "little")
-                if got != t.numel() * 4:
-                    raise RuntimeError(f"raw sink got {got} bytes, sent {t.numel() * 4}")
+            def raw(t: torch.Tensor = t, times: int = times) -> float:
+                def once() -> None:
+                    got = int.from_bytes(sink(_raw_chunks(t), wait_for_ready=True), "little")
+                    if got != t.numel() * 4:
+                        raise RuntimeError(f"raw sink got {got} bytes, sent {t.numel() * 4}")
+                return _timed(once, times)
 
-            for _ in range(warmup):
-                ours()
-                raw()
-            ours_s: list[float] = []
-            raw_s: list[float] = []
-            pair: list[tuple[Callable[[], None], list[float]]] = [(ours, ours_s), (raw, raw_s)]
-            for i in range(repeats):
-                for fn, out in pair if i % 2 == 0 else reversed(pair):
-                    out.append(_timed(fn, times))
-            log.info("%d MiB: ours %s s, raw %s s", size // MIB,
-                     [f"{s:.4f}" for s in ours_s], [f"{s:.4f}" for s in raw_s])
-            rows.append((size, statistics.median(ours_s), statistics.median(raw_s)))
+            def gloo(t: torch.Tensor = t, times: int = times) -> float:
+                gloo_jobs.put((t.numel(), times))
+                start = time.perf_counter()
+                for _ in range(times):
+                    dist.send(t, 1)
+                dist.recv(ack, 1)
+                return (time.perf_counter() - start) / times
+
+            samples: dict[str, list[float]] = {"ours": [], "raw": [], "gloo": []}
+            variants: list[tuple[str, Callable[[], float]]] = [
+                ("ours", ours), ("raw", raw), ("gloo", gloo)]
+            for i in range(warmup + repeats):
+                for name, fn in variants if i % 2 == 0 else reversed(variants):
+                    seconds = fn()
+                    if i >= warmup:
+                        samples[name].append(seconds)
+            log.info("%d bytes: %s", size, samples)
+            rows.append((size, *(statistics.median(samples[k]) for k in ("ours", "raw", "gloo"))))
         peer.close()
         channel.close()
+        gloo_jobs.put(None)
+        dist.destroy_process_group()
         return rows
     finally:
         stop.set()
         server.join(timeout=30)
         if server.is_alive():
             server.terminate()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _stages(size: int, repeats: int) -> list[tuple[str, float]]:
@@ -170,28 +217,36 @@ def _stages(size: int, repeats: int) -> list[tuple[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 64],
-                        help="tensor sizes in MiB (float32)")
+    parser.add_argument("--sizes", type=float, nargs="+", default=[1, 16, 64],
+                        help="tensor sizes in MiB (float32), e.g. 0.0625 for 64 KiB")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--csv", help="also write the rows to this CSV file (for bench/plot.py)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every repeat")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-    rows = _measure([s * MIB for s in args.sizes], args.repeats, args.warmup)
+    rows = _measure([int(s * MIB) // 4 * 4 for s in args.sizes], args.repeats, args.warmup)
     _emit(f"Point-to-point, 127.0.0.1, server in another process; median of {args.repeats} "
           f"(GB = 1e9 bytes)")
-    _emit(f"{'size':>8} {'ours ms':>9} {'raw ms':>9} {'ours GB/s':>10} {'raw GB/s':>9} "
-          f"{'ours/raw':>9}")
-    for size, ours_s, raw_s in rows:
-        _emit(f"{size // MIB:>5}MiB {ours_s * 1e3:>9.1f} {raw_s * 1e3:>9.1f} "
-              f"{size / ours_s / 1e9:>10.3f} {size / raw_s / 1e9:>9.3f} {raw_s / ours_s:>9.2f}")
+    _emit(f"{'size':>9} {'ours ms':>9} {'raw ms':>9} {'gloo ms':>9} {'ours GB/s':>10} "
+          f"{'raw GB/s':>9} {'gloo GB/s':>10} {'ours/raw':>9} {'ours/gloo':>10}")
+    for size, ours_s, raw_s, gloo_s in rows:
+        _emit(f"{_size(size):>9} {ours_s * 1e3:>9.2f} {raw_s * 1e3:>9.2f} {gloo_s * 1e3:>9.2f} "
+              f"{size / ours_s / 1e9:>10.3f} {size / raw_s / 1e9:>9.3f} "
+              f"{size / gloo_s / 1e9:>10.3f} {raw_s / ours_s:>9.2f} {gloo_s / ours_s:>10.2f}")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["bytes", "ours_s", "raw_s", "gloo_s"])
+            writer.writerows(rows)
 
-    size = max(args.sizes) * MIB
+    size = int(max(args.sizes) * MIB) // 4 * 4
     _emit()
-    _emit(f"Where our time goes: each step alone, one process, {size // MIB} MiB; "
+    _emit(f"Where our time goes: each step alone, one process, {_size(size)}; "
           f"median of {args.repeats}")
     _emit(f"{'step':<44} {'ms':>8} {'GB/s':>8}")
     for name, seconds in _stages(size, args.repeats):
