@@ -27,6 +27,7 @@ from ravnest.errors import PlanError, SpecError
 from ravnest.planning import Plan
 from ravnest.running import scrape
 from ravnest.spec import parse_job
+from ravnest.tls import TlsMaterial, issue, make_authority
 
 from . import monitoring, resources
 from .crds import GROUP, PLURAL, VERSION
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 IMAGE = os.environ.get("RAVNEST_WORKER_IMAGE", "ravnest:latest")
 INTERVAL = float(os.environ.get("RAVNEST_RECONCILE_INTERVAL", "2"))
+NETWORK_POLICIES = os.environ.get("RAVNEST_NETWORK_POLICIES", "false") == "true"
 
 
 @kopf.on.startup()
@@ -68,7 +70,9 @@ def _create(obj: dict[str, Any]) -> bool:
     create: Any = {"Service": api.create_namespaced_service,
                    "Secret": api.create_namespaced_secret,
                    "ConfigMap": api.create_namespaced_config_map,
-                   "Pod": api.create_namespaced_pod}[obj["kind"]]
+                   "Pod": api.create_namespaced_pod,
+                   "NetworkPolicy": kubernetes.client.NetworkingV1Api(
+                       api.api_client).create_namespaced_network_policy}[obj["kind"]]
     try:
         create(ns, obj)
     except ApiException as e:
@@ -150,6 +154,15 @@ def _result(pods: list[dict[str, Any]], plan: Plan, job: str) -> dict[str, Any]:
     return {}
 
 
+def _certificates(owner: resources.Owner, plan: Plan,
+                  tls: bool) -> dict[str, TlsMaterial] | None:
+    """A fresh CA for the job and a certificate per node; the CA's key is dropped here."""
+    if not tls:
+        return None
+    ca = make_authority(f"{owner.namespace}/{owner.name}")
+    return {n: issue(ca, n, resources.tls_dns_names(owner, n)) for n in plan.names()}
+
+
 def reconcile(body: kopf.Body, spec: dict[str, Any], status: dict[str, Any], name: str,
               namespace: str, uid: str, patch: kopf.Patch) -> None:
     """Move one job one step towards its goal."""
@@ -178,8 +191,10 @@ def reconcile(body: kopf.Body, spec: dict[str, Any], status: dict[str, Any], nam
         except (PlanError, SpecError) as e:
             _fail(patch, status, "PlanFailed", str(e), body)
             return
-        objects = resources.static_objects(owner, job, plan, secrets.token_hex(16))
-        for obj in reversed(objects):  # the plan ConfigMap last: it marks "planned"
+        objects = resources.static_objects(owner, job, plan, secrets.token_hex(16),
+                                           _certificates(owner, plan, job.spec.security.tls),
+                                           NETWORK_POLICIES)
+        for obj in objects:  # the plan ConfigMap last: it marks "planned"
             _create(obj)
         kopf.info(body, reason="Planned", message=f"{plan.summary()} plan {plan.fingerprint}")
     if phase in (None, "Created"):

@@ -3,6 +3,9 @@
 Every object is labelled with the job (and node, role, cluster, stage where it applies) and owned
 by the RavnestJob, so deleting the job garbage-collects everything. Pods get a stable hostname
 under a headless Service, so each worker knows its peers' DNS names before any pod exists.
+With `spec.security.tls`, one Secret holds the job CA's certificate and every node's certificate
+and key, and each pod mounts only its own. With network policies on, a per-job NetworkPolicy lets
+only the job's own worker pods reach its workers' gRPC port.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 from ravnest.planning import NodePlan, Plan
 from ravnest.spec import Job, Provider
+from ravnest.tls import CA_FILE, CERT_FILE, KEY_FILE, TlsMaterial
 
 from .crds import GROUP, KIND, VERSION
 
@@ -21,6 +25,7 @@ GRPC_PORT = 50051
 METRICS_PORT = 9400
 DATA_DIR = "/ravnest"
 METADATA_DIR = "/etc/ravnest"
+TLS_DIR = "/etc/ravnest-tls"
 WORKER_UID = 10001
 
 
@@ -58,8 +63,24 @@ def token_secret_name(job: str) -> str:
     return f"{job}-token"
 
 
+def tls_secret_name(job: str) -> str:
+    return f"{job}-tls"
+
+
+def network_policy_name(job: str) -> str:
+    return f"{job}-workers"
+
+
 def address(owner: Owner, node: str) -> str:
     return f"{dns_label(node)}.{service_name(owner.name)}.{owner.namespace}.svc:{GRPC_PORT}"
+
+
+def tls_dns_names(owner: Owner, node: str) -> list[str]:
+    """The names a node's certificate carries besides its identity: its pod's DNS names under
+    the headless Service."""
+    short = f"{dns_label(node)}.{service_name(owner.name)}"
+    return [short, f"{short}.{owner.namespace}", f"{short}.{owner.namespace}.svc",
+            f"{short}.{owner.namespace}.svc.cluster.local"]
 
 
 def job_labels(job: str) -> dict[str, str]:
@@ -102,6 +123,35 @@ def token_secret(owner: Owner, token: str) -> dict[str, Any]:
     }
 
 
+def tls_secret(owner: Owner, certificates: dict[str, TlsMaterial]) -> dict[str, Any]:
+    """The job CA's certificate and, per node, `<node>.crt` and `<node>.key` (see `pod`)."""
+    data = {CA_FILE: next(iter(certificates.values())).ca}
+    for node, m in sorted(certificates.items()):
+        data.update({f"{node}.crt": m.cert, f"{node}.key": m.key})
+    return {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": _meta(owner, tls_secret_name(owner.name), job_labels(owner.name)),
+        "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
+    }
+
+
+def network_policy(owner: Owner) -> dict[str, Any]:
+    """Ingress to the job's workers' gRPC port from the job's own worker pods only.
+
+    Policies add up: the chart's namespace-wide policy lets the operator and Prometheus reach the
+    workers' metrics port. A pod that copies the job's labels still needs the job's token (and,
+    with TLS, a certificate from the job's CA).
+    """
+    workers = {"matchLabels": job_labels(owner.name)}
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _meta(owner, network_policy_name(owner.name), job_labels(owner.name)),
+        "spec": {"podSelector": workers, "policyTypes": ["Ingress"],
+                 "ingress": [{"from": [{"podSelector": workers}],
+                              "ports": [{"protocol": "TCP", "port": GRPC_PORT}]}]},
+    }
+
+
 def plan_configmap(owner: Owner, plan: Plan) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "ConfigMap",
@@ -113,11 +163,14 @@ def plan_configmap(owner: Owner, plan: Plan) -> dict[str, Any]:
 
 def node_metadata(owner: Owner, job: Job, plan: Plan, node: str) -> dict[str, Any]:
     """What `ravnest worker --metadata` reads (see ravnest.worker.NodeMetadata)."""
-    return {"apiVersion": "ravnest.io/v1alpha1", "kind": "RavnestNodeMetadata", "node": node,
+    meta = {"apiVersion": "ravnest.io/v1alpha1", "kind": "RavnestNodeMetadata", "node": node,
             "job": job.to_dict(), "plan": plan.to_dict(),
             "addresses": {n: address(owner, n) for n in plan.names()},
             "outputDir": DATA_DIR, "listen": f"0.0.0.0:{GRPC_PORT}",
             "metricsPort": METRICS_PORT, "namespace": owner.namespace}
+    if job.spec.security.tls:
+        meta["tlsDir"] = TLS_DIR
+    return meta
 
 
 def node_configmap(owner: Owner, job: Job, plan: Plan, node: NodePlan) -> dict[str, Any]:
@@ -182,6 +235,8 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
                      "configMap": {"name": pod_name(owner.name, node.name)}},
                     data_volume, {"name": "tmp", "emptyDir": {}}],
     }
+    if job.spec.security.tls:
+        _mount_tls(spec, owner, node.name)
     if provider.node_selector:
         spec["nodeSelector"] = dict(provider.node_selector)
     if provider.tolerations:
@@ -192,10 +247,36 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
             "spec": spec}
 
 
-def static_objects(owner: Owner, job: Job, plan: Plan, token: str) -> list[dict[str, Any]]:
-    """Everything but the pods: Service, Secret, plan ConfigMap, one ConfigMap per node."""
-    return [service(owner), token_secret(owner, token), plan_configmap(owner, plan),
-            *(node_configmap(owner, job, plan, n) for n in plan.nodes)]
+def _mount_tls(spec: dict[str, Any], owner: Owner, node: str) -> None:
+    """Mount the job CA's certificate and this node's own certificate and key (no other node's)
+    at TLS_DIR. The kubelet's gRPC probe speaks no TLS, so readiness becomes the port accepting
+    connections (what the health service reports before training starts, too)."""
+    container = spec["containers"][0]
+    container["volumeMounts"].append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+    container["readinessProbe"] = {"tcpSocket": {"port": GRPC_PORT}, "periodSeconds": 2}
+    spec["volumes"].append({"name": "tls", "secret": {
+        "secretName": tls_secret_name(owner.name), "defaultMode": 0o440,
+        "items": [{"key": CA_FILE, "path": CA_FILE},
+                  {"key": f"{node}.crt", "path": CERT_FILE},
+                  {"key": f"{node}.key", "path": KEY_FILE}]}})
+
+
+def static_objects(owner: Owner, job: Job, plan: Plan, token: str,
+                   certificates: dict[str, TlsMaterial] | None = None,
+                   network_policies: bool = False) -> list[dict[str, Any]]:
+    """Everything but the pods, in creation order: Service, Secrets, NetworkPolicy, one ConfigMap
+    per node, and last the plan ConfigMap, whose existence marks the job planned (so an operator
+    that died half-way creates the rest again). `certificates`: node -> its TLS material, when the
+    job uses TLS."""
+    objects = [service(owner), token_secret(owner, token)]
+    if job.spec.security.tls:
+        if certificates is None or set(certificates) != set(plan.names()):
+            raise ValueError("spec.security.tls needs a certificate for every node of the plan")
+        objects.append(tls_secret(owner, certificates))
+    if network_policies:
+        objects.append(network_policy(owner))
+    return [*objects, *(node_configmap(owner, job, plan, n) for n in plan.nodes),
+            plan_configmap(owner, plan)]
 
 
 def pods(owner: Owner, job: Job, plan: Plan, image: str, attempt: int = 0) -> list[dict[str, Any]]:

@@ -1,11 +1,11 @@
 """A small stand-in for the kubelet (and cluster DNS) for the operator's integration tier.
 
 It watches the job pods the operator creates in a real kube-apiserver, runs one real
-`ravnest worker` process per pod from the pod's own spec (its ConfigMap volume, its Secret env),
-and writes pod phase, IP and exit code back through the API, as a kubelet would. Each pod gets its
-own loopback address (127.1.x.y), which also plays the headless Service's DNS: the worker's peer
-addresses are rewritten from DNS names to those addresses. The job's data volume is one shared
-folder per job, as a ReadWriteMany volume would be.
+`ravnest worker` process per pod from the pod's own spec (its ConfigMap volume, its Secret env
+and Secret volumes), and writes pod phase, IP and exit code back through the API, as a kubelet
+would. Each pod gets its own loopback address (127.1.x.y), which also plays the headless
+Service's DNS: the worker's peer addresses are rewritten from DNS names to those addresses. The
+job's data volume is one shared folder per job, as a ReadWriteMany volume would be.
 """
 
 from __future__ import annotations
@@ -127,6 +127,12 @@ class FakeKubelet(threading.Thread):
         meta["outputDir"] = str(data)
         pod_dir = self.workdir / "pods" / p.metadata.name / p.metadata.uid
         pod_dir.mkdir(parents=True, exist_ok=True)
+        mounts = {m.name: m.mount_path for m in container.volume_mounts or []}
+        for v in p.spec.volumes:
+            if v.secret and v.name in mounts:  # a Secret volume: its items as files
+                folder = self._secret_volume(v.secret, p.metadata.namespace, pod_dir / v.name)
+                if meta.get("tlsDir") == mounts[v.name]:
+                    meta["tlsDir"] = str(folder)
         (pod_dir / "node.json").write_text(json.dumps(meta))
         env = {**os.environ, "RAVNEST_TERMINATION_LOG": str(pod_dir / "termination-log")}
         for e in container.env or []:
@@ -155,6 +161,16 @@ class FakeKubelet(threading.Thread):
                                    "imageID": "", "ready": True, "restartCount": 0,
                                    "started": True,
                                    "state": {"running": {"startedAt": _now()}}}]}})
+
+    def _secret_volume(self, source: Any, namespace: str, folder: Path) -> Path:
+        secret = self.api.read_namespaced_secret(source.secret_name, namespace)
+        folder.mkdir(exist_ok=True)
+        for item in source.items or [kubernetes.client.V1KeyToPath(key=k, path=k)
+                                     for k in secret.data]:
+            fd = os.open(folder / item.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(base64.b64decode(secret.data[item.key]))
+        return folder
 
     def _terminated(self, p: Any, code: int, r: _Running) -> None:
         message = r.termination.read_text() if r.termination.exists() else ""

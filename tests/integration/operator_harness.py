@@ -34,6 +34,9 @@ class Operator:
     def start(self) -> None:
         env = {**os.environ, "KUBECONFIG": str(self.kube.kubeconfig),
                "RAVNEST_RECONCILE_INTERVAL": "1",
+               # per-job NetworkPolicies, as the chart's networkPolicy.enabled asks: the real
+               # apiserver validates them (no network plugin here enforces them)
+               "RAVNEST_NETWORK_POLICIES": "true",
                "RAVNEST_OPERATOR_METRICS_PORT": str(self.metrics_port)}
         with open(self.log, "ab") as fh:
             self.proc = subprocess.Popen(

@@ -237,6 +237,22 @@ def test_operator_deployment() -> None:
     assert "--all-namespaces" not in args
 
 
+def test_every_pod_runs_unprivileged_on_a_read_only_root() -> None:
+    """The operator and the `helm test` pod: non-root, no capabilities, no privilege escalation,
+    RuntimeDefault seccomp, a read-only root (the worker pods: test_operator_resources)."""
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"] if d["kind"] == "Deployment"
+            else d["spec"] for d in rendered("all-on") if d["kind"] in ("Deployment", "Pod")}
+    assert len(pods) == 2, sorted(pods)
+    for name, pod in pods.items():
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["runAsUser"] != 0, name
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for c in pod["containers"]:
+            assert c["securityContext"] == {"allowPrivilegeEscalation": False,
+                                            "readOnlyRootFilesystem": True,
+                                            "capabilities": {"drop": ["ALL"]}}, name
+
+
 CRD_UPGRADE = "kubectl apply --server-side --force-conflicts -f charts/ravnest/crds/"
 
 
@@ -776,9 +792,14 @@ def test_monitors_select_the_workers_and_the_operator() -> None:
     pod_labels = deploy["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= pod_labels.items()
     policy = one(docs, "NetworkPolicy")["spec"]
-    grpc, metrics = policy["ingress"]
-    assert grpc["ports"] == [{"protocol": "TCP", "port": 50051}]
+    (metrics,) = policy["ingress"]  # gRPC: only the operator's per-job policy lets it in
     assert metrics["ports"] == [{"protocol": "TCP", "port": 9400}]
+    env = {e["name"]: e.get("value") for e in deploy["spec"]["template"]["spec"][
+        "containers"][0]["env"]}
+    assert env["RAVNEST_NETWORK_POLICIES"] == "true"
+    default_env = {e["name"]: e.get("value") for e in one(rendered("defaults"), "Deployment")[
+        "spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert default_env["RAVNEST_NETWORK_POLICIES"] == "false"
     operator_peer = metrics["from"][0]["podSelector"]["matchLabels"]
     assert operator_peer.items() <= pod_labels.items(), "the operator could not scrape progress"
     namespaced = rendered("namespaced")

@@ -148,3 +148,99 @@ def test_progress_from_root_metrics():
     p = statuses.progress(samples, statuses.now())
     assert p["step"] == 38 and p["totalSteps"] == 176 and p["display"] == "38/176"
     assert p["epoch"] == 2 and p["loss"] == 0.25 and p["validationMetric"] == 0.93
+
+
+def test_worker_pods_run_unprivileged_on_a_read_only_root(job_and_plan):
+    job, plan = job_and_plan
+    for node in plan.nodes:
+        spec = resources.pod(OWNER, job, plan, node, "ravnest:test")["spec"]
+        (c,) = spec["containers"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] == resources.WORKER_UID != 0
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert spec["automountServiceAccountToken"] is False
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False,
+                                        "readOnlyRootFilesystem": True,
+                                        "capabilities": {"drop": ["ALL"]}}
+        # what the worker writes goes to volumes: outputs/checkpoints and the temp dir
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert "emptyDir" in volumes[mounts["/tmp"]]
+        assert mounts[resources.DATA_DIR] == "data"
+
+
+def _certificates(plan):
+    from ravnest.tls import issue, make_authority
+
+    ca = make_authority("digits")
+    return {n: issue(ca, n, resources.tls_dns_names(OWNER, n)) for n in plan.names()}
+
+
+def test_tls_secret_and_each_pod_mounts_only_its_own_key(job_and_plan):
+    from cryptography import x509
+
+    job, plan = job_and_plan
+    job = job.model_copy(update={"spec": job.spec.model_copy(
+        update={"security": job.spec.security.model_copy(update={"tls": True})})})
+    certs = _certificates(plan)
+    with pytest.raises(ValueError, match="certificate for every node"):
+        resources.static_objects(OWNER, job, plan, "s3cret")
+    objs = resources.static_objects(OWNER, job, plan, "s3cret", certs)
+    (secret,) = [o for o in objs if o["metadata"]["name"] == "digits-tls"]
+    data = {k: base64.b64decode(v) for k, v in secret["data"].items()}
+    assert set(data) == {"ca.crt"} | {f"{n}.{e}" for n in plan.names() for e in ("crt", "key")}
+    assert data["node_2.key"] == certs["node_2"].key
+    cert = x509.load_pem_x509_certificate(data["node_2.crt"])
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    host = "node-2.digits-workers.team-a.svc"
+    assert {"node-2", host} <= set(sans.get_values_for_type(x509.DNSName))
+    assert resources.address(OWNER, "node_2") == f"{host}:{resources.GRPC_PORT}"
+    for o in objs:  # keys only ever in the Secret
+        if o is not secret:
+            assert not any(m.key.decode() in json.dumps(o) for m in certs.values())
+
+    node = plan.node("node_2")
+    pod = resources.pod(OWNER, job, plan, node, "ravnest:test")
+    c, volumes = pod["spec"]["containers"][0], pod["spec"]["volumes"]
+    (tls,) = [v for v in volumes if v["name"] == "tls"]
+    assert tls["secret"]["secretName"] == "digits-tls"
+    assert tls["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"},
+                                      {"key": "node_2.crt", "path": "tls.crt"},
+                                      {"key": "node_2.key", "path": "tls.key"}]
+    assert {"name": "tls", "mountPath": resources.TLS_DIR, "readOnly": True} in c["volumeMounts"]
+    assert c["readinessProbe"]["tcpSocket"] == {"port": resources.GRPC_PORT}
+    meta = NodeMetadata.from_dict(json.loads(resources.node_configmap(
+        OWNER, job, plan, node)["data"]["node.json"]))
+    assert meta.tls_dir == resources.TLS_DIR
+
+    plain_job, _ = job_and_plan
+    plain = resources.pod(OWNER, plain_job, plan, node, "ravnest:test")
+    assert not [v for v in plain["spec"]["volumes"] if v["name"] == "tls"]
+    assert plain["spec"]["containers"][0]["readinessProbe"]["grpc"] == {
+        "port": resources.GRPC_PORT}
+    assert "digits-tls" not in [o["metadata"]["name"]
+                                for o in resources.static_objects(OWNER, plain_job, plan, "s")]
+
+
+def test_network_policy_lets_only_the_jobs_own_workers_reach_its_grpc_port(job_and_plan):
+    job, plan = job_and_plan
+    assert "NetworkPolicy" not in [o["kind"] for o in resources.static_objects(
+        OWNER, job, plan, "s")]
+    objs = resources.static_objects(OWNER, job, plan, "s", network_policies=True)
+    (policy,) = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    assert policy["apiVersion"] == "networking.k8s.io/v1"
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == OWNER.uid
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    pods = resources.pods(OWNER, job, plan, "ravnest:test")
+    selector = spec["podSelector"]["matchLabels"]
+    assert all(selector.items() <= p["metadata"]["labels"].items() for p in pods)
+    (rule,) = spec["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": resources.GRPC_PORT}]
+    (peer,) = rule["from"]
+    assert set(peer) == {"podSelector"}  # no namespaceSelector: the policy's own namespace
+    allowed = peer["podSelector"]["matchLabels"]
+    assert allowed["ravnest.io/job"] == "digits"
+    other = resources.pods(resources.Owner("other", "team-a", "2"), job, plan, "ravnest:test")
+    assert not any(allowed.items() <= p["metadata"]["labels"].items() for p in other)
+    assert objs[-1]["metadata"]["name"] == "digits-plan"  # created last: it marks "planned"

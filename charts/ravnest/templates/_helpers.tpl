@@ -75,9 +75,13 @@ derives the same set from the code and compares.
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [create, get]
-# handling.py: the headless workers Service and the job's token Secret.
+# handling.py: the headless workers Service, the job's token Secret and TLS Secret.
 - apiGroups: [""]
   resources: [services, secrets]
+  verbs: [create]
+# handling.py: with networkPolicy.enabled, a NetworkPolicy per job (gRPC from its own workers).
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
   verbs: [create]
 # kopf.info/kopf.warn and kopf's handler events: core v1 Events.
 - apiGroups: [""]
