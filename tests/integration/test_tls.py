@@ -8,6 +8,7 @@ from __future__ import annotations
 import stat
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -172,3 +173,18 @@ def test_a_local_job_with_tls_trains_over_tls(tmp_path, digits_doc) -> None:
                  tmp_path / "summary.json", tmp_path / "plan.txt"]:
         text = path.read_bytes()
         assert not any(s in text for s in secrets) and b"PRIVATE KEY" not in text, path
+
+
+def test_a_worker_of_a_tls_job_without_its_certificate_does_not_start(tmp_path,
+                                                                      digits_doc) -> None:
+    from ravnest.worker import Worker
+
+    digits_doc["spec"]["providers"] = [{"ram": 2, "bandwidth": 1000, "replicas": 2}]
+    digits_doc["spec"]["security"] = {"tls": True}
+    run = LocalRun(parse_job(digits_doc), tmp_path, progress=False)
+    meta = run.prepare()[0]
+    with pytest.raises(RavnestError, match="names no tlsDir"):
+        Worker(replace(meta, tls_dir=None), "s3cret-token")
+    (tmp_path / "tls" / "node-0" / "tls.key").unlink()
+    with pytest.raises(RavnestError, match=r"not readable in .*tls\.key"):
+        Worker(meta, "s3cret-token")
