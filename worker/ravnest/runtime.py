@@ -325,7 +325,8 @@ class NodeRuntime:
                     for k, live in self.params.items():
                         g = p.stash[k].grad
                         if g is not None:
-                            live.grad = g.clone() if live.grad is None else live.grad.add_(g)
+                            # the stash's gradient is dropped just below: take it, no copy
+                            live.grad = g if live.grad is None else live.grad.add_(g)
                             p.stash[k].grad = None
         if self.me.is_root:
             self.in_flight -= 1
