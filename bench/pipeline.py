@@ -1,0 +1,451 @@
+"""Pipeline throughput: our runtime against the bound that its schedule allows.
+
+Why it exists: a pipeline of S stages over m microbatches is idle part of the time (the bubble).
+With a known cost per stage the best a schedule can do is known too, so the runtime's own
+overhead and scheduling losses show as the ratio of measured to bound:
+
+- `sync` (a flush per optimizer step): an update takes at least
+  sum_i (f_i + b_i) + (m - 1) * max_i (f_i + b_i), i.e. (m + S - 1) * c with equal stages of cost
+  c = f + b per microbatch, so throughput <= m / (m + S - 1) of the slowest-stage bound 1 / c;
+- `async` (no flush between updates): throughput <= 1 / max_i (f_i + b_i) microbatches per second.
+
+Three spawned processes each run one stage through the real worker path: a `NodeRuntime` with its
+`Server`, `Inbox` and `Peer`s on 127.0.0.1 (real gRPC, token and fingerprint checks, Adam). Each
+stage is a small Linear followed by a block that *sleeps* a fixed time in forward and in backward:
+sleeping, not burning CPU, so that three stages on a 2-core machine can run at once the way they
+would on three machines; what is left on the CPU is our runtime's own work (framing, gRPC,
+autograd, the optimizer), which is exactly what the ratio is meant to expose.
+
+A run feeds `warmup + updates` batches; the root's optimizer steps are timed, and throughput is
+microbatches over the steady window after the warmup updates. Every configuration is repeated,
+repeats alternate between configurations, and the median is printed.
+
+    python bench/pipeline.py [--micro 1 2 4 8] [--repeats 3] [--cost-ms 10 20] [-v]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+log = logging.getLogger("bench.pipeline")
+
+CREDS_TOKEN = "bench-token"
+FINGERPRINT = "bench-pipeline"
+SEED = 11
+
+
+def _emit(line: str = "") -> None:
+    print(line, flush=True)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fwd: float, bwd: float) -> torch.Tensor:
+        ctx.bwd = bwd
+        if fwd > 0:
+            time.sleep(fwd)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if ctx.bwd > 0:
+            time.sleep(ctx.bwd)
+        return grad, None, None
+
+
+def sleep_block(x: torch.Tensor, fwd: float, bwd: float) -> torch.Tensor:
+    """Identity that takes `fwd` seconds forward and `bwd` seconds backward."""
+    out: torch.Tensor = _Sleep.apply(x, fwd, bwd)
+    return out
+
+
+fx.wrap("sleep_block")
+
+
+@dataclass(frozen=True)
+class StageCost:
+    fwd: float
+    """Seconds slept per microbatch forward."""
+    bwd: float
+    """Seconds slept per microbatch backward."""
+    layers: int = 1
+    """Linear+ReLU layers before the sleep."""
+    width: int = 64
+
+
+class StagedNet(nn.Module):
+    """Per stage: `layers` x (Linear, ReLU), then a sleep block; stages cut after each sleep."""
+
+    def __init__(self, costs: tuple[StageCost, ...]) -> None:
+        super().__init__()
+        self.costs = costs
+        self.fcs = nn.ModuleList(
+            nn.ModuleList(nn.Linear(c.width, c.width) for _ in range(c.layers)) for c in costs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for fcs, c in zip(self.fcs.children(), self.costs, strict=True):
+            for fc in fcs.children():
+                x = torch.relu(fc(x))
+            x = sleep_block(x, c.fwd, c.bwd)
+        return x
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str
+    schedule: str
+    microbatches: int
+    updates: int
+    """Updates timed after the warmup."""
+    warmup: int
+    costs: tuple[StageCost, ...]
+    mb_rows: int = 8
+    max_in_flight: int = 4
+    sample_memory: bool = False
+    """Sample this process's RSS every few ms during the run (bench/memory.py)."""
+
+    @property
+    def stages(self) -> int:
+        return len(self.costs)
+
+    def bound(self) -> float:
+        """Best microbatches/s the schedule allows with these stage costs."""
+        c = [s.fwd + s.bwd for s in self.costs]
+        if self.schedule == "async":
+            return 1.0 / max(c)
+        return self.microbatches / (sum(c) + (self.microbatches - 1) * max(c))
+
+
+@dataclass
+class NodeReport:
+    """What one node process reports about one run."""
+
+    node: str
+    step_times: list[float] = field(default_factory=list)
+    rss_base: int = 0
+    anon_base: int = 0
+    peak_rss: int = 0
+    """Peak RSS of the process over its life (ru_maxrss)."""
+    rss_samples: list[tuple[float, int, int]] = field(default_factory=list)
+    """(seconds, RSS, anonymous RSS) every 5 ms of the run, when sampled."""
+    max_pending: int = 0
+    max_stashes: int = 0
+    """Most weight stashes (async versions) alive at once."""
+    data_bytes: int = 0
+    max_inbox: int = 0
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    stash_bytes: int = 0
+    activation_bytes_per_mb: int = 0
+    updates: int = 0
+    activity: dict[str, float] = field(default_factory=dict)
+    """ravnest_training_seconds_total by activity, from the node's own metrics."""
+
+
+def _rss() -> tuple[int, int]:
+    """(RSS, anonymous RSS): resident pages, and those not backed by files (libraries)."""
+    with open("/proc/self/statm") as f:
+        fields = f.read().split()
+    return int(fields[1]) * _PAGE, (int(fields[1]) - int(fields[2])) * _PAGE
+
+
+_PAGE = 4096
+
+
+def _plan(profile: Any, costs: tuple[StageCost, ...]) -> Any:
+    """A one-cluster plan cutting after every sleep block (the planner does not know sleeps)."""
+    from ravnest.planning import ClusterPlan, NodePlan, Plan
+
+    cuts = [i + 1 for i, layer in enumerate(profile.layers) if "sleep_block" in layer.name]
+    assert len(cuts) == len(costs), cuts
+    nodes, start = [], 0
+    for st, end in enumerate(cuts):
+        layers = profile.layers[start:end]
+        role = "root" if st == 0 else "leaf" if st == len(costs) - 1 else "stem"
+        nodes.append(NodePlan(
+            name=f"node_{st}", provider=st, cluster=0, stage=st, role=role, start=start, end=end,
+            first_layer=layers[0].name, last_layer=layers[-1].name,
+            state=tuple(s for layer in layers for s in layer.state),
+            params=sum(layer.params for layer in layers), memory_bytes=0, ram_gb=1.0,
+            seconds_per_microbatch=costs[st].fwd + costs[st].bwd))
+        start = end
+    return Plan(clusters=(ClusterPlan(0, tuple(n.name for n in nodes), 0.0),), nodes=tuple(nodes),
+                rings=(), model_bytes=0, memory_bytes=0, samples_per_second=0.0,
+                fingerprint=FINGERPRINT)
+
+
+def _tensor_bytes(ts: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+
+def _run_once(cfg: RunConfig, node: str, inbox: Any, peers: dict[str, Any]) -> NodeReport:
+    """Build this node's stage for `cfg` and train through it; report timings and memory."""
+    import threading
+
+    from ravnest.metrics import ACTIVITIES, Identity, WorkerMetrics
+    from ravnest.partitioning import build_stage, profile
+    from ravnest.runtime import Batches, NodeRuntime, Settings
+
+    rss, anon = _rss()
+    report = NodeReport(node=node, rss_base=rss, anon_base=anon)
+    stop = threading.Event()
+
+    def sample() -> None:
+        t0 = time.perf_counter()
+        while not stop.wait(0.005):
+            report.rss_samples.append((time.perf_counter() - t0, *_rss()))
+            pending = list(rt.pending.values())
+            report.max_pending = max(report.max_pending, len(pending))
+            stashes = {id(p.stash) for p in pending if p.stash is not None}
+            if rt._stash is not None:
+                stashes.add(id(rt._stash))
+            report.max_stashes = max(report.max_stashes, len(stashes))
+            report.max_inbox = max(report.max_inbox, rt.inbox.pipeline.qsize())
+
+    torch.manual_seed(SEED)
+    model = StagedNet(cfg.costs)
+    width = cfg.costs[0].width
+    gm, prof = profile(model, (torch.zeros(cfg.mb_rows, width),))
+    plan = _plan(prof, cfg.costs)
+    me = plan.node(node)
+    stage = build_stage(gm, me.start, me.end)
+    del model, gm
+    params = [p for p in stage.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=1e-3) if params else None
+    criterion = nn.functional.cross_entropy if me.is_leaf else None
+    bsz = cfg.microbatches * cfg.mb_rows
+    batches = None
+    if me.is_root:
+        n_batches = cfg.warmup + cfg.updates
+        gen = torch.Generator().manual_seed(SEED)
+        xs = torch.randn(n_batches, bsz, width, generator=gen)
+        ys = torch.randint(0, width, (n_batches, bsz), generator=gen)
+
+        def train(epoch: int) -> Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+            for i in range(n_batches):
+                yield (xs[i],), ys[i]
+
+        def validation() -> Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+            yield (xs[0][: cfg.mb_rows],), ys[0][: cfg.mb_rows]
+
+        batches = Batches(train=train, per_epoch=n_batches, validation=validation)
+        report.data_bytes = _tensor_bytes((xs, ys))
+    settings = Settings(epochs=1, batch_size=bsz, microbatches=cfg.microbatches,
+                        schedule=cfg.schedule, max_in_flight=cfg.max_in_flight,
+                        peer_timeout=120.0)
+    who = Identity("bench", "default", node, me.role, 0, me.stage)
+    metrics, metrics_labels = WorkerMetrics(who), who.labels()
+
+    class Timed(NodeRuntime):
+        def _optimizer_step(self) -> None:
+            super()._optimizer_step()
+            report.step_times.append(time.perf_counter())
+
+    rt = Timed(node, plan, stage, settings, optimizer, None, criterion, inbox, peers, metrics,
+               batches)
+    sampler = threading.Thread(target=sample, daemon=True) if cfg.sample_memory else None
+    if sampler is not None:
+        sampler.start()
+    try:
+        if me.is_root:
+            rt.drive()
+        else:
+            rt.serve()
+    finally:
+        stop.set()
+        if sampler is not None:
+            sampler.join()
+    report.updates = rt.updates
+    report.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report.activity = {a: metrics.registry.get_sample_value(
+        "ravnest_training_seconds_total", {**metrics_labels, "activity": a}) or 0.0
+        for a in ACTIVITIES}
+    report.param_bytes = _tensor_bytes(stage.parameters())
+    # one set of gradients (zeroed to None after each step); async adds the stash's gradients,
+    # which live until they are added into the live ones
+    report.grad_bytes = report.param_bytes * (2 if cfg.schedule == "async" else 1)
+    if optimizer is not None:
+        report.optimizer_bytes = _tensor_bytes(
+            v for s in optimizer.state.values() for v in s.values())
+    if cfg.schedule == "async":
+        report.stash_bytes = report.param_bytes * max(1, report.max_stashes)
+    scale = cfg.mb_rows / prof.example_batch
+    report.activation_bytes_per_mb = int(scale * (
+        sum(layer.out_bytes for layer in prof.layers[me.start:me.end])
+        + (prof.cut_bytes[me.start - 1] if me.start else 0)))
+    return report
+
+
+def node_main(node: str, addresses: dict[str, str], runs: list[RunConfig], results: Any,
+              verbose: bool) -> None:
+    """One node process: serve gRPC, then take part in every run in order."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format=f"%(asctime)s {node} %(levelname)s %(message)s")
+    torch.set_num_threads(1)
+    from ravnest.transport import Credentials, Inbox, Peer, Server
+
+    creds = Credentials(CREDS_TOKEN, FINGERPRINT)
+    names = sorted(addresses)
+    i = names.index(node)
+    neighbours = [n for n in (names[i - 1] if i else None,
+                              names[i + 1] if i + 1 < len(names) else None) if n]
+    inbox = Inbox(capacity=4 * max(r.max_in_flight for r in runs) + 64)
+    server = Server(addresses[node], creds, inbox.deliver)
+    server.start()
+    peers = {n: Peer(addresses[n], creds) for n in neighbours}
+    try:
+        for p in peers.values():
+            p.wait_ready(120)
+        for k, cfg in enumerate(runs):
+            report = _run_once(cfg, node, inbox, peers)
+            results.put((k, report))
+    except BaseException as e:
+        results.put((-1, f"{node}: {type(e).__name__}: {e}"))
+        raise
+    finally:
+        for p in peers.values():
+            p.close()
+        server.stop()
+
+
+def run_nodes(runs: list[RunConfig], stages: int, verbose: bool = False,
+              timeout: float = 600) -> list[dict[str, NodeReport]]:
+    """Spawn one process per stage, run `runs` in order; one {node: report} per run."""
+    from ravnest.running import free_ports
+
+    names = [f"node_{i}" for i in range(stages)]
+    ports = free_ports(stages)
+    addresses = {n: f"127.0.0.1:{p}" for n, p in zip(names, ports, strict=True)}
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=node_main, args=(n, addresses, runs, results, verbose),
+                         daemon=True) for n in names]
+    for p in procs:
+        p.start()
+    out: list[dict[str, NodeReport]] = [{} for _ in runs]
+    deadline = time.monotonic() + timeout
+    try:
+        for _ in range(len(runs) * stages):
+            k, rep = results.get(timeout=max(1.0, deadline - time.monotonic()))
+            if k < 0:
+                raise RuntimeError(rep)
+            out[k][rep.node] = rep
+            if verbose and rep.node == names[0]:
+                log.info("%s done", runs[k].name)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return out
+
+
+def throughput(cfg: RunConfig, root: NodeReport) -> float:
+    """Microbatches per second over the steady window (after the warmup updates)."""
+    t = root.step_times
+    if len(t) < cfg.warmup + 2:
+        raise RuntimeError(f"{cfg.name}: root made {len(t)} steps, expected "
+                           f"{cfg.warmup + cfg.updates}")
+    window = t[cfg.warmup:]
+    return (len(window) - 1) * cfg.microbatches / (window[-1] - window[0])
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _sleep_overshoot() -> float:
+    late = []
+    for _ in range(50):
+        t = time.perf_counter()
+        time.sleep(0.01)
+        late.append(time.perf_counter() - t - 0.01)
+    return statistics.median(late)
+
+
+def configs(micro: list[int], fwd: float, bwd: float, mb_total: int) -> list[RunConfig]:
+    equal = tuple(StageCost(fwd, bwd) for _ in range(3))
+    skewed = (StageCost(fwd, bwd), StageCost(2 * fwd, 2 * bwd), StageCost(fwd, bwd))
+    out = []
+    for m in micro:
+        out.append(RunConfig(f"sync m={m}", "sync", m, max(8, mb_total // m), 2, equal))
+    for m in (1, 4):
+        out.append(RunConfig(f"async m={m}", "async", m, max(6, mb_total // m), 2, equal))
+    out.append(RunConfig("async m=4 skewed", "async", 4, max(6, mb_total // 8), 2, skewed))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8],
+                        help="microbatches per update for the sync runs")
+    parser.add_argument("--cost-ms", type=float, nargs=2, default=[10.0, 20.0],
+                        metavar=("FWD", "BWD"), help="per stage, per microbatch sleep")
+    parser.add_argument("--microbatches", type=int, default=48,
+                        help="microbatches timed per run (after warmup)")
+    parser.add_argument("--in-flight", type=int, default=4,
+                        help="maxInFlight, microbatches the root keeps in the pipeline")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed updates per run")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    fwd, bwd = args.cost_ms[0] / 1000, args.cost_ms[1] / 1000
+    base = [replace(c, warmup=args.warmup, max_in_flight=args.in_flight)
+            for c in configs(args.micro, fwd, bwd, args.microbatches)]
+    runs = [c for _ in range(args.repeats) for c in base]
+    _emit(f"Pipeline of 3 stages, 3 processes, real gRPC on 127.0.0.1; each stage sleeps "
+          f"{args.cost_ms[0]:g} ms forward + {args.cost_ms[1]:g} ms backward per microbatch "
+          f"(skewed: the middle stage twice that); maxInFlight {args.in_flight}; median of "
+          f"{args.repeats} repeats; load average {os.getloadavg()[0]:.1f}")
+    overshoot = _sleep_overshoot()
+    _emit(f"time.sleep(10 ms) overshoots by {overshoot * 1e3:.2f} ms here (median of 50): the "
+          "scheduler's share of every stage's cost")
+    started = time.monotonic()
+    reports = run_nodes(runs, 3, args.verbose)
+    per: dict[str, list[float]] = {c.name: [] for c in base}
+    for cfg, rep in zip(runs, reports, strict=True):
+        per[cfg.name].append(throughput(cfg, rep["node_0"]))
+        if args.verbose:
+            shares = "  ".join(
+                f"{n}: " + " ".join(f"{a[:4]} {v / max(sum(r.activity.values()), 1e-9):.2f}"
+                                    for a, v in r.activity.items())
+                for n, r in sorted(rep.items()))
+            log.info("%s: %.2f mb/s; %s", cfg.name, per[cfg.name][-1], shares)
+    _emit()
+    _emit(f"{'schedule':<18} {'m':>3} {'measured mb/s':>14} {'bound mb/s':>11} {'ratio':>6}"
+          f"   repeats")
+    for c in base:
+        got = statistics.median(per[c.name])
+        all_ = " ".join(f"{v:.1f}" for v in per[c.name])
+        _emit(f"{c.name:<18} {c.microbatches:>3} {got:>14.2f} {c.bound():>11.2f} "
+              f"{got / c.bound():>6.3f}   {all_}")
+    _emit()
+    _emit("bound: sync m/(sum(f+b) + (m-1) max(f+b)) = m/((m+S-1) c) for equal stages; "
+          "async 1/max(f+b)")
+    _emit(f"({time.monotonic() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
