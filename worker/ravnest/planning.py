@@ -388,8 +388,8 @@ class _Search:
         return [tuple(sorted(g)) for g in groups]
 
     def improve(self, groups: list[tuple[int, ...]], budget: int) -> list[tuple[int, ...]]:
-        """Move or swap providers out of the slowest cluster while that helps, within `budget`
-        new cluster evaluations."""
+        """Relieve the slowest cluster (move a provider in or out, or swap one) while that helps,
+        within `budget` new cluster evaluations."""
         groups = list(groups)
         times = [self.time(g) for g in groups]
         stop = self.evaluations + budget
@@ -405,25 +405,31 @@ class _Search:
 
     def _relieve(self, groups: list[tuple[int, ...]], times: list[float], a: int,
                  stop: int) -> tuple[int, tuple[int, ...], tuple[int, ...]] | None:
-        """The first move or swap between cluster `a` and another that improves the pair."""
+        """The first move into or out of cluster `a`, or swap with another cluster, that improves
+        the pair (trying the fastest partners first)."""
         partners = sorted((c for c in range(len(groups)) if c != a), key=lambda c: (times[c], c))
         members = groups[a]
         for b in partners:
             old = (times[a], times[b])
+            trials = []
+            if len(groups[b]) > 1:  # pull one of b's providers into a
+                for y in groups[b]:
+                    ga = tuple(sorted((*members, y)))
+                    if self.time(ga) < times[a]:
+                        trials.append((ga, tuple(i for i in groups[b] if i != y)))
             for x in members:
                 rest = tuple(i for i in members if i != x)
-                trials = []
-                if rest and self.time(rest) < times[a]:
+                if rest and self.time(rest) < times[a]:  # push x into b
                     trials.append((rest, tuple(sorted((*groups[b], x)))))
-                for y in groups[b]:
+                for y in groups[b]:  # swap x and y
                     ga = tuple(sorted((*rest, y)))
                     if self.time(ga) < times[a]:
                         trials.append((ga, tuple(sorted(i if i != y else x for i in groups[b]))))
-                for ga, gb in trials:
-                    if _pair_better((self.time(ga), self.time(gb)), old):
-                        return b, ga, gb
-                if self.evaluations >= stop:
-                    return None
+            for ga, gb in trials:
+                if _pair_better((self.time(ga), self.time(gb)), old):
+                    return b, ga, gb
+            if self.evaluations >= stop:
+                return None
         return None
 
     def plan(self, k: int, budget: int) -> tuple[float, list[tuple[int, ...]]]:
@@ -493,45 +499,43 @@ def make_plan(profile: Profile, pool: Sequence[ProviderInfo], work: Workload,
                         f"providers, got {len(pool)}")
     n = len(pool)
     search = _Search(costs, pool)
-    quick, full = 2 * n + 20, 20 * n + 200
+    quick, full = 4 * n + 100, 20 * n + 200
     if clusters:
         lo = hi = clusters
     else:
         hi = min(n, max_clusters or n, max(1, int(total_ram * GB // costs.total_memory)))
         lo = min(hi, math.ceil(n / (len(costs.allowed) - 1)))
-    best: tuple[float, int, list[tuple[int, ...]]] = (0.0, lo, [])
+    scored: dict[int, float] = {}
     tried: set[int] = set()
 
     def consider(k: int) -> None:
-        nonlocal best
         tried.add(k)
-        if _upper_bound(costs, pool, k) <= best[0]:
-            return
-        throughput, groups = search.plan(k, quick)
-        if throughput > best[0] * (1 + 1e-9) or (throughput >= best[0] * (1 - 1e-9) > 0
-                                                  and k < best[1]):
-            best = (throughput, k, groups)
+        if _upper_bound(costs, pool, k) > max(scored.values(), default=0.0):
+            scored[k] = search.plan(k, quick)[0]
 
-    grid = _cluster_counts(lo, hi)
-    for k in sorted(grid, key=lambda k: (-_upper_bound(costs, pool, k), k)):
+    def ranking() -> list[int]:
+        """Counts tried, best first (ties: fewer clusters)."""
+        return sorted(scored, key=lambda k: (-round(scored[k], 9), k))
+
+    for k in sorted(_cluster_counts(lo, hi), key=lambda k: (-_upper_bound(costs, pool, k), k)):
         consider(k)
     while True:  # bisect the gaps next to the best count
-        ks = sorted(tried)
-        pos = ks.index(best[1])
-        gaps = [(ks[p] + best[1]) // 2 for p in (pos - 1, pos + 1)
-                if 0 <= p < len(ks) and abs(ks[p] - best[1]) > 1]
+        ks, top = sorted(tried), ranking()[0]
+        pos = ks.index(top)
+        gaps = [(ks[p] + top) // 2 for p in (pos - 1, pos + 1)
+                if 0 <= p < len(ks) and abs(ks[p] - top) > 1]
         if not gaps:
             break
         for k in gaps:
             consider(k)
-    throughput, k, groups = best
-    if throughput <= 0:
+    finalists = [k for k in ranking()[:3] if scored[k] > 0]
+    if not finalists:
+        k = lo
         for g in search.deal(k):
             split_cluster(costs, [pool[i] for i in g])
         raise PlanError(f"no way to form {k} cluster(s) that each hold the model")
-    longer = search.plan(k, full)
-    if longer[0] > throughput * (1 + 1e-9):
-        throughput, groups = longer
+    throughput, groups = max((search.plan(k, full) for k in finalists),
+                             key=lambda r: (round(r[0], 9), -len(r[1])))
     ordered = sorted((search.cluster(g)[1] for g in groups), key=min)
     return _build(profile, costs, pool, ordered, throughput, identity or {})
 
