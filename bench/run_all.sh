@@ -18,3 +18,6 @@ python bench/memory.py "$@"
 echo
 echo "== bench/e2e.py: examples/digits.yaml end to end, samples/s and time shares per worker"
 python bench/e2e.py "$@"
+echo
+echo "== bench/planner.py: our plan vs a Ravnest-style plan (same cost model); planning time"
+python bench/planner.py
