@@ -65,7 +65,9 @@ class Profile:
 
 
 _TRACING = threading.Lock()
-"""torch.fx tracing patches module-global state: one trace at a time per process."""
+"""torch.fx tracing patches module-global state, and FlopCounterMode installs global module hooks
+(concurrent profiles failed with "module is not installed as a submodule"): one trace or profile
+at a time per process (the operator plans jobs in threads)."""
 
 
 def trace(model: nn.Module) -> fx.GraphModule:
@@ -139,7 +141,7 @@ def profile(model: nn.Module,
     model.eval()
     profiler = _Profiler(gm)
     try:
-        with torch.no_grad():
+        with _TRACING, torch.no_grad():
             profiler.run(*example_inputs)
     except Exception as e:
         raise PlanError(f"model {type(model).__name__} failed on the example input: "
@@ -198,7 +200,7 @@ def _profile_scripted(model: torch.jit.ScriptModule,
                       example_inputs: Sequence[torch.Tensor]) -> Profile:
     counter = FlopCounterMode(display=False)
     try:
-        with torch.no_grad(), counter:
+        with _TRACING, torch.no_grad(), counter:
             out = model(*example_inputs)
     except Exception as e:
         raise PlanError(f"TorchScript model failed on the example input: {e}") from e
