@@ -1,10 +1,11 @@
 """Fuzzing every gRPC handler of a real worker server (a subprocess running `transport.Server`
 with a real `Inbox`, see fuzz_server.py) over real gRPC on 127.0.0.1.
 
-Peer.Send gets 10,000 seeded cases: valid frames and random bytes, random headers, and mutations of
-valid encodings (bit flips, truncation, dropped and repeated messages, changed header fields,
-oversized declared shapes and sizes). Each answer is compared with what the frame decoder says
-about the same bytes on this side: a valid frame is acknowledged with its size, anything else gets
+Peer.Send and Peer.SendOne get 10,000 seeded cases (every fourth, its messages joined into one,
+on SendOne): valid frames and random bytes, random headers, and mutations of valid encodings (bit
+flips, truncation, dropped and repeated messages, changed header fields, oversized declared shapes
+and sizes). Each answer is compared with what the frame decoder says about the same bytes on this
+side: a valid frame is acknowledged with its size, anything else gets
 INVALID_ARGUMENT with the decoder's message, never another status. The health service and unknown
 methods get garbage too. Throughout, the server process stays alive, keeps serving, its memory
 stays bounded, and frames declared larger than its limit are refused from their header, before
@@ -66,6 +67,8 @@ class FuzzServer:
         self.channel = grpc.insecure_channel(f"127.0.0.1:{int(line)}")
         self.send = self.channel.stream_unary(f"/{SERVICE}/Send", request_serializer=None,
                                               response_deserializer=pb.Ack.FromString)
+        self.send_one = self.channel.unary_unary(f"/{SERVICE}/SendOne", request_serializer=None,
+                                                 response_deserializer=pb.Ack.FromString)
 
     def memory(self) -> dict[str, int]:
         """VmRSS, VmHWM (peak RSS), VmSize and VmPeak (peak virtual size) in bytes."""
@@ -79,6 +82,14 @@ class FuzzServer:
         """Send the messages as one Peer.Send call: ("OK", acked bytes) or (status, details)."""
         try:
             ack = self.send(iter(messages), metadata=metadata, timeout=TIMEOUT)
+        except grpc.RpcError as e:
+            return e.code().name, e.details()
+        return "OK", ack.received_bytes
+
+    def call_one(self, message: bytes) -> tuple[str, object]:
+        """Send one message as a Peer.SendOne call (a frame that fits one Chunk)."""
+        try:
+            ack = self.send_one(message, metadata=CREDS.metadata(), timeout=TIMEOUT)
         except grpc.RpcError as e:
             return e.code().name, e.details()
         return "OK", ack.received_bytes
@@ -307,8 +318,13 @@ def test_fuzzed_frames_get_invalid_argument_and_the_worker_keeps_serving(
             warm = fuzz_server.memory()
         category = rng.choices(names, WEIGHTS)[0]
         messages = CATEGORIES[category](rng)
-        want = expected(messages, LIMIT)
-        got = fuzz_server.call(messages)
+        if case % 4 == 3:  # every fourth case as one message on the unary Peer.SendOne
+            messages = [b"".join(messages)]
+            want = expected(messages, LIMIT)
+            got = fuzz_server.call_one(messages[0])
+        else:
+            want = expected(messages, LIMIT)
+            got = fuzz_server.call(messages)
         by_category[category] += 1
         outcomes[got[0]] += 1
         if got != want:

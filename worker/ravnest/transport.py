@@ -48,6 +48,9 @@ _GRPC_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 SERVICE = "ravnest.v1.Peer"
+ONE_MESSAGE_BYTES = 256 << 10
+"""Frames up to this payload go as one message on the unary SendOne (larger ones are streamed:
+joining them into one message would cost a copy and lose the overlap of sending and encoding)."""
 UNORDERED_LANES = 4
 """Sender threads per peer for frames that may arrive in any order (ring pieces)."""
 
@@ -68,11 +71,12 @@ class _Auth(grpc.ServerInterceptor):
         self._token = f"Bearer {creds.token}".encode()
         self._fingerprint = creds.fingerprint
 
-        def deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+        def deny(code: grpc.StatusCode, message: str) -> dict[str, grpc.RpcMethodHandler]:
             def abort(request: Any, context: grpc.ServicerContext) -> None:
                 context.abort(code, message)
 
-            return grpc.stream_unary_rpc_method_handler(abort)
+            return {"Send": grpc.stream_unary_rpc_method_handler(abort),
+                    "SendOne": grpc.unary_unary_rpc_method_handler(abort)}
 
         self._unauthenticated = deny(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong job token")
         self._wrong_plan = deny(grpc.StatusCode.FAILED_PRECONDITION,
@@ -84,22 +88,28 @@ class _Auth(grpc.ServerInterceptor):
             return continuation(details)
         md = dict(details.invocation_metadata or ())
         token = str(md.get("authorization", "")).encode()
+        name = details.method.rsplit("/", 1)[-1]
         if not hmac.compare_digest(token, self._token):
-            return self._unauthenticated
+            return self._unauthenticated.get(name)
         if md.get("x-ravnest-plan") != self._fingerprint:
-            return self._wrong_plan
+            return self._wrong_plan.get(name)
         return continuation(details)
 
 
 class _Servicer:
     """Peer.Send with the request messages left serialized: framing parses them itself, copying
-    each chunk's bytes once, into the frame's buffer."""
+    each chunk's bytes once, into the frame's buffer. Peer.SendOne takes a frame that fits one
+    message (header and payload in one Chunk) as a unary call, which costs grpc-python about
+    half of a streaming call (no thread to consume a request iterator)."""
 
     def __init__(self, deliver: Callable[[Frame], None], max_frame_bytes: int,
                  on_bytes: Callable[[str, int], None] | None) -> None:
         self._deliver = deliver
         self._max = max_frame_bytes
         self._on_bytes = on_bytes
+
+    def SendOne(self, request: bytes, context: grpc.ServicerContext) -> pb.Ack:
+        return self.Send(iter((request,)), context)
 
     def Send(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.Ack:
         try:
@@ -152,6 +162,9 @@ class Server:
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
             "Send": grpc.stream_unary_rpc_method_handler(
                 servicer.Send, request_deserializer=None,
+                response_serializer=pb.Ack.SerializeToString),
+            "SendOne": grpc.unary_unary_rpc_method_handler(
+                servicer.SendOne, request_deserializer=None,
                 response_serializer=pb.Ack.SerializeToString)}),))
         self.health = health.HealthServicer()
         self._server.add_generic_rpc_handlers((_health_handler(self.health),))
@@ -196,6 +209,9 @@ class Peer:
         # Peer.Send with pre-serialized Chunk messages (framing.encode_wire) as requests.
         self._send_rpc = self._channel.stream_unary(
             f"/{SERVICE}/Send", request_serializer=None, response_deserializer=pb.Ack.FromString)
+        self._send_one_rpc = self._channel.unary_unary(
+            f"/{SERVICE}/SendOne", request_serializer=None,
+            response_deserializer=pb.Ack.FromString)
         self._metadata = creds.metadata()
         self._compression = compression
         self._timeout = timeout
@@ -215,13 +231,22 @@ class Peer:
 
     def send(self, frame: Frame, compression: str | None = None) -> None:
         """Send now, in the caller's thread; raise TransportError on failure."""
-        self._send(frame.kind, iter_wire(
-            frame, self._compression if compression is None else compression))
+        compression = self._compression if compression is None else compression
+        small = frame.nbytes() <= ONE_MESSAGE_BYTES
+        self._send(frame.kind, (encode_wire if small else iter_wire)(frame, compression))
 
-    def _send(self, kind: str, messages: Iterator[bytes]) -> None:
+    def _send(self, kind: str, messages: Iterator[bytes] | list[bytes]) -> None:
+        """One call: a frame of at most one chunk of payload goes as one message (its header
+        and data Chunks concatenated, which protobuf parses as one Chunk with both) on the
+        unary SendOne; a larger one is streamed on Send as its messages are made."""
         try:
-            ack = self._send_rpc(messages, metadata=self._metadata, timeout=self._timeout,
-                                 wait_for_ready=True)
+            if isinstance(messages, list) and len(messages) <= 2 and \
+                    sum(map(len, messages)) <= ONE_MESSAGE_BYTES + 4096:
+                ack = self._send_one_rpc(b"".join(messages), metadata=self._metadata,
+                                         timeout=self._timeout, wait_for_ready=True)
+            else:
+                ack = self._send_rpc(iter(messages), metadata=self._metadata,
+                                     timeout=self._timeout, wait_for_ready=True)
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -261,7 +286,7 @@ class Peer:
         while (item := frames.get()) is not None:
             kind, messages = item
             try:
-                self._send(kind, iter(messages))
+                self._send(kind, messages)
             except TransportError as e:
                 log.error("sending %s frame to %s failed: %s", kind, self.address, e)
                 self._error = e

@@ -1,15 +1,13 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TensorMeta(_message.Message):
-    __slots__ = ("dtype", "name", "offset", "shape", "wire_dtype")
+    __slots__ = ("name", "dtype", "shape", "wire_dtype", "offset")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -20,10 +18,10 @@ class TensorMeta(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     wire_dtype: str
     offset: int
-    def __init__(self, name: str | None = ..., dtype: str | None = ..., shape: _Iterable[int] | None = ..., wire_dtype: str | None = ..., offset: int | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., wire_dtype: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class FrameHeader(_message.Message):
-    __slots__ = ("control", "kind", "microbatch", "payload_bytes", "ring", "sender", "step", "tensors", "version")
+    __slots__ = ("kind", "step", "microbatch", "version", "ring", "sender", "tensors", "payload_bytes", "control")
     KIND_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -42,18 +40,18 @@ class FrameHeader(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     payload_bytes: int
     control: str
-    def __init__(self, kind: str | None = ..., step: int | None = ..., microbatch: int | None = ..., version: int | None = ..., ring: str | None = ..., sender: str | None = ..., tensors: _Iterable[TensorMeta | _Mapping] | None = ..., payload_bytes: int | None = ..., control: str | None = ...) -> None: ...
+    def __init__(self, kind: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., version: _Optional[int] = ..., ring: _Optional[str] = ..., sender: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., control: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("data", "header")
+    __slots__ = ("header", "data")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     header: FrameHeader
     data: bytes
-    def __init__(self, header: FrameHeader | _Mapping | None = ..., data: bytes | None = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[FrameHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("received_bytes",)
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     received_bytes: int
-    def __init__(self, received_bytes: int | None = ...) -> None: ...
+    def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...

@@ -39,6 +39,11 @@ class PeerStub:
                 request_serializer=ravnest__pb2.Chunk.SerializeToString,
                 response_deserializer=ravnest__pb2.Ack.FromString,
                 _registered_method=True)
+        self.SendOne = channel.unary_unary(
+                '/ravnest.v1.Peer/SendOne',
+                request_serializer=ravnest__pb2.Chunk.SerializeToString,
+                response_deserializer=ravnest__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -50,11 +55,23 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SendOne(self, request, context):
+        """A frame whose payload fits one chunk: header and data in one Chunk, as one unary call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Send': grpc.stream_unary_rpc_method_handler(
                     servicer.Send,
+                    request_deserializer=ravnest__pb2.Chunk.FromString,
+                    response_serializer=ravnest__pb2.Ack.SerializeToString,
+            ),
+            'SendOne': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendOne,
                     request_deserializer=ravnest__pb2.Chunk.FromString,
                     response_serializer=ravnest__pb2.Ack.SerializeToString,
             ),
@@ -84,6 +101,33 @@ class Peer:
             request_iterator,
             target,
             '/ravnest.v1.Peer/Send',
+            ravnest__pb2.Chunk.SerializeToString,
+            ravnest__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendOne(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ravnest.v1.Peer/SendOne',
             ravnest__pb2.Chunk.SerializeToString,
             ravnest__pb2.Ack.FromString,
             options,
