@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Run every benchmark once, side by side figures in one run each (about 10-12 minutes on 2 cores).
-# Extra arguments go to every script, e.g. `bench/run_all.sh --repeats 3`.
+# Run every benchmark once, side by side figures in one run each (about 15 minutes on 2 cores).
+# Extra arguments go to the scripts that time repeats (transfer, allreduce, pipeline, memory, e2e),
+# e.g. `bench/run_all.sh --repeats 3`. Writes bench/out/transfer.csv and docs/throughput.png.
+# bench/wan.py makes network namespaces: as root it runs, otherwise it is reported as not run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mkdir -p bench/out
+start=$SECONDS
 
-echo "== bench/transfer.py: one tensor, ours vs raw gRPC bytes"
-python bench/transfer.py "$@"
+echo "== bench/transfer.py: one tensor, ours vs raw gRPC bytes vs gloo, by message size"
+python bench/transfer.py --sizes 0.0625 0.25 1 4 16 64 --csv bench/out/transfer.csv "$@"
+python bench/plot.py bench/out/transfer.csv docs/throughput.png
+echo "(plot: docs/throughput.png)"
 echo
 echo "== bench/allreduce.py: ring all-reduce, ours vs gloo"
 python bench/allreduce.py "$@"
@@ -21,3 +27,13 @@ python bench/e2e.py "$@"
 echo
 echo "== bench/planner.py: our plan vs a Ravnest-style plan (same cost model); planning time"
 python bench/planner.py
+echo
+echo "== bench/wan.py: ring and send over rate-limited, delayed links vs the paper model"
+python bench/wan.py --model-only
+if [[ $(id -u) == 0 ]]; then
+    python bench/wan.py --ranks 2 3 --delays 0 50 150 --rates 1000 --size 24 --rounds 2 --lanes 0 4
+else
+    echo "bench/wan.py: NOT RUN (needs root for network namespaces)"
+fi
+echo
+echo "== all benchmarks: $((SECONDS - start)) s"

@@ -182,6 +182,43 @@ def model_send(size: int, rate_bps: float, delay_s: float) -> float:
     return size / rate_bps + 2 * delay_s
 
 
+def model_pipeline(stages: int, micro: int, compute_s: float, act_bytes: int, rate_bps: float,
+                   delay_s: float) -> tuple[float, float]:
+    """(async, sync) seconds per microbatch of one cluster (docs/performance.md, "Pipeline"):
+    every stage computes `compute_s` per microbatch (forward + backward), and every hop carries
+    `act_bytes` down and as much back on the peer's ordered lane, one frame at a time, each
+    waiting a round trip for its Ack."""
+    hop = act_bytes / rate_bps + 2 * delay_s
+    slowest = max(compute_s, hop) if stages > 1 else compute_s
+    fill = (stages - 1) * (compute_s + 2 * (act_bytes / rate_bps + delay_s))
+    return slowest, (micro * slowest + fill) / micro
+
+
+def print_model() -> None:
+    """The model's figures for internet links, for docs/performance.md."""
+    mb = 1e6
+    _emit("Ring all-reduce of S = 110 MB per member (a 440 MB model in 4 stages), P = 4 MiB, "
+          "4 lanes; seconds")
+    _emit(f"{'link':>16} " + " ".join(f"{f'n={n}':>8}" for n in (2, 4, 8, 16)) + "  bf16 n=4")
+    for rate in (10, 100, 1000):
+        for delay in (20, 150):
+            bps, d = rate * 1e6 / 8, delay / 1e3
+            cells = [model_ring(n, int(110 * mb), bps, d, 4 << 20, 4) for n in (2, 4, 8, 16)]
+            bf16 = model_ring(4, int(55 * mb), bps, d, 4 << 20, 4)
+            _emit(f"{rate:>5} Mbps {delay:>4} ms " + " ".join(f"{c:>8.1f}" for c in cells)
+                  + f"  {bf16:>8.1f}")
+    _emit()
+    _emit("Pipeline of p stages, 50 ms of compute per stage and microbatch, 2 MB activations, "
+          "m = 8 microbatches; microbatches/s (async | sync)")
+    _emit(f"{'link':>16} " + " ".join(f"{f'p={p}':>13}" for p in (1, 2, 4, 8)))
+    for rate in (10, 100, 1000):
+        for delay in (20, 150):
+            bps, d = rate * 1e6 / 8, delay / 1e3
+            cells = [model_pipeline(p, 8, 0.05, int(2 * mb), bps, d) for p in (1, 2, 4, 8)]
+            _emit(f"{rate:>5} Mbps {delay:>4} ms " + " ".join(
+                f"{1 / a:>6.1f} | {1 / s:>4.1f}" for a, s in cells))
+
+
 # ---- rank processes (run inside a host's namespace) -------------------------------------------
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -306,7 +343,12 @@ def main() -> None:
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--proxy", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--model-only", action="store_true",
+                        help="print the model's figures for internet links and exit")
     args = parser.parse_args()
+    if args.model_only:
+        print_model()
+        return
     if args.proxy:
         asyncio.run(_proxy(int(args.proxy[0]), args.proxy[1], float(args.proxy[2])))
         return
