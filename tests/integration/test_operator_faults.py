@@ -1,0 +1,222 @@
+"""The operator under faults and load, against a real kube-apiserver + etcd (+ controller-manager)
+with the harness kubelet running real worker processes (see test_operator.py).
+
+- The operator killed with SIGKILL many times in a row, at seeded random moments while jobs are
+  being created, planned and started: every job completes, with each of its objects created once
+  and no restart of its workers.
+- 50 RavnestJobs created at once: all reconcile, and the test prints the reconcile latency
+  percentiles (create -> Planned, create -> Suspended).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import kubernetes
+import pytest
+from kubernetes import watch
+from operator_harness import (
+    Operator,
+    apply,
+    get,
+    job_doc,
+    kctl,
+    operator_cluster,
+    phase_of,
+    wait_for,
+)
+
+from ravnest_operator.crds import GROUP, PLURAL, VERSION
+
+KILLS = 8
+"""Operator kills in the chaos test."""
+FLEET = 50
+"""Jobs created at once in the load test."""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, ...]]:
+    with operator_cluster(tmp_path_factory.mktemp("cluster")) as parts:
+        yield parts
+
+
+def _wait_alive(operator: Operator, timeout: float = 120) -> None:
+    """Until the operator's liveness endpoint answers (kopf is up and talks to the API)."""
+    url = f"http://127.0.0.1:{operator.liveness_port}/healthz"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert operator.proc is not None and operator.proc.poll() is None, \
+            operator.log.read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    log = operator.log.read_text()[-3000:]
+    raise AssertionError(f"operator not alive after {timeout}s:\n{log}")
+
+
+def _tiny(name: str) -> dict[str, Any]:
+    """Digits on one cluster of two providers: two worker pods, 176 updates."""
+    return job_doc(name, epochs=4, plan={"clusters": 1},
+                   providers=[{"ram": 2, "bandwidth": 1000, "replicas": 2}])
+
+
+def _objects(kube: Any, job: str) -> dict[str, list[str]]:
+    return {kind: sorted(o["metadata"]["name"] for o in get(
+        kube, kind, selector=f"ravnest.io/job={job}")["items"])
+        for kind in ("pods", "configmaps", "services", "secrets", "networkpolicies")}
+
+
+class _Observer:
+    """What the operator has done so far for some jobs, read straight from the API: per job its
+    phase ("absent" before it is created), step and numbers of ConfigMaps and Pods."""
+
+    def __init__(self, kube: Any, jobs: list[str]) -> None:
+        client = kubernetes.config.new_client_from_config(config_file=str(kube.kubeconfig))
+        self.core = kubernetes.client.CoreV1Api(client)
+        self.custom = kubernetes.client.CustomObjectsApi(client)
+        self.jobs = jobs
+        self.selector = f"ravnest.io/job in ({','.join(jobs)})"
+
+    def state(self) -> dict[str, tuple[Any, ...]]:
+        cms = self.core.list_namespaced_config_map("default", label_selector=self.selector).items
+        pods = self.core.list_namespaced_pod("default", label_selector=self.selector).items
+        rjs = self.custom.list_namespaced_custom_object(GROUP, VERSION, "default", PLURAL)
+        status = {o["metadata"]["name"]: o.get("status") or {} for o in rjs["items"]}
+        return {j: (status[j].get("phase") if j in status else "absent",
+                    (status.get(j, {}).get("progress") or {}).get("step"),
+                    sum(c.metadata.labels["ravnest.io/job"] == j for c in cms),
+                    sum(p.metadata.labels["ravnest.io/job"] == j for p in pods))
+                for j in self.jobs}
+
+
+def test_operator_killed_many_times_mid_reconcile_creates_no_duplicates(cluster, tmp_path):
+    """Three jobs created one by one between kills. Each kill (SIGKILL, then a new operator at
+    once, as a Deployment would) lands at a seeded random delay of 0-1 s after the restarted
+    operator was seen acting on the jobs (an object created or a status changed), so every kill
+    hits an operator in the middle of reconciling, and the jobs still progress between kills."""
+    kube, kubelet, operator = cluster
+    rng = random.Random(5)
+    jobs = [f"chaos-{i}" for i in range(3)]
+    seen = _Observer(kube, jobs)
+    at_kill = []
+    for i in range(KILLS):
+        _wait_alive(operator)
+        if i % 3 == 0:  # jobs created at kills 0, 3 and 6
+            assert apply(kube, _tiny(jobs[i // 3]), tmp_path).returncode == 0
+        quiet = seen.state()
+        wait_for(f"the operator acting after restart {i}", lambda q=quiet: seen.state() != q,
+                 300, kube, operator)
+        time.sleep(rng.uniform(0.0, 1.0))
+        operator.stop(kill=True)
+        at_kill.append(seen.state())
+        operator.start()
+    for j in jobs:
+        wait_for(f"{j} to succeed", lambda j=j: phase_of(kube, j) == "Succeeded", 400, kube,
+                 operator)
+    phases = [{j: s[0] for j, s in state.items()} for state in at_kill]
+    # kills landed while a job was being created (no phase yet, Created or Planned) and while
+    # one was running
+    assert any(phase in (None, "Created", "Planned") for p in phases for phase in p.values()), \
+        at_kill
+    assert any("Running" in p.values() for p in phases), at_kill
+    for j in jobs:
+        status = get(kube, "rj", j)["status"]
+        assert status.get("restarts", 0) == 0, status.get("conditions")
+        assert status["result"]["updates"] == 176 and status["result"]["val_metric"] >= 0.9
+        pods = [f"{j}-node-0", f"{j}-node-1"]
+        assert [p for p in kubelet.started if p.startswith(f"{j}-")] == pods  # each started once
+        assert _objects(kube, j) == {
+            "pods": pods, "configmaps": sorted([f"{j}-plan", *pods]),
+            "services": [f"{j}-workers"], "secrets": [f"{j}-token"],
+            "networkpolicies": [f"{j}-workers"]}
+    print(f"\noperator killed {KILLS} times; (phase, step, configmaps, pods) of "
+          f"{', '.join(jobs)} at each kill:")
+    for state in at_kill:
+        print("  " + "  ".join(str(state[j]) for j in jobs))
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile."""
+    s = sorted(xs)
+    return s[max(0, math.ceil(q * len(s)) - 1)]
+
+
+def test_fifty_jobs_created_at_once_all_reconcile(cluster):
+    """50 jobs with `suspend: true` created back to back. Each one is validated and planned, and
+    gets its Service, Secret, ConfigMaps and NetworkPolicy, then is Suspended: no pods, because the
+    harness kubelet runs a real worker process per pod and 50 jobs x 6 pods would not fit on the
+    2 cores CI has. Latencies are from the create call returning to the watch event that first
+    shows each phase."""
+    kube, kubelet, operator = cluster
+    client = kubernetes.config.new_client_from_config(config_file=str(kube.kubeconfig))
+    api = kubernetes.client.CustomObjectsApi(client)
+    first: dict[tuple[str, str], float] = {}
+    w = watch.Watch()
+    stopping = threading.Event()
+    broken: list[Exception] = []
+
+    def record() -> None:
+        try:
+            for ev in w.stream(api.list_namespaced_custom_object, GROUP, VERSION, "default",
+                               PLURAL, label_selector="fleet=load", timeout_seconds=600):
+                obj = ev["object"]
+                phase = (obj.get("status") or {}).get("phase")
+                if phase:
+                    first.setdefault((obj["metadata"]["name"], phase), time.monotonic())
+        except Exception as e:  # the stream cut while the jobs are deleted is no failure
+            if not stopping.is_set():
+                broken.append(e)
+
+    watcher = threading.Thread(target=record, daemon=True)
+    watcher.start()
+    time.sleep(1)  # the watch is established
+    created = {}
+    names = [f"fleet-{i:02d}" for i in range(FLEET)]
+    try:
+        for name in names:
+            doc = job_doc(name, runPolicy={"suspend": True})
+            doc["metadata"]["labels"] = {"fleet": "load"}
+            api.create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, doc)
+            created[name] = time.monotonic()
+
+        def all_suspended() -> bool:
+            failed = sorted(n for n, phase in list(first) if phase == "Failed")
+            assert not failed, kctl(kube, "get", "rj", failed[0], "-o", "yaml").stdout
+            return all((n, "Suspended") in first for n in names)
+
+        wait_for("50 jobs suspended", all_suspended, 600, kube, operator)
+        objects = {n: _objects(kube, n) for n in names}
+        phases = json.loads(kctl(kube, "get", "rj", "-l", "fleet=load", "-o", "json").stdout)
+    finally:
+        stopping.set()
+        w.stop()  # the stream ends at its next event: one of the deletions
+        kctl(kube, "delete", "rj", "-l", "fleet=load", "--wait=true", "--timeout=120s")
+        watcher.join(60)
+    assert not watcher.is_alive() and not broken, broken
+    assert [i["status"]["phase"] for i in phases["items"]] == ["Suspended"] * FLEET
+    for n, objs in objects.items():  # what a suspended job has, each object once
+        assert objs == {"pods": [], "configmaps": sorted([f"{n}-plan"] + [
+            f"{n}-node-{i}" for i in range(6)]), "services": [f"{n}-workers"],
+            "secrets": [f"{n}-token"], "networkpolicies": [f"{n}-workers"]}, objs
+    assert not any(p.startswith("fleet-") for p in kubelet.started)
+    planned = [first[(n, "Planned")] - created[n] for n in names if (n, "Planned") in first]
+    suspended = [first[(n, "Suspended")] - created[n] for n in names]
+    assert len(planned) == FLEET  # every job was seen Planned on its way
+
+    def line(what: str, xs: list[float]) -> str:
+        return (f"{what}: p50 {_percentile(xs, 0.5):.2f}s p90 {_percentile(xs, 0.9):.2f}s "
+                f"p99 {_percentile(xs, 0.99):.2f}s max {max(xs):.2f}s")
+
+    print(f"\n{FLEET} jobs created at once; reconcile latency\n"
+          f"  {line('create -> Planned', planned)}\n  {line('create -> Suspended', suspended)}")
