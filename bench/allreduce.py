@@ -99,7 +99,7 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
             work = torch.empty_like(source)
 
             def ours(compression: str, work: torch.Tensor = work,
-                     source: torch.Tensor = source) -> Callable[[], float]:
+                     source: torch.Tensor = source) -> Callable[[], tuple[float, float]]:
                 def prepare() -> None:
                     work.copy_(source)
 
@@ -112,17 +112,19 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
                 return _pair(prepare, call)
 
             def gloo(work: torch.Tensor = work,
-                     scaled: torch.Tensor = scaled) -> Callable[[], float]:
+                     scaled: torch.Tensor = scaled) -> Callable[[], tuple[float, float]]:
                 return _pair(lambda: work.copy_(scaled), lambda: dist.all_reduce(work))
 
             variants = {"ours": ours("none"), "ours_bf16": ours("bf16"), "gloo": gloo()}
-            times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            times: dict[str, list[float]] = {k: [] for v in VARIANTS
+                                             for k in (v, f"{v}_cpu")}
             for i in range(warmup + repeats):
                 order = VARIANTS if i % 2 == 0 else tuple(reversed(VARIANTS))
                 for name in order:
-                    seconds = variants[name]()
+                    seconds, cpu = variants[name]()
                     if i >= warmup:
                         times[name].append(seconds)
+                        times[f"{name}_cpu"].append(cpu)
             errors, spread = {}, {}
             exact = _exact_mean(world, numel)
             for name in VARIANTS:
@@ -140,14 +142,16 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
         dist.destroy_process_group()
 
 
-def _pair(prepare: Callable[[], object], call: Callable[[], object]) -> Callable[[], float]:
-    """A timed variant: prepare the input, line the ranks up, time the call alone."""
-    def run() -> float:
+def _pair(prepare: Callable[[], object],
+          call: Callable[[], object]) -> Callable[[], tuple[float, float]]:
+    """A timed variant: prepare the input, line the ranks up, time the call alone: (wall
+    seconds, CPU seconds of every thread of this rank's process)."""
+    def run() -> tuple[float, float]:
         prepare()
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         call()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
     return run
 
@@ -199,6 +203,9 @@ def _summary(world: int, size: int, entry: dict[str, Any]) -> dict[str, float]:
         out[f"{name}_bus"] = 2 * (world - 1) / world * size / seconds / 1e9
         out[f"{name}_err"] = max(e[name] for e in entry["errors"])
         out[f"{name}_spread"] = max(s[name] for s in entry["spread"])
+        out[f"{name}_cpu"] = statistics.median(
+            statistics.mean(r) for r in zip(*(t[f"{name}_cpu"] for t in entry["times"]),
+                                            strict=True))
     return out
 
 
@@ -229,6 +236,13 @@ def main() -> None:
         _emit(f"{world:>5} {size // MIB:>4}MiB {s['ours_s'] * 1e3:>8.1f} {s['gloo_s'] * 1e3:>8.1f} "
               f"{s['ours_bus']:>9.3f} {s['gloo_bus']:>9.3f} {s['gloo_s'] / s['ours_s']:>9.2f} "
               f"{s['ours_err']:>13.2e} {s['gloo_err']:>13.2e}")
+    _emit()
+    _emit("CPU seconds per call and rank (every thread of the rank's process; mean over ranks, "
+          "median over repeats): the ring is CPU-bound here when ours/gloo CPU ~ gloo/ours time")
+    _emit(f"{'ranks':>5} {'size':>7} {'ours cpu ms':>12} {'gloo cpu ms':>12} {'ours/gloo cpu':>14}")
+    for world, size, s in rows:
+        _emit(f"{world:>5} {size // MIB:>4}MiB {s['ours_cpu'] * 1e3:>12.1f} "
+              f"{s['gloo_cpu'] * 1e3:>12.1f} {s['ours_cpu'] / s['gloo_cpu']:>14.2f}")
     _emit()
     _emit("bf16 on the wire (ours, Peer compression='bf16'); error against the exact fp32 mean; "
           "spread = max |rank result - rank 0 result|")
