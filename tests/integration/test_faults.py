@@ -102,8 +102,9 @@ def killed_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "ravnest", "run", str(job), "-o", str(out), "--no-progress"]
     run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        nodes = _wait("node metadata", lambda: sorted((out / "nodes").glob("node_*.json")), 120,
-                      run)
+        # plan.txt is written after every node's metadata
+        _wait("node metadata", lambda: (out / "plan.txt").exists(), 120, run)
+        nodes = sorted((out / "nodes").glob("node_*.json"))
         plan = json.loads(nodes[0].read_text())["plan"]
         names = [n["name"] for n in plan["nodes"]]
         ports = {n: json.loads((out / "nodes" / f"{n}.json").read_text())["metricsPort"]
