@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from processes import worker_pid
 from prometheus_client.parser import text_string_to_metric_families
 
 from ravnest import building, checkpointing, parse_job
@@ -41,20 +42,6 @@ TOTAL = 3 * 22
 """Optimizer updates of 3 digits epochs (1437 samples // (2 clusters x 32) per epoch)."""
 TOTAL_NET = 4 * 22
 """Optimizer updates of the 4 epochs of the network fault tests."""
-
-
-def _pid_of(node_file: Path) -> int | None:
-    """The worker process started with this node metadata file."""
-    marker = str(node_file)
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if marker in cmd and "worker" in cmd:
-                return int(pid)
-    return None
 
 
 def _steps(ports: list[int]) -> list[int]:
@@ -125,7 +112,7 @@ def killed_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 checkpointing.latest(out / "checkpoints", names) or 0) >= k, 60, run)
             complete = checkpointing.latest(out / "checkpoints", names)
             before = _steps(root_ports)
-            pid = _pid_of(out / "nodes" / f"{victim}.json")
+            pid = worker_pid(out / "nodes" / f"{victim}.json")
             assert pid is not None, victim
             os.kill(pid, signal.SIGKILL)
             after = _steps([ports[n] for n in by_role["root"] if n != victim])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from processes import pids_with
 
 from ravnest import WorkerFailed, parse_job, run_job
 from ravnest.examples.digits import build_model, datasets
@@ -104,19 +104,6 @@ def test_clusters_of_one_provider_all_join_the_final_reduce(tmp_path, digits_doc
             torch.testing.assert_close(other[k].float(), v.float(), rtol=0, atol=1e-6)
 
 
-def _children_with(marker: str) -> list[int]:
-    pids = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if marker in cmd:
-                pids.append(int(pid))
-    return pids
-
-
 def test_worker_failure_is_reported_and_nothing_is_left_running(tmp_path, digits_doc,
                                                                 worker_env):
     digits_doc["spec"]["data"]["entrypoint"] = "models:broken_data"
@@ -126,7 +113,7 @@ def test_worker_failure_is_reported_and_nothing_is_left_running(tmp_path, digits
     message = str(err.value)
     assert "exited with code 1 after 1 restart(s), backoffLimit 1" in message
     assert "dataset shard missing" in message
-    assert _children_with(str(tmp_path)) == []
+    assert pids_with(str(tmp_path)) == []
 
 
 BAD = [

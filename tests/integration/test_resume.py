@@ -13,20 +13,9 @@ import time
 from pathlib import Path
 
 import yaml
+from processes import worker_pid
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _pid_of(marker: str) -> int | None:
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if marker in cmd and "worker" in cmd:
-                return int(pid)
-    return None
 
 
 def test_kill_a_worker_then_resume_from_checkpoint(tmp_path, digits_doc):
@@ -46,7 +35,7 @@ def test_kill_a_worker_then_resume_from_checkpoint(tmp_path, digits_doc):
             break
         assert first.poll() is None, first.communicate()[1]
         time.sleep(0.2)
-    victim = _pid_of(str(out / "nodes" / "node_3.json"))
+    victim = worker_pid(out / "nodes" / "node_3.json")
     assert victim is not None
     os.kill(victim, signal.SIGKILL)
     _, err = first.communicate(timeout=120)
