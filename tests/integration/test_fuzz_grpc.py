@@ -30,6 +30,7 @@ from fuzz_server import digest
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
+from ravnest.errors import shown
 from ravnest.framing import (
     CHUNK_BYTES,
     DEFAULT_MAX_FRAME_BYTES,
@@ -38,7 +39,6 @@ from ravnest.framing import (
     FrameError,
     decode_wire,
     encode_wire,
-    shown,
 )
 from ravnest.proto import ravnest_pb2 as pb
 from ravnest.transport import SERVICE, Credentials

@@ -6,6 +6,27 @@ into these classes (with the cause chained), so callers and the CLI handle one f
 
 from __future__ import annotations
 
+import reprlib
+from typing import Any
+
+_REPR = reprlib.Repr()
+"""repr() within bounds: YAML aliases can make a 10-line document hold 10**9 list items, and
+nesting can go deeper than repr() recurses."""
+_REPR.maxlevel = 4
+_REPR.maxtuple = _REPR.maxlist = _REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 10
+_REPR.maxstring = _REPR.maxlong = _REPR.maxother = 200
+
+
+def shown(value: Any) -> str:
+    """A value as an error message shows it: its repr, bounded and cut to 80 characters. Values
+    come from users and peers: a job's field may hold 10**9 items, and a frame's header fields go
+    back to the sender in a gRPC status, whose metadata a client refuses beyond 16 KiB."""
+    try:
+        text = _REPR.repr(value)
+    except ValueError:
+        return "an integer too large to show"
+    return text if len(text) <= 80 else text[:77] + "..."
+
 
 class RavnestError(Exception):
     """Base class of every error ravnest raises on purpose."""

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from google.protobuf.message import DecodeError
 
-from .errors import TransportError
+from .errors import TransportError, shown
 from .proto import ravnest_pb2 as pb
 
 CHUNK_BYTES = 1 << 20
@@ -51,13 +51,6 @@ but torch still cannot lay out dims whose product overflows int64."""
 
 class FrameError(TransportError):
     """A frame is malformed, oversized or does not match its header."""
-
-
-def shown(value: object, limit: int = 80) -> str:
-    """`repr(value)`, shortened: header fields come from the sender and go back to it in a gRPC
-    status, whose metadata a client refuses beyond 16 KiB (a long name would hide the error)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @dataclass

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import re
-import reprlib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -27,7 +26,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from .errors import SpecError
+from .errors import SpecError, shown
 
 API_VERSION = "ravnest.io/v1alpha1"
 KIND = "RavnestJob"
@@ -61,13 +60,13 @@ def parse_gigabytes(value: Any) -> float:
             scale = _DECIMAL[suffix]
         else:
             raise ValueError("must be a quantity with a suffix Ki, Mi, Gi, Ti, Pi, k, M, G, T "
-                             f"or P, got {_show(value)}")
+                             f"or P, got {shown(value)}")
     else:
         raise ValueError(f"must be a positive quantity such as 4 (GB), '512Mi' or '8Gi', "
-                         f"got {_show(value)}")
+                         f"got {shown(value)}")
     gigabytes = number * scale / 2**30
     if not math.isfinite(gigabytes) or gigabytes <= 0:
-        raise ValueError(f"must be a positive quantity, got {_show(value)}")
+        raise ValueError(f"must be a positive quantity, got {shown(value)}")
     return gigabytes
 
 
@@ -90,14 +89,14 @@ class ExampleInput(_Model):
     @classmethod
     def _positive_dims(cls, v: list[int]) -> list[int]:
         if any(d <= 0 for d in v):
-            raise ValueError(f"every dimension must be positive, got {_show(v)}")
+            raise ValueError(f"every dimension must be positive, got {shown(v)}")
         return v
 
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, v: str) -> str:
         if v not in _DTYPES:
-            raise ValueError(f"must be one of {', '.join(_DTYPES)}, got {_show(v)}")
+            raise ValueError(f"must be one of {', '.join(_DTYPES)}, got {shown(v)}")
         return v
 
 
@@ -111,7 +110,7 @@ class EntrypointRef(_Model):
     @classmethod
     def _entrypoint_form(cls, v: str) -> str:
         if not _ENTRYPOINT.match(v):
-            raise ValueError(f"must look like 'package.module:callable', got {_show(v)}")
+            raise ValueError(f"must look like 'package.module:callable', got {shown(v)}")
         return v
 
 
@@ -127,7 +126,7 @@ class ModelSpec(_Model):
     @classmethod
     def _entrypoint_form(cls, v: str | None) -> str | None:
         if v is not None and not _ENTRYPOINT.match(v):
-            raise ValueError(f"must look like 'package.module:callable', got {_show(v)}")
+            raise ValueError(f"must look like 'package.module:callable', got {shown(v)}")
         return v
 
     @model_validator(mode="after")
@@ -154,7 +153,7 @@ class DataSpec(_Model):
     @classmethod
     def _entrypoint_form(cls, v: str) -> str:
         if not _ENTRYPOINT.match(v):
-            raise ValueError(f"must look like 'package.module:callable', got {_show(v)}")
+            raise ValueError(f"must look like 'package.module:callable', got {shown(v)}")
         return v
 
     @field_validator("microbatches")
@@ -183,7 +182,7 @@ class OptimizerSpec(NamedCall):
 
         cls_ = getattr(torch.optim, v, None)
         if not (isinstance(cls_, type) and issubclass(cls_, torch.optim.Optimizer)):
-            raise ValueError(f"must be a torch.optim optimizer such as 'Adam', got {_show(v)}")
+            raise ValueError(f"must be a torch.optim optimizer such as 'Adam', got {shown(v)}")
         return v
 
 
@@ -200,7 +199,7 @@ class SchedulerSpec(NamedCall):
 
         if not isinstance(getattr(sched, v, None), type):
             raise ValueError(
-                f"must be a torch.optim.lr_scheduler class such as 'StepLR', got {_show(v)}"
+                f"must be a torch.optim.lr_scheduler class such as 'StepLR', got {shown(v)}"
             )
         return v
 
@@ -215,13 +214,13 @@ class CriterionSpec(NamedCall):
 
         if ":" in v:
             if not _ENTRYPOINT.match(v):
-                raise ValueError(f"must look like 'package.module:callable', got {_show(v)}")
+                raise ValueError(f"must look like 'package.module:callable', got {shown(v)}")
             return v
         cls_ = getattr(torch.nn, v, None)
         if not (isinstance(cls_, type) and issubclass(cls_, torch.nn.Module)):
             raise ValueError(
                 "must be a torch.nn loss such as 'CrossEntropyLoss' or an entrypoint "
-                f"'package.module:callable', got {_show(v)}"
+                f"'package.module:callable', got {shown(v)}"
             )
         return v
 
@@ -365,7 +364,7 @@ def _path(loc: tuple[int | str, ...]) -> str:
         if isinstance(part, int):
             out += f"[{part}]"
         elif out and not _KEY.match(part):
-            out += f"[{_show(part)}]"
+            out += f"[{shown(part)}]"
         else:
             out += ("." if out else "") + part
     return out
@@ -379,20 +378,8 @@ def _items(n: int) -> str:
     return f"{n} item" if n == 1 else f"{n} items"
 
 
-_REPR = reprlib.Repr()
-"""repr() within bounds: YAML aliases can make a 10-line document hold 10**9 list items, and
-nesting can go deeper than repr() recurses."""
-_REPR.maxlevel = 4
-_REPR.maxtuple = _REPR.maxlist = _REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 10
-_REPR.maxstring = _REPR.maxlong = _REPR.maxother = 200
 
 
-def _show(value: Any) -> str:
-    try:
-        text = _REPR.repr(value)
-    except ValueError:
-        return "an integer too large to show"
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 _MAPPING = "must be a mapping"
@@ -451,7 +438,7 @@ def _message(err: dict[str, Any]) -> str:
         msg = str(err["msg"])
         expected = "must be " + msg.removeprefix("Input should be ") if msg.startswith(
             "Input should be ") else msg[:1].lower() + msg[1:]
-    return f"{expected}, got {_show(value)}"
+    return f"{expected}, got {shown(value)}"
 
 
 def parse_job(document: Any) -> Job:

@@ -4,8 +4,9 @@ Every call carries the job's token (``authorization: Bearer …``, compared in c
 the plan fingerprint; the server rejects anything else with UNAUTHENTICATED or FAILED_PRECONDITION
 before reading a byte of payload. With TLS material (see tls.py) the server also requires a client
 certificate from the job's CA and clients verify the server's. Malformed frames get
-INVALID_ARGUMENT and the server keeps serving. Outgoing frames go through one sender thread per
-peer, so compute never waits on the network and frames to a peer keep their order.
+INVALID_ARGUMENT and the server keeps serving. Outgoing frames go through sender threads per peer,
+so compute never waits on the network: one keeps pipeline frames in order, a few more carry ring
+pieces, which may arrive in any order. Small frames go as one unary call, larger ones streamed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from .errors import PeerTimeout, TransportError
+from .errors import PeerTimeout, TransportError, shown
 from .framing import (
     CHUNK_BYTES,
     DEFAULT_MAX_FRAME_BYTES,
@@ -33,7 +34,6 @@ from .framing import (
     decode_wire,
     encode_wire,
     iter_wire,
-    shown,
 )
 from .proto import ravnest_pb2 as pb
 from .tls import TlsMaterial
@@ -51,6 +51,8 @@ SERVICE = "ravnest.v1.Peer"
 ONE_MESSAGE_BYTES = 256 << 10
 """Frames up to this payload go as one message on the unary SendOne (larger ones are streamed:
 joining them into one message would cost a copy and lose the overlap of sending and encoding)."""
+_HEADER_ALLOWANCE = 4096
+"""Bytes of header (and the data Chunk's tag) a one-message frame may add to its payload."""
 UNORDERED_LANES = 4
 """Sender threads per peer for frames that may arrive in any order (ring pieces)."""
 
@@ -236,12 +238,13 @@ class Peer:
         self._send(frame.kind, (encode_wire if small else iter_wire)(frame, compression))
 
     def _send(self, kind: str, messages: Iterator[bytes] | list[bytes]) -> None:
-        """One call: a frame of at most one chunk of payload goes as one message (its header
-        and data Chunks concatenated, which protobuf parses as one Chunk with both) on the
-        unary SendOne; a larger one is streamed on Send as its messages are made."""
+        """One call: an encoded frame of at most ONE_MESSAGE_BYTES of payload (plus its header)
+        goes as one message (its header and data Chunks concatenated, which protobuf parses as
+        one Chunk with both) on the unary SendOne; anything else is streamed on Send, a
+        generator's messages as they are made."""
         try:
             if isinstance(messages, list) and len(messages) <= 2 and \
-                    sum(map(len, messages)) <= ONE_MESSAGE_BYTES + 4096:
+                    sum(map(len, messages)) <= ONE_MESSAGE_BYTES + _HEADER_ALLOWANCE:
                 ack = self._send_one_rpc(b"".join(messages), metadata=self._metadata,
                                          timeout=self._timeout, wait_for_ready=True)
             else:
