@@ -135,15 +135,38 @@ def test_compressed_frames_arrive_close(served: Served) -> None:
     assert torch.equal(exact.tensors["grad"], tensor)
 
 
-def test_posted_frames_keep_their_order(served: Served, peer: Peer) -> None:
+@pytest.mark.parametrize("snapshot", [True, False], ids=["encoded-at-post", "encoded-by-sender"])
+def test_posted_frames_keep_their_order(served: Served, peer: Peer, snapshot: bool) -> None:
     sent = []
     for i in range(20):
         sent.append(torch.full((i + 1,), float(i)))
-        peer.post(Frame("forward", {"x": sent[-1]}, microbatch=i))
+        peer.post(Frame("forward", {"x": sent[-1]}, microbatch=i), snapshot=snapshot)
     peer.flush(timeout=TIMEOUT)
     for i in range(20):
         got = served.next_frame()
         assert got.microbatch == i and torch.equal(got.tensors["x"], sent[i])
+
+
+def test_a_posted_snapshot_is_what_arrives_even_if_the_tensor_changes(served: Served,
+                                                                      peer: Peer) -> None:
+    x = torch.arange(1000, dtype=torch.float32)
+    for i in range(10):
+        peer.post(Frame("forward", {"x": x}, microbatch=i))
+        x.add_(1000)  # the caller may reuse its tensor as soon as post returns
+    peer.flush(timeout=TIMEOUT)
+    for i in range(10):
+        got = served.next_frame()
+        assert torch.equal(got.tensors["x"], torch.arange(1000, dtype=torch.float32) + 1000 * i)
+
+
+def test_a_frame_the_sender_thread_cannot_encode_fails_the_next_call(served: Served,
+                                                                     peer: Peer) -> None:
+    peer.post(Frame("forward", {"x": torch.zeros(2, dtype=torch.complex64)}), snapshot=False)
+    with pytest.raises(TransportError, match="cannot be sent"):
+        peer.flush(timeout=TIMEOUT)
+    peer.post(Frame("forward", {"x": torch.ones(2)}), snapshot=False)  # the peer still works
+    peer.flush(timeout=TIMEOUT)
+    assert torch.equal(served.next_frame().tensors["x"], torch.ones(2))
 
 
 def test_ring_frames_are_keyed_for_their_step(served: Served, peer: Peer) -> None:

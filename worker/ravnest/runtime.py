@@ -220,13 +220,13 @@ class NodeRuntime:
         assert self.down is not None
         frame.sender = self.name
         with self.metrics.timed("communication"):
-            self.down.post(frame)
+            self.down.post(frame, snapshot=False)  # pipeline tensors are never written again
 
     def _send_up(self, frame: Frame) -> None:
         assert self.up is not None
         frame.sender = self.name
         with self.metrics.timed("communication"):
-            self.up.post(frame)
+            self.up.post(frame, snapshot=False)
 
     def _next_frame(self) -> Frame:
         try:

@@ -218,13 +218,13 @@ class Peer:
         self._compression = compression
         self._timeout = timeout
         self._on_bytes = on_bytes
-        self._queue: queue.Queue[tuple[str, list[bytes]] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, list[bytes] | Frame] | None] = queue.Queue()
         self._error: TransportError | None = None
         self._idle = threading.Event()
         self._idle.set()
         self._pending = 0
         self._lock = threading.Lock()
-        self._unordered: queue.Queue[tuple[str, list[bytes]] | None] = queue.Queue()
+        self._unordered: queue.Queue[tuple[str, list[bytes] | Frame] | None] = queue.Queue()
         self._threads = [threading.Thread(target=self._run, args=(q,), daemon=True,
                                           name=f"send-{address}-{i}")
                          for i, q in enumerate([self._queue] + [self._unordered] * lanes)]
@@ -260,13 +260,15 @@ class Peer:
         if self._on_bytes:
             self._on_bytes(kind, ack.received_bytes)
 
-    def post(self, frame: Frame, ordered: bool = True) -> None:
+    def post(self, frame: Frame, ordered: bool = True, snapshot: bool = True) -> None:
         """Queue a frame for the sender threads; errors surface on the next call. Ordered frames
         arrive in the order they were posted; unordered ones may overtake each other (and
-        ordered ones). The frame is encoded here, so its tensors may change as soon as this
-        returns."""
+        ordered ones). With `snapshot` the frame is encoded here, so its tensors may change as
+        soon as this returns; without, the sender thread encodes it (off the caller's thread)
+        and the caller must leave its tensors as they are."""
         self.raise_error()
-        messages = encode_wire(frame, self._compression)
+        messages: list[bytes] | Frame = (encode_wire(frame, self._compression) if snapshot
+                                         else frame)
         with self._lock:
             self._pending += 1
             self._idle.clear()
@@ -285,14 +287,18 @@ class Peer:
         if error is not None:
             raise error
 
-    def _run(self, frames: queue.Queue[tuple[str, list[bytes]] | None]) -> None:
+    def _run(self, frames: queue.Queue[tuple[str, list[bytes] | Frame] | None]) -> None:
         while (item := frames.get()) is not None:
             kind, messages = item
             try:
-                self._send(kind, messages)
+                self._send(kind, encode_wire(messages, self._compression)
+                           if isinstance(messages, Frame) else messages)
             except TransportError as e:
                 log.error("sending %s frame to %s failed: %s", kind, self.address, e)
                 self._error = e
+            except Exception as e:  # a frame encoded here failed (not a send): report it
+                log.exception("encoding %s frame to %s failed", kind, self.address)
+                self._error = TransportError(f"{kind} frame to {self.address}: {e}")
             finally:
                 with self._lock:
                     self._pending -= 1
