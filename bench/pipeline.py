@@ -383,15 +383,24 @@ def _sleep_overshoot() -> float:
     return statistics.median(late)
 
 
-def configs(micro: list[int], fwd: float, bwd: float, mb_total: int) -> list[RunConfig]:
+def configs(micro: list[int], fwd: float, bwd: float, mb_total: int, in_flight: int,
+            more_in_flight: list[int]) -> list[RunConfig]:
     equal = tuple(StageCost(fwd, bwd) for _ in range(3))
     skewed = (StageCost(fwd, bwd), StageCost(2 * fwd, 2 * bwd), StageCost(fwd, bwd))
     out = []
     for m in micro:
-        out.append(RunConfig(f"sync m={m}", "sync", m, max(8, mb_total // m), 2, equal))
+        out.append(RunConfig(f"sync m={m}", "sync", m, max(8, mb_total // m), 2, equal,
+                             max_in_flight=in_flight))
     for m in (1, 4):
-        out.append(RunConfig(f"async m={m}", "async", m, max(6, mb_total // m), 2, equal))
-    out.append(RunConfig("async m=4 skewed", "async", 4, max(6, mb_total // 8), 2, skewed))
+        out.append(RunConfig(f"async m={m}", "async", m, max(6, mb_total // m), 2, equal,
+                             max_in_flight=in_flight))
+    # the async bound needs the pipeline kept full: enough microbatches in flight to cover a
+    # round trip through every stage plus its hops
+    for f in more_in_flight:
+        out.append(RunConfig(f"async m=4 {f} in flight", "async", 4, max(6, mb_total // 4), 2,
+                             equal, max_in_flight=f))
+    out.append(RunConfig("async m=4 skewed", "async", 4, max(6, mb_total // 8), 2, skewed,
+                         max_in_flight=in_flight))
     return out
 
 
@@ -405,6 +414,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="microbatches timed per run (after warmup)")
     parser.add_argument("--in-flight", type=int, default=4,
                         help="maxInFlight, microbatches the root keeps in the pipeline")
+    parser.add_argument("--more-in-flight", type=int, nargs="*", default=[6],
+                        help="extra async m=4 runs with these maxInFlight")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2, help="untimed updates per run")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -412,8 +423,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     fwd, bwd = args.cost_ms[0] / 1000, args.cost_ms[1] / 1000
-    base = [replace(c, warmup=args.warmup, max_in_flight=args.in_flight)
-            for c in configs(args.micro, fwd, bwd, args.microbatches)]
+    base = [replace(c, warmup=args.warmup)
+            for c in configs(args.micro, fwd, bwd, args.microbatches, args.in_flight,
+                             args.more_in_flight)]
     runs = [c for _ in range(args.repeats) for c in base]
     _emit(f"Pipeline of 3 stages, 3 processes, real gRPC on 127.0.0.1; each stage sleeps "
           f"{args.cost_ms[0]:g} ms forward + {args.cost_ms[1]:g} ms backward per microbatch "
@@ -434,12 +446,12 @@ def main(argv: list[str] | None = None) -> None:
                 for n, r in sorted(rep.items()))
             log.info("%s: %.2f mb/s; %s", cfg.name, per[cfg.name][-1], shares)
     _emit()
-    _emit(f"{'schedule':<18} {'m':>3} {'measured mb/s':>14} {'bound mb/s':>11} {'ratio':>6}"
+    _emit(f"{'schedule':<24} {'m':>3} {'measured mb/s':>14} {'bound mb/s':>11} {'ratio':>6}"
           f"   repeats")
     for c in base:
         got = statistics.median(per[c.name])
         all_ = " ".join(f"{v:.1f}" for v in per[c.name])
-        _emit(f"{c.name:<18} {c.microbatches:>3} {got:>14.2f} {c.bound():>11.2f} "
+        _emit(f"{c.name:<24} {c.microbatches:>3} {got:>14.2f} {c.bound():>11.2f} "
               f"{got / c.bound():>6.3f}   {all_}")
     _emit()
     _emit("bound: sync m/(sum(f+b) + (m-1) max(f+b)) = m/((m+S-1) c) for equal stages; "

@@ -16,6 +16,9 @@ echo
 echo "== bench/allreduce.py: ring all-reduce, ours vs gloo"
 python bench/allreduce.py "$@"
 echo
+echo "== bench/socket_ring.py: the same ring on plain TCP sockets vs gloo (prototype: no auth)"
+python bench/socket_ring.py --repeats 3
+echo
 echo "== bench/pipeline.py: 3-stage pipeline, sync and async, against the schedule's bound"
 python bench/pipeline.py "$@"
 echo
@@ -32,6 +35,8 @@ echo "== bench/wan.py: ring and send over rate-limited, delayed links vs the pap
 python bench/wan.py --model-only
 if [[ $(id -u) == 0 ]]; then
     python bench/wan.py --ranks 2 3 --delays 0 50 150 --rates 1000 --size 24 --rounds 2 --lanes 0 4
+    echo "-- bf16 against fp32 on the wire where the link, not the CPU, is the limit"
+    python bench/wan.py --ranks 2 3 --delays 20 --rates 100 1000 --size 24 --rounds 2 --wires none bf16
 else
     echo "bench/wan.py: NOT RUN (needs root for network namespaces)"
 fi

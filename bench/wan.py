@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -245,11 +246,12 @@ def rank_main(args: argparse.Namespace) -> None:
     server = Server(f"{SUBNET}.{rank + 1}:{PORT}", creds, deliver)
     server.start()
     succ = (rank + 1) % n
-    peer = Peer(args.target, creds, timeout=600, lanes=args.lane)
+    peer = Peer(args.target, creds, timeout=600, lanes=args.lane, compression=args.wire)
     peer.wait_ready(120)
     members = tuple(f"r{i}" for i in range(n))
     reducer = RingReducer(RingPlan(id="netem", members=members, state=()), members[rank],
-                          {members[succ]: peer}, inbox, timeout=600, piece_bytes=args.piece)
+                          {members[succ]: peer}, inbox, timeout=600, piece_bytes=args.piece,
+                          compression=args.wire)
     t = torch.randn(args.size // 4, generator=torch.Generator().manual_seed(rank))
     expected = sum(torch.randn(args.size // 4, generator=torch.Generator().manual_seed(r))
                    for r in range(n)) / n
@@ -262,14 +264,14 @@ def rank_main(args: argparse.Namespace) -> None:
         if round_:
             ring.append(time.perf_counter() - start)
         err = (work - expected).abs().max().item()
-        if err > 1e-5:
+        if err > (1e-5 if args.wire == "none" else 0.05):  # bf16: 8 bits of mantissa
             raise SystemExit(f"rank {rank}: ring result off by {err}")
     send: list[float] = []
     if rank == 0:
         frame = Frame(kind="forward", tensors={"x": t})
         for i in range(args.rounds + 1):
             start = time.perf_counter()
-            peer.send(frame)
+            peer.send(frame, compression="none")
             if i:
                 send.append(time.perf_counter() - start)
     # a last ring round keeps every rank serving until rank 0's sends are done
@@ -281,7 +283,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def run_ranks(n: int, size: int, rounds: int, piece: int, lanes: int,
-              delay_s: float) -> tuple[float, float]:
+              delay_s: float, wire: str = "none") -> tuple[float, float]:
     """(median ring seconds over rounds of the slowest rank, median send seconds). With a delay,
     each rank reaches its successor through a delay line in its own namespace."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -306,7 +308,7 @@ def run_ranks(n: int, size: int, rounds: int, piece: int, lanes: int,
             cmd = ["ip", "netns", "exec", f"{PREFIX}-h{rank}", sys.executable, __file__,
                    "--rank", str(rank), "--world", str(n), "--size", str(size), "--rounds",
                    str(rounds), "--piece", str(piece), "--lane", str(lanes), "--target",
-                   targets[rank]]
+                   targets[rank], "--wire", wire]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           text=True, env=env))
         results = []
@@ -338,6 +340,9 @@ def main() -> None:
                         help="ring piece bytes (default: the engine's PIECE_BYTES)")
     parser.add_argument("--lanes", type=int, nargs="+", default=None,
                         help="sender threads per peer for ring pieces (default: the engine's)")
+    parser.add_argument("--wires", nargs="+", default=["none"], choices=["none", "bf16"],
+                        help="ring compression: fp32 (none) and/or bf16 on the wire")
+    parser.add_argument("--wire", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--lane", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
@@ -367,20 +372,25 @@ def main() -> None:
     _emit(f"Ring all-reduce and Peer.send between network namespaces, {args.size} MiB float32 "
           f"per rank, ring piece {piece / MIB:g} MiB; median of {args.rounds}")
     _emit("model: docs/performance.md; ratio = measured / model")
-    _emit(f"{'ranks':>5} {'delay':>6} {'rate':>9} {'lanes':>5} {'ring ms':>9} {'model ms':>9} "
+    _emit(f"{'ranks':>5} {'delay':>6} {'rate':>9} {'lanes':>5} {'wire':>5} {'ring ms':>9} "
+          f"{'model ms':>9} "
           f"{'ratio':>6} {'send ms':>9} {'model ms':>9} {'ratio':>6}")
     for n in args.ranks:
         with network(n):
             for rate in args.rates:
                 for delay in args.delays:
                     shape_links(n, rate)
-                    for lanes in args.lanes or [UNORDERED_LANES]:
+                    for lanes, wire in itertools.product(args.lanes or [UNORDERED_LANES],
+                                                         args.wires):
                         ring_s, send_s = run_ranks(n, size, args.rounds, piece, lanes,
-                                                   delay / 1e3)
+                                                   delay / 1e3, wire)
                         bps, d = rate * 1e6 / 8, delay / 1e3
-                        ring_m = model_ring(n, size, bps, d, piece, max(1, lanes))
+                        # bf16 halves the ring's bytes (its pieces too); Peer.send stays fp32
+                        half = 2 if wire == "bf16" else 1
+                        ring_m = model_ring(n, size // half, bps, d, piece // half, max(1, lanes))
                         send_m = model_send(size, bps, d)
                         _emit(f"{n:>5} {delay:>4.0f}ms {rate:>5.0f}Mbps {lanes:>5} "
+                              f"{'fp32' if wire == 'none' else wire:>5} "
                               f"{ring_s * 1e3:>9.0f} {ring_m * 1e3:>9.0f} {ring_s / ring_m:>6.2f} "
                               f"{send_s * 1e3:>9.0f} {send_m * 1e3:>9.0f} {send_s / send_m:>6.2f}")
 

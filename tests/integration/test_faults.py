@@ -191,7 +191,7 @@ class _Link:
     def __init__(self) -> None:
         tag = f"rvf{os.getpid() % 100000}"
         self.ns, self.host_if, self.ns_if = f"{tag}n", f"{tag}h", f"{tag}p"
-        net = f"10.231.{os.getpid() % 250}"  # (bench/netem.py uses 10.213.0.0/24)
+        net = f"10.231.{os.getpid() % 250}"  # (bench/wan.py uses 10.213.0.0/24)
         self.host_ip, self.ns_ip = f"{net}.1", f"{net}.2"
 
     def _ip(self, *args: str, ns: bool = False) -> None:
