@@ -147,6 +147,37 @@ def test_posted_frames_keep_their_order(served: Served, peer: Peer, snapshot: bo
         assert got.microbatch == i and torch.equal(got.tensors["x"], sent[i])
 
 
+def test_small_frames_posted_after_a_large_one_are_taken_after_it() -> None:
+    """The small frames go on other sender lanes and reach the server first; the inbox still
+    hands them on after the large one."""
+    inbox = Inbox(capacity=64)
+    arrived: list[int] = []
+
+    def recording(frame: Frame) -> None:
+        arrived.append(frame.sequence)
+        inbox.deliver(frame)
+
+    server = Server("127.0.0.1:0", CREDS, recording, max_frame_bytes=MAX_FRAME, threads=8)
+    server.start()
+    peer = Peer(f"127.0.0.1:{server.port}", CREDS, timeout=TIMEOUT)
+    try:
+        sent = []
+        for _ in range(5):
+            sent.append(torch.randn(MAX_FRAME // 4 - 4096))
+            sent += [torch.full((4,), float(i)) for i in range(4)]
+        for i, t in enumerate(sent):
+            peer.post(Frame("forward", {"x": t}, microbatch=i), snapshot=False)
+        peer.flush(timeout=TIMEOUT)
+        for i, t in enumerate(sent):
+            got = inbox.pipeline.get(timeout=TIMEOUT)
+            assert got.microbatch == i and torch.equal(got.tensors["x"], t)
+    finally:
+        peer.close()
+        server.stop(0)
+    assert sorted(arrived) == list(range(1, len(sent) + 1))
+    assert arrived != sorted(arrived), "no small frame overtook a large one: nothing was tested"
+
+
 def test_a_posted_snapshot_is_what_arrives_even_if_the_tensor_changes(served: Served,
                                                                       peer: Peer) -> None:
     x = torch.arange(1000, dtype=torch.float32)
@@ -159,12 +190,13 @@ def test_a_posted_snapshot_is_what_arrives_even_if_the_tensor_changes(served: Se
         assert torch.equal(got.tensors["x"], torch.arange(1000, dtype=torch.float32) + 1000 * i)
 
 
-def test_a_frame_the_sender_thread_cannot_encode_fails_the_next_call(served: Served,
-                                                                     peer: Peer) -> None:
-    peer.post(Frame("forward", {"x": torch.zeros(2, dtype=torch.complex64)}), snapshot=False)
-    with pytest.raises(TransportError, match="cannot be sent"):
-        peer.flush(timeout=TIMEOUT)
-    peer.post(Frame("forward", {"x": torch.ones(2)}), snapshot=False)  # the peer still works
+@pytest.mark.parametrize("snapshot", [True, False], ids=["encoded-at-post", "encoded-by-sender"])
+def test_a_frame_that_cannot_be_sent_is_refused_by_post(served: Served, peer: Peer,
+                                                        snapshot: bool) -> None:
+    with pytest.raises(TransportError, match=r"'x': dtype torch\.complex64 cannot be sent"):
+        peer.post(Frame("forward", {"x": torch.zeros(2, dtype=torch.complex64)}),
+                  snapshot=snapshot)
+    peer.post(Frame("forward", {"x": torch.ones(2)}), snapshot=snapshot)  # the order still holds
     peer.flush(timeout=TIMEOUT)
     assert torch.equal(served.next_frame().tensors["x"], torch.ones(2))
 

@@ -65,6 +65,10 @@ class Frame:
     ring: str = ""
     sender: str = ""
     control: dict[str, Any] = field(default_factory=dict)
+    stream: int = 0
+    """Random id of the Peer that numbered this frame (see `sequence`)."""
+    sequence: int = 0
+    """1, 2, ... within `stream` for frames the receiver must take in order; 0: no order."""
     wire_bytes: int = 0
     """Payload bytes this frame took on the wire (set when decoded)."""
 
@@ -87,14 +91,20 @@ def _wire_tensor(t: torch.Tensor, compression: torch.dtype | None) -> torch.Tens
     return t.contiguous()
 
 
-def _prepare(frame: Frame, compression: str) -> tuple[pb.FrameHeader,
-                                                     list[tuple[int, torch.Tensor]], int]:
-    """The frame's header and its tensors' raw bytes at their payload offsets."""
-    wire_dtype = COMPRESSIONS[compression]
-    metas, views, offset = [], [], 0
+def check_sendable(frame: Frame) -> None:
+    """Raise FrameError if the frame holds a tensor no frame can carry."""
     for name, tensor in frame.tensors.items():
         if tensor.dtype not in NAMES:
             raise FrameError(f"tensor {name!r}: dtype {tensor.dtype} cannot be sent")
+
+
+def _prepare(frame: Frame, compression: str) -> tuple[pb.FrameHeader,
+                                                     list[tuple[int, torch.Tensor]], int]:
+    """The frame's header and its tensors' raw bytes at their payload offsets."""
+    check_sendable(frame)
+    wire_dtype = COMPRESSIONS[compression]
+    metas, views, offset = [], [], 0
+    for name, tensor in frame.tensors.items():
         wire = _wire_tensor(tensor, wire_dtype)
         metas.append(pb.TensorMeta(
             name=name, dtype=NAMES[tensor.dtype], shape=list(tensor.shape),
@@ -107,6 +117,7 @@ def _prepare(frame: Frame, compression: str) -> tuple[pb.FrameHeader,
     header = pb.FrameHeader(
         kind=frame.kind, step=frame.step, microbatch=frame.microbatch, version=frame.version,
         ring=frame.ring, sender=frame.sender, tensors=metas, payload_bytes=offset,
+        stream=frame.stream, sequence=frame.sequence,
         control=json.dumps(frame.control, separators=(",", ":")) if frame.control else "",
     )
     return header, views, offset
@@ -293,4 +304,5 @@ def _frame(header: pb.FrameHeader, buffer: torch.Tensor) -> Frame:
         raise FrameError("frame control must be a JSON object")
     return Frame(kind=header.kind, tensors=tensors, step=header.step, microbatch=header.microbatch,
                  version=header.version, ring=header.ring, sender=header.sender,
-                 control=dict(control), wire_bytes=header.payload_bytes)
+                 control=dict(control), stream=header.stream, sequence=header.sequence,
+                 wire_bytes=header.payload_bytes)

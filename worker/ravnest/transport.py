@@ -4,9 +4,11 @@ Every call carries the job's token (``authorization: Bearer …``, compared in c
 the plan fingerprint; the server rejects anything else with UNAUTHENTICATED or FAILED_PRECONDITION
 before reading a byte of payload. With TLS material (see tls.py) the server also requires a client
 certificate from the job's CA and clients verify the server's. Malformed frames get
-INVALID_ARGUMENT and the server keeps serving. Outgoing frames go through sender threads per peer,
-so compute never waits on the network: one keeps pipeline frames in order, a few more carry ring
-pieces, which may arrive in any order. Small frames go as one unary call, larger ones streamed.
+INVALID_ARGUMENT and the server keeps serving. Outgoing frames go through a few sender threads
+per peer, so compute never waits on the network and several calls are in flight at once (each
+waits a round trip for its Ack); frames that must stay in order (the pipeline's) are numbered by
+the sending Peer and the receiving Inbox hands them on in that order. Small frames go as one
+unary call, larger ones streamed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hmac
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +34,7 @@ from .framing import (
     DEFAULT_MAX_FRAME_BYTES,
     Frame,
     FrameError,
+    check_sendable,
     decode_wire,
     encode_wire,
     iter_wire,
@@ -54,7 +58,10 @@ joining them into one message would cost a copy and lose the overlap of sending 
 _HEADER_ALLOWANCE = 4096
 """Bytes of header (and the data Chunk's tag) a one-message frame may add to its payload."""
 UNORDERED_LANES = 4
-"""Sender threads per peer for frames that may arrive in any order (ring pieces)."""
+"""Sender threads per peer beyond the first: with them up to 5 calls are in flight at once."""
+ORDER_WINDOW = 64
+"""Numbered frames a stream may be ahead of the one its receiver waits for (a Peer has at most
+1 + UNORDERED_LANES calls in flight, so more means a broken or hostile sender): refused."""
 
 
 @dataclass(frozen=True)
@@ -188,10 +195,11 @@ class Server:
 
 
 class Peer:
-    """One reused channel to a peer, a sender thread that keeps frames in order, and `lanes`
-    more threads for frames whose order does not matter (ring pieces, keyed by their step), so
-    that several of those are in flight at once: each call waits a round trip for its Ack, and on
-    a link with latency one call at a time would leave it idle for that round trip."""
+    """One reused channel to a peer and 1 + `lanes` sender threads, so that several frames are in
+    flight at once: each call waits a round trip for its Ack, and on a link with latency one call
+    at a time would leave it idle for that round trip. Frames posted as ordered carry this Peer's
+    random stream id and a sequence number, by which the receiving Inbox restores their order;
+    the others (ring pieces, keyed by their step) may arrive in any order."""
 
     def __init__(self, address: str, creds: Credentials, compression: str = "none",
                  timeout: float = 120.0,
@@ -224,10 +232,11 @@ class Peer:
         self._idle.set()
         self._pending = 0
         self._lock = threading.Lock()
-        self._unordered: queue.Queue[tuple[str, list[bytes] | Frame] | None] = queue.Queue()
-        self._threads = [threading.Thread(target=self._run, args=(q,), daemon=True,
+        self._stream = secrets.randbits(63) + 1
+        self._sequence = 0
+        self._threads = [threading.Thread(target=self._run, args=(self._queue,), daemon=True,
                                           name=f"send-{address}-{i}")
-                         for i, q in enumerate([self._queue] + [self._unordered] * lanes)]
+                         for i in range(1 + lanes)]
         for thread in self._threads:
             thread.start()
 
@@ -262,18 +271,23 @@ class Peer:
 
     def post(self, frame: Frame, ordered: bool = True, snapshot: bool = True) -> None:
         """Queue a frame for the sender threads; errors surface on the next call. Ordered frames
-        arrive in the order they were posted; unordered ones may overtake each other (and
-        ordered ones). With `snapshot` the frame is encoded here, so its tensors may change as
-        soon as this returns; without, the sender thread encodes it (off the caller's thread)
-        and the caller must leave its tensors as they are."""
+        are handed on by the receiving Inbox in the order they were posted (they are numbered
+        here); unordered ones may overtake each other and ordered ones. With `snapshot` the
+        frame is encoded here, so its tensors may change as soon as this returns; without, a
+        sender thread encodes it (off the caller's thread) and the caller must leave its tensors
+        as they are."""
         self.raise_error()
+        check_sendable(frame)  # before it takes a number: a frame that cannot go breaks no order
+        if ordered:
+            with self._lock:
+                self._sequence += 1
+                frame.stream, frame.sequence = self._stream, self._sequence
         messages: list[bytes] | Frame = (encode_wire(frame, self._compression) if snapshot
                                          else frame)
         with self._lock:
             self._pending += 1
             self._idle.clear()
-        (self._queue if ordered or len(self._threads) == 1 else self._unordered).put(
-            (frame.kind, messages))
+        self._queue.put((frame.kind, messages))
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every posted frame was delivered."""
@@ -322,9 +336,8 @@ class Peer:
             time.sleep(0.2)
 
     def close(self) -> None:
-        self._queue.put(None)
-        for _ in self._threads[1:]:
-            self._unordered.put(None)
+        for _ in self._threads:
+            self._queue.put(None)
         for thread in self._threads:
             thread.join(timeout=5)
         self._channel.close()
@@ -341,6 +354,10 @@ class Inbox:
     an earlier round is awaited, the peer gave that round up (it ran ahead while this node was cut
     off or slow) and it cannot complete here either: waiting it out would only keep this node
     behind, round after round, instead of letting it catch up and rejoin.
+
+    Numbered frames (a Peer's ordered posts, which travel on several calls at once) are handed on
+    in their stream's order: one that arrives early waits here, without holding a server thread,
+    until the ones before it are in.
     """
 
     def __init__(self, capacity: int = 64) -> None:
@@ -349,8 +366,35 @@ class Inbox:
         self._ring_cond = threading.Condition()
         self._min_round: dict[str, int] = {}
         self._newest_round: dict[str, int] = {}
+        self._order = threading.Lock()
+        """Held while numbered frames are handed on, so that they leave in order."""
+        self._expected: dict[int, int] = {}
+        self._early: dict[int, dict[int, Frame]] = {}
 
     def deliver(self, frame: Frame) -> None:
+        if frame.kind not in ("reduce", "gather", "forward", "backward", "eval", "control"):
+            raise ValueError(f"unknown frame kind {shown(frame.kind)}")
+        if not frame.sequence:
+            self._hand_on(frame)
+            return
+        with self._order:
+            want = self._expected.get(frame.stream, 1)
+            early = self._early.setdefault(frame.stream, {})
+            if frame.sequence < want or frame.sequence in early:
+                raise ValueError(f"frame {frame.sequence} of stream {frame.stream} came twice")
+            if frame.sequence >= want + ORDER_WINDOW:
+                raise ValueError(f"frame {frame.sequence} of stream {frame.stream} is more than "
+                                 f"{ORDER_WINDOW} ahead of {want}")
+            early[frame.sequence] = frame
+            while want in early:
+                # the queue may block here (backpressure): later frames wait for the lock
+                self._hand_on(early.pop(want))
+                want += 1
+            self._expected[frame.stream] = want
+            if not early:
+                del self._early[frame.stream]
+
+    def _hand_on(self, frame: Frame) -> None:
         if frame.kind in ("reduce", "gather"):
             with self._ring_cond:
                 if frame.step < self._min_round.get(frame.ring, 0):
@@ -359,10 +403,8 @@ class Inbox:
                 self._newest_round[frame.ring] = max(frame.step,
                                                      self._newest_round.get(frame.ring, 0))
                 self._ring_cond.notify_all()
-        elif frame.kind in ("forward", "backward", "eval", "control"):
-            self.pipeline.put(frame)
         else:
-            raise ValueError(f"unknown frame kind {shown(frame.kind)}")
+            self.pipeline.put(frame)
 
     def take_ring(self, ring: str, round_: int, phase_step: int, timeout: float) -> Frame:
         deadline = time.monotonic() + timeout

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rravnest.proto\x12\nravnest.v1\"\\\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x12\n\nwire_dtype\x18\x04 \x01(\t\x12\x0e\n\x06offset\x18\x05 \x01(\x03\"\xbd\x01\n\x0b\x46rameHeader\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nmicrobatch\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x0c\n\x04ring\x18\x05 \x01(\t\x12\x0e\n\x06sender\x18\x06 \x01(\t\x12\'\n\x07tensors\x18\x07 \x03(\x0b\x32\x16.ravnest.v1.TensorMeta\x12\x15\n\rpayload_bytes\x18\x08 \x01(\x03\x12\x0f\n\x07\x63ontrol\x18\t \x01(\t\">\n\x05\x43hunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.ravnest.v1.FrameHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x1d\n\x03\x41\x63k\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x03\x32\x63\n\x04Peer\x12,\n\x04Send\x12\x11.ravnest.v1.Chunk\x1a\x0f.ravnest.v1.Ack(\x01\x12-\n\x07SendOne\x12\x11.ravnest.v1.Chunk\x1a\x0f.ravnest.v1.Ackb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rravnest.proto\x12\nravnest.v1\"\\\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x12\n\nwire_dtype\x18\x04 \x01(\t\x12\x0e\n\x06offset\x18\x05 \x01(\x03\"\xdf\x01\n\x0b\x46rameHeader\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nmicrobatch\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x0c\n\x04ring\x18\x05 \x01(\t\x12\x0e\n\x06sender\x18\x06 \x01(\t\x12\'\n\x07tensors\x18\x07 \x03(\x0b\x32\x16.ravnest.v1.TensorMeta\x12\x15\n\rpayload_bytes\x18\x08 \x01(\x03\x12\x0f\n\x07\x63ontrol\x18\t \x01(\t\x12\x0e\n\x06stream\x18\n \x01(\x04\x12\x10\n\x08sequence\x18\x0b \x01(\x04\">\n\x05\x43hunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.ravnest.v1.FrameHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x1d\n\x03\x41\x63k\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x03\x32\x63\n\x04Peer\x12,\n\x04Send\x12\x11.ravnest.v1.Chunk\x1a\x0f.ravnest.v1.Ack(\x01\x12-\n\x07SendOne\x12\x11.ravnest.v1.Chunk\x1a\x0f.ravnest.v1.Ackb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORMETA']._serialized_start=29
   _globals['_TENSORMETA']._serialized_end=121
   _globals['_FRAMEHEADER']._serialized_start=124
-  _globals['_FRAMEHEADER']._serialized_end=313
-  _globals['_CHUNK']._serialized_start=315
-  _globals['_CHUNK']._serialized_end=377
-  _globals['_ACK']._serialized_start=379
-  _globals['_ACK']._serialized_end=408
-  _globals['_PEER']._serialized_start=410
-  _globals['_PEER']._serialized_end=509
+  _globals['_FRAMEHEADER']._serialized_end=347
+  _globals['_CHUNK']._serialized_start=349
+  _globals['_CHUNK']._serialized_end=411
+  _globals['_ACK']._serialized_start=413
+  _globals['_ACK']._serialized_end=442
+  _globals['_PEER']._serialized_start=444
+  _globals['_PEER']._serialized_end=543
 # @@protoc_insertion_point(module_scope)

@@ -21,7 +21,7 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., wire_dtype: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class FrameHeader(_message.Message):
-    __slots__ = ("kind", "step", "microbatch", "version", "ring", "sender", "tensors", "payload_bytes", "control")
+    __slots__ = ("kind", "step", "microbatch", "version", "ring", "sender", "tensors", "payload_bytes", "control", "stream", "sequence")
     KIND_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,8 @@ class FrameHeader(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CONTROL_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     kind: str
     step: int
     microbatch: int
@@ -40,7 +42,9 @@ class FrameHeader(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     payload_bytes: int
     control: str
-    def __init__(self, kind: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., version: _Optional[int] = ..., ring: _Optional[str] = ..., sender: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., control: _Optional[str] = ...) -> None: ...
+    stream: int
+    sequence: int
+    def __init__(self, kind: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., version: _Optional[int] = ..., ring: _Optional[str] = ..., sender: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., control: _Optional[str] = ..., stream: _Optional[int] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "data")
