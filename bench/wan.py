@@ -18,14 +18,16 @@ Each host's uplink (its veth's egress) gets `tbf rate B`, and its rank reaches i
 through the delay line, so a hop costs one-way latency D (round trip 2D) and at most B bits/s
 per host. One rank process runs in
 each host's namespace (`ip netns exec`) with our Server, a Peer to its successor, and a
-RingReducer; rank 0 also times Peer.send of one tensor to rank 1.
+RingReducer; rank 0 also times Peer.send of one tensor to rank 1, and a burst of 8 ordered
+Peer.posts of 2 MiB (a pipeline hop's activations) with the flush after them.
 
 For every (n, D, B) it prints measured and modelled times and their ratio (the model and its
 terms are in docs/performance.md):
-    ring   T = 2(n-1) * ceil(S/(n P)) * max(P/B, (P/B + 2D) / lanes) + 2D
+    ring   T = 2(n-1) * ceil(S/(n P)) * max(P/B, (P/B + 2D) / c) + 2D
     send   T = S/B + 2D   (the stream, then the Ack)
-with S bytes per rank, P the ring's piece size and `lanes` the sender threads per peer that
-carry ring pieces (--lanes 0 gives the one ordered sender thread, as before they existed).
+    posts  T = 8 * max(A/B, (A/B + 2D) / c) + 2D
+with S bytes per rank, P the ring's piece size, A = 2 MiB and c = 1 + lanes the calls in flight
+per peer (--lanes 0: one sender thread, one call at a time, as before the lanes existed).
 
     python bench/wan.py [--ranks 2 3] [--delays 0 20 50] [--rates 100 1000] [--size 8]
                           [--rounds 3] [--lanes 0 4]
@@ -57,6 +59,11 @@ PORT = 47000
 PROXY_PORT = 47001
 MIB = 1 << 20
 TOKEN = "bench-netem-token"
+CALLS = 5
+"""Calls in flight per peer: 1 + transport.UNORDERED_LANES sender threads (not imported here:
+the model must print without torch and grpc)."""
+POSTS = 8
+"""Ordered frames rank 0 posts in a burst (activations of 8 microbatches)."""
 
 
 def _emit(line: str = "") -> None:
@@ -167,14 +174,14 @@ async def _proxy(listen: int, target: str, delay: float) -> None:
 
 
 def model_ring(n: int, size: int, rate_bps: float, delay_s: float, piece: int,
-               lanes: int) -> float:
+               calls: int) -> float:
     """Seconds for one ring all-reduce (docs/performance.md, "Ring"): 2(n-1) steps of k pieces
     each go through one uplink; a piece's call takes P/B plus a round trip for its Ack, and
-    `lanes` calls are in flight at once, so a piece costs max(P/B, (P/B + 2d) / lanes)."""
+    `calls` calls are in flight at once, so a piece costs max(P/B, (P/B + 2d) / calls)."""
     seg = size / n
     pieces = math.ceil(seg / piece)
     per_piece = min(piece, seg) / rate_bps
-    effective = max(per_piece, (per_piece + 2 * delay_s) / lanes)
+    effective = max(per_piece, (per_piece + 2 * delay_s) / calls)
     return 2 * (n - 1) * pieces * effective + 2 * delay_s
 
 
@@ -183,34 +190,48 @@ def model_send(size: int, rate_bps: float, delay_s: float) -> float:
     return size / rate_bps + 2 * delay_s
 
 
+def model_posts(frames: int, size: int, rate_bps: float, delay_s: float, calls: int) -> float:
+    """Seconds for `frames` ordered Peer.posts of `size` bytes and the flush after them: each
+    frame's call takes size/B plus a round trip, `calls` at once."""
+    per = size / rate_bps
+    return frames * max(per, (per + 2 * delay_s) / calls) + 2 * delay_s
+
+
 def model_pipeline(stages: int, micro: int, compute_s: float, act_bytes: int, rate_bps: float,
-                   delay_s: float) -> tuple[float, float]:
+                   delay_s: float, calls: int = CALLS, in_flight: int = 4,
+                   ) -> tuple[float, float]:
     """(async, sync) seconds per microbatch of one cluster (docs/performance.md, "Pipeline"):
-    every stage computes `compute_s` per microbatch (forward + backward), and every hop carries
-    `act_bytes` down and as much back on the peer's ordered lane, one frame at a time, each
-    waiting a round trip for its Ack."""
-    hop = act_bytes / rate_bps + 2 * delay_s
+    every stage computes `compute_s` per microbatch (forward + backward); every hop carries
+    `act_bytes` down and as much back, `calls` frames in flight at once per peer, each call
+    waiting a round trip for its Ack; the root keeps at most `in_flight` microbatches in the
+    pipeline (both schedules), so it also waits for a microbatch's round trip through every
+    stage."""
+    per = act_bytes / rate_bps
+    hop = max(per, (per + 2 * delay_s) / calls)
     slowest = max(compute_s, hop) if stages > 1 else compute_s
-    fill = (stages - 1) * (compute_s + 2 * (act_bytes / rate_bps + delay_s))
-    return slowest, (micro * slowest + fill) / micro
+    fill = (stages - 1) * (compute_s + 2 * (per + delay_s))
+    window = (compute_s + fill) / in_flight
+    return max(slowest, window), max((micro * slowest + fill) / micro, window)
 
 
 def print_model() -> None:
     """The model's figures for internet links, for docs/performance.md."""
     mb = 1e6
     _emit("Ring all-reduce of S = 110 MB per member (a 440 MB model in 4 stages), P = 4 MiB, "
-          "4 lanes; seconds")
+          f"{CALLS} calls in flight per peer; seconds")
     _emit(f"{'link':>16} " + " ".join(f"{f'n={n}':>8}" for n in (2, 4, 8, 16)) + "  bf16 n=4")
     for rate in (10, 100, 1000):
         for delay in (20, 150):
             bps, d = rate * 1e6 / 8, delay / 1e3
-            cells = [model_ring(n, int(110 * mb), bps, d, 4 << 20, 4) for n in (2, 4, 8, 16)]
-            bf16 = model_ring(4, int(55 * mb), bps, d, 4 << 20, 4)
+            cells = [model_ring(n, int(110 * mb), bps, d, 4 << 20, CALLS)
+                     for n in (2, 4, 8, 16)]
+            bf16 = model_ring(4, int(55 * mb), bps, d, 4 << 20, CALLS)
             _emit(f"{rate:>5} Mbps {delay:>4} ms " + " ".join(f"{c:>8.1f}" for c in cells)
                   + f"  {bf16:>8.1f}")
     _emit()
     _emit("Pipeline of p stages, 50 ms of compute per stage and microbatch, 2 MB activations, "
-          "m = 8 microbatches; microbatches/s (async | sync)")
+          f"m = 8 microbatches, maxInFlight 4, {CALLS} calls in flight per peer; microbatches/s "
+          "(async | sync)")
     _emit(f"{'link':>16} " + " ".join(f"{f'p={p}':>13}" for p in (1, 2, 4, 8)))
     for rate in (10, 100, 1000):
         for delay in (20, 150):
@@ -267,6 +288,7 @@ def rank_main(args: argparse.Namespace) -> None:
         if err > (1e-5 if args.wire == "none" else 0.05):  # bf16: 8 bits of mantissa
             raise SystemExit(f"rank {rank}: ring result off by {err}")
     send: list[float] = []
+    posts: list[float] = []
     if rank == 0:
         frame = Frame(kind="forward", tensors={"x": t})
         for i in range(args.rounds + 1):
@@ -274,18 +296,31 @@ def rank_main(args: argparse.Namespace) -> None:
             peer.send(frame, compression="none")
             if i:
                 send.append(time.perf_counter() - start)
+        act = t[:MIB // 2]  # 2 MiB of float32
+        plain = (peer if args.wire == "none"
+                 else Peer(args.target, creds, timeout=600, lanes=args.lane))
+        for i in range(args.rounds + 1):
+            start = time.perf_counter()
+            for k in range(POSTS):
+                plain.post(Frame(kind="forward", tensors={"x": act}, microbatch=k))
+            plain.flush(600)
+            if i:
+                posts.append(time.perf_counter() - start)
+        if plain is not peer:
+            plain.close()
     # a last ring round keeps every rank serving until rank 0's sends are done
     if not reducer.average([t.clone()], args.rounds + 1):
         raise SystemExit(f"rank {rank}: closing round skipped")
-    print(json.dumps({"rank": rank, "ring": ring, "send": send}), flush=True)
+    print(json.dumps({"rank": rank, "ring": ring, "send": send, "posts": posts}), flush=True)
     peer.close()
     server.stop(0)
 
 
 def run_ranks(n: int, size: int, rounds: int, piece: int, lanes: int,
-              delay_s: float, wire: str = "none") -> tuple[float, float]:
-    """(median ring seconds over rounds of the slowest rank, median send seconds). With a delay,
-    each rank reaches its successor through a delay line in its own namespace."""
+              delay_s: float, wire: str = "none") -> tuple[float, float, float]:
+    """(median ring seconds over rounds of the slowest rank, median send seconds, median
+    seconds of a burst of posts). With a delay, each rank reaches its successor through a delay
+    line in its own namespace."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proxies: list[subprocess.Popen[str]] = []
     procs: list[subprocess.Popen[str]] = []
@@ -323,8 +358,9 @@ def run_ranks(n: int, size: int, rounds: int, piece: int, lanes: int,
                 p.kill()
                 p.wait()
     per_round = [max(r["ring"][i] for r in results) for i in range(rounds)]
-    send = next(r["send"] for r in results if r["rank"] == 0)
-    return statistics.median(per_round), statistics.median(send)
+    first = next(r for r in results if r["rank"] == 0)
+    return (statistics.median(per_round), statistics.median(first["send"]),
+            statistics.median(first["posts"]))
 
 
 def main() -> None:
@@ -370,11 +406,13 @@ def main() -> None:
     piece = args.piece or PIECE_BYTES
     size = args.size * MIB
     _emit(f"Ring all-reduce and Peer.send between network namespaces, {args.size} MiB float32 "
-          f"per rank, ring piece {piece / MIB:g} MiB; median of {args.rounds}")
+          f"per rank, ring piece {piece / MIB:g} MiB; posts: {POSTS} ordered frames of 2 MiB; "
+          f"median of {args.rounds}")
     _emit("model: docs/performance.md; ratio = measured / model")
     _emit(f"{'ranks':>5} {'delay':>6} {'rate':>9} {'lanes':>5} {'wire':>5} {'ring ms':>9} "
           f"{'model ms':>9} "
-          f"{'ratio':>6} {'send ms':>9} {'model ms':>9} {'ratio':>6}")
+          f"{'ratio':>6} {'send ms':>9} {'model ms':>9} {'ratio':>6} {'posts ms':>9} "
+          f"{'model ms':>9} {'ratio':>6}")
     for n in args.ranks:
         with network(n):
             for rate in args.rates:
@@ -382,18 +420,20 @@ def main() -> None:
                     shape_links(n, rate)
                     for lanes, wire in itertools.product(args.lanes or [UNORDERED_LANES],
                                                          args.wires):
-                        ring_s, send_s = run_ranks(n, size, args.rounds, piece, lanes,
-                                                   delay / 1e3, wire)
+                        ring_s, send_s, posts_s = run_ranks(n, size, args.rounds, piece, lanes,
+                                                            delay / 1e3, wire)
                         bps, d = rate * 1e6 / 8, delay / 1e3
                         # bf16 halves the ring's bytes (its pieces too); Peer.send stays fp32
                         half = 2 if wire == "bf16" else 1
-                        ring_m = model_ring(n, size // half, bps, d, piece // half, max(1, lanes))
+                        ring_m = model_ring(n, size // half, bps, d, piece // half, lanes + 1)
                         send_m = model_send(size, bps, d)
+                        posts_m = model_posts(POSTS, 2 * MIB, bps, d, lanes + 1)
                         _emit(f"{n:>5} {delay:>4.0f}ms {rate:>5.0f}Mbps {lanes:>5} "
                               f"{'fp32' if wire == 'none' else wire:>5} "
                               f"{ring_s * 1e3:>9.0f} {ring_m * 1e3:>9.0f} {ring_s / ring_m:>6.2f} "
-                              f"{send_s * 1e3:>9.0f} {send_m * 1e3:>9.0f} {send_s / send_m:>6.2f}")
-
+                              f"{send_s * 1e3:>9.0f} {send_m * 1e3:>9.0f} {send_s / send_m:>6.2f} "
+                              f"{posts_s * 1e3:>9.0f} {posts_m * 1e3:>9.0f} "
+                              f"{posts_s / posts_m:>6.2f}")
 
 if __name__ == "__main__":
     main()
