@@ -17,7 +17,7 @@ echo "== bench/allreduce.py: ring all-reduce, ours vs gloo"
 python bench/allreduce.py "$@"
 echo
 echo "== bench/socket_ring.py: the same ring on plain TCP sockets vs gloo (prototype: no auth)"
-python bench/socket_ring.py --repeats 3
+python bench/socket_ring.py --repeats 3 --bf16
 echo
 echo "== bench/pipeline.py: 3-stage pipeline, sync and async, against the schedule's bound"
 python bench/pipeline.py "$@"

@@ -10,6 +10,8 @@ authentication, no TLS, no skipped rounds, no timeouts. It shows what a bulk dat
 gRPC (gRPC keeping the control messages and authenticating a socket's first bytes) would buy.
 
     python bench/socket_ring.py [--ranks 2 4] [--size 64] [--repeats 5] [--bf16]
+
+`--bf16` also times the ring with bf16 on the wire, in turn with fp32 and gloo in each repeat.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def ring_all_reduce(rank: int, n: int, to_next: socket.socket, from_prev: socket
 
 
 def _rank(rank: int, n: int, ports: list[int], store_port: int, numel: int, repeats: int,
-          wire: torch.dtype, results: Any) -> None:
+          wires: list[torch.dtype], results: Any) -> None:
     torch.set_num_threads(1)
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -112,21 +114,26 @@ def _rank(rank: int, n: int, ports: list[int], store_port: int, numel: int, repe
                             world_size=n)
     torch.manual_seed(rank)
     x = torch.randn(numel)
-    scratch = torch.empty(PIECE, dtype=wire)
-    ours, gloo, err = [], [], 0.0
+    scratch = {w: torch.empty(PIECE, dtype=w) for w in wires}
+    times: dict[str, list[float]] = {"gloo": [], **{str(w): [] for w in wires}}
+    err = {str(w): 0.0 for w in wires}
     for _ in range(repeats + 1):  # the first of each is a warmup
-        a = x.clone()
-        dist.barrier()
-        t = time.perf_counter()
-        ring_all_reduce(rank, n, to_next, from_prev, a, scratch, wire)
-        ours.append(time.perf_counter() - t)
+        results_here = {}
+        for w in wires:
+            a = x.clone()
+            dist.barrier()
+            t = time.perf_counter()
+            ring_all_reduce(rank, n, to_next, from_prev, a, scratch[w], w)
+            times[str(w)].append(time.perf_counter() - t)
+            results_here[str(w)] = a
         b = x.clone()
         dist.barrier()
         t = time.perf_counter()
         dist.all_reduce(b)
-        gloo.append(time.perf_counter() - t)
-        err = max(err, float((a - b / n).abs().max()))
-    results.put((rank, statistics.median(ours[1:]), statistics.median(gloo[1:]), err))
+        times["gloo"].append(time.perf_counter() - t)
+        for w, a in results_here.items():
+            err[w] = max(err[w], float((a - b / n).abs().max()))
+    results.put((rank, {k: statistics.median(v[1:]) for k, v in times.items()}, err))
     dist.destroy_process_group()
     for s in (to_next, from_prev, server):
         s.close()
@@ -137,34 +144,43 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--size", type=float, default=64, help="float32 MiB per rank")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--bf16", action="store_true", help="bf16 on the wire")
+    parser.add_argument("--bf16", action="store_true",
+                        help="also the same ring with bf16 on the wire, in the same run")
     args = parser.parse_args()
     from ravnest.running import free_ports
 
-    wire = torch.bfloat16 if args.bf16 else torch.float32
+    wires = [torch.float32] + ([torch.bfloat16] if args.bf16 else [])
     numel = int(args.size * (1 << 20)) // 4
     print(f"Ring on plain TCP sockets (no auth, prototype) vs gloo all_reduce, {args.size:g} MiB "
-          f"float32 per rank, {'bf16' if args.bf16 else 'fp32'} on the wire; median of "
-          f"{args.repeats}, slowest rank", flush=True)
-    print(f"{'ranks':>5} {'sockets ms':>11} {'gloo ms':>8} {'sockets/gloo speed':>19} "
-          f"{'max err':>9}", flush=True)
+          f"float32 per rank, fp32{' and bf16' if args.bf16 else ''} on the wire, taken in turn "
+          f"each repeat; median of {args.repeats}, slowest rank; max err against gloo's mean",
+          flush=True)
+    head = f"{'ranks':>5} {'fp32 ms':>8} {'gloo ms':>8} {'fp32/gloo speed':>16} {'max err':>9}"
+    if args.bf16:
+        head += f" {'bf16 ms':>8} {'bf16/fp32 speed':>16} {'bf16 err':>9}"
+    print(head, flush=True)
     ctx = mp.get_context("spawn")
     for n in args.ranks:
         *ports, store = free_ports(n + 1)
         results = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(r, n, ports, store, numel, args.repeats, wire,
+        procs = [ctx.Process(target=_rank, args=(r, n, ports, store, numel, args.repeats, wires,
                                                  results)) for r in range(n)]
         for p in procs:
             p.start()
         got = [results.get(timeout=600) for _ in procs]
         for p in procs:
             p.join(timeout=60)
-        ours = max(g[1] for g in got)
-        gloo = max(g[2] for g in got)
-        err = max(g[3] for g in got)
-        print(f"{n:>5} {ours * 1e3:>11.1f} {gloo * 1e3:>8.1f} {gloo / ours:>19.2f} {err:>9.2e}",
-              flush=True)
 
+        slowest = {k: max(g[1][k] for g in got) for k in got[0][1]}
+        error = {k: max(g[2][k] for g in got) for k in got[0][2]}
+        fp32, gloo = slowest[str(torch.float32)], slowest["gloo"]
+        line = (f"{n:>5} {fp32 * 1e3:>8.1f} {gloo * 1e3:>8.1f} {gloo / fp32:>16.2f} "
+                f"{error[str(torch.float32)]:>9.2e}")
+        if args.bf16:
+            bf16 = slowest[str(torch.bfloat16)]
+            line += (f" {bf16 * 1e3:>8.1f} {fp32 / bf16:>16.2f} "
+                     f"{error[str(torch.bfloat16)]:>9.2e}")
+        print(line, flush=True)
 
 if __name__ == "__main__":
     main()
