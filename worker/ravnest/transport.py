@@ -379,7 +379,7 @@ class Inbox:
             return
         with self._order:
             want = self._expected.get(frame.stream, 1)
-            early = self._early.setdefault(frame.stream, {})
+            early = self._early.get(frame.stream, {})
             if frame.sequence < want or frame.sequence in early:
                 raise ValueError(f"frame {frame.sequence} of stream {frame.stream} came twice")
             if frame.sequence >= want + ORDER_WINDOW:
@@ -391,8 +391,10 @@ class Inbox:
                 self._hand_on(early.pop(want))
                 want += 1
             self._expected[frame.stream] = want
-            if not early:
-                del self._early[frame.stream]
+            if early:
+                self._early[frame.stream] = early
+            else:
+                self._early.pop(frame.stream, None)  # a refused frame leaves nothing behind
 
     def _hand_on(self, frame: Frame) -> None:
         if frame.kind in ("reduce", "gather"):
