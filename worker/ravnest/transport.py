@@ -59,6 +59,10 @@ _HEADER_ALLOWANCE = 4096
 """Bytes of header (and the data Chunk's tag) a one-message frame may add to its payload."""
 UNORDERED_LANES = 4
 """Sender threads per peer beyond the first: with them up to 5 calls are in flight at once."""
+BYTES_IN_FLIGHT = 24 << 20
+"""Payload bytes a Peer's sender threads may have in calls at once (a frame larger than this goes
+alone): enough for every lane on ring pieces and typical activations, while a stage sending big
+activations keeps one frame's copy in flight, not one per lane."""
 ORDER_WINDOW = 64
 """Numbered frames a stream may be ahead of the one its receiver waits for (a Peer has at most
 1 + UNORDERED_LANES calls in flight, so more means a broken or hostile sender): refused."""
@@ -234,6 +238,8 @@ class Peer:
         self._lock = threading.Lock()
         self._stream = secrets.randbits(63) + 1
         self._sequence = 0
+        self._budget = threading.Condition()
+        self._bytes_in_flight = 0
         self._threads = [threading.Thread(target=self._run, args=(self._queue,), daemon=True,
                                           name=f"send-{address}-{i}")
                          for i in range(1 + lanes)]
@@ -304,6 +310,12 @@ class Peer:
     def _run(self, frames: queue.Queue[tuple[str, list[bytes] | Frame] | None]) -> None:
         while (item := frames.get()) is not None:
             kind, messages = item
+            size = (messages.nbytes() if isinstance(messages, Frame)
+                    else sum(map(len, messages)))
+            with self._budget:
+                while self._bytes_in_flight and self._bytes_in_flight + size > BYTES_IN_FLIGHT:
+                    self._budget.wait()
+                self._bytes_in_flight += size
             try:
                 self._send(kind, encode_wire(messages, self._compression)
                            if isinstance(messages, Frame) else messages)
@@ -314,6 +326,9 @@ class Peer:
                 log.exception("encoding %s frame to %s failed", kind, self.address)
                 self._error = TransportError(f"{kind} frame to {self.address}: {e}")
             finally:
+                with self._budget:
+                    self._bytes_in_flight -= size
+                    self._budget.notify_all()
                 with self._lock:
                     self._pending -= 1
                     if self._pending == 0:
