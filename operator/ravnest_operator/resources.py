@@ -22,6 +22,8 @@ from ravnest.tls import CA_FILE, CERT_FILE, KEY_FILE, TlsMaterial
 from .crds import GROUP, KIND, VERSION
 
 GRPC_PORT = 50051
+RING_PORT = 50052
+"""The ring data plane's port (training.ringTransport: tcp)."""
 METRICS_PORT = 9400
 DATA_DIR = "/ravnest"
 METADATA_DIR = "/etc/ravnest"
@@ -71,8 +73,12 @@ def network_policy_name(job: str) -> str:
     return f"{job}-workers"
 
 
-def address(owner: Owner, node: str) -> str:
-    return f"{dns_label(node)}.{service_name(owner.name)}.{owner.namespace}.svc:{GRPC_PORT}"
+def address(owner: Owner, node: str, port: int = GRPC_PORT) -> str:
+    return f"{dns_label(node)}.{service_name(owner.name)}.{owner.namespace}.svc:{port}"
+
+
+def _tcp_ring(job: Job) -> bool:
+    return job.spec.training.ring_transport == "tcp"
 
 
 def tls_dns_names(owner: Owner, node: str) -> list[str]:
@@ -135,8 +141,9 @@ def tls_secret(owner: Owner, certificates: dict[str, TlsMaterial]) -> dict[str, 
     }
 
 
-def network_policy(owner: Owner) -> dict[str, Any]:
-    """Ingress to the job's workers' gRPC port from the job's own worker pods only.
+def network_policy(owner: Owner, ring: bool = False) -> dict[str, Any]:
+    """Ingress to the job's workers' gRPC port (and with `ring`, the ring data port) from the
+    job's own worker pods only.
 
     Policies add up: the chart's namespace-wide policy lets the operator and Prometheus reach the
     workers' metrics port. A pod that copies the job's labels still needs the job's token (and,
@@ -148,7 +155,8 @@ def network_policy(owner: Owner) -> dict[str, Any]:
         "metadata": _meta(owner, network_policy_name(owner.name), job_labels(owner.name)),
         "spec": {"podSelector": workers, "policyTypes": ["Ingress"],
                  "ingress": [{"from": [{"podSelector": workers}],
-                              "ports": [{"protocol": "TCP", "port": GRPC_PORT}]}]},
+                              "ports": [{"protocol": "TCP", "port": port}
+                                        for port in (GRPC_PORT, *([RING_PORT] if ring else []))]}]},
     }
 
 
@@ -170,6 +178,9 @@ def node_metadata(owner: Owner, job: Job, plan: Plan, node: str) -> dict[str, An
             "metricsPort": METRICS_PORT, "namespace": owner.namespace}
     if job.spec.security.tls:
         meta["tlsDir"] = TLS_DIR
+    if _tcp_ring(job):
+        meta["ringAddresses"] = {n: address(owner, n, RING_PORT) for n in plan.names()}
+        meta["ringListen"] = f"0.0.0.0:{RING_PORT}"
     return meta
 
 
@@ -222,7 +233,8 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
                     {"name": "RAVNEST_TORCH_THREADS",
                      "value": str(max(1, round(provider.compute)))}],
             "ports": [{"name": "grpc", "containerPort": GRPC_PORT},
-                      {"name": "metrics", "containerPort": METRICS_PORT}],
+                      {"name": "metrics", "containerPort": METRICS_PORT},
+                      *([{"name": "ring", "containerPort": RING_PORT}] if _tcp_ring(job) else [])],
             "readinessProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 2},
             "resources": _resources(provider),
             "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
@@ -274,7 +286,7 @@ def static_objects(owner: Owner, job: Job, plan: Plan, token: str,
             raise ValueError("spec.security.tls needs a certificate for every node of the plan")
         objects.append(tls_secret(owner, certificates))
     if network_policies:
-        objects.append(network_policy(owner))
+        objects.append(network_policy(owner, ring=_tcp_ring(job)))
     return [*objects, *(node_configmap(owner, job, plan, n) for n in plan.nodes),
             plan_configmap(owner, plan)]
 

@@ -253,9 +253,12 @@ class _SplitRun:
         self.plan, _, _ = building.plan_job(self.job)
         names = self.plan.names()
         self.far = set(next(c for c in self.plan.clusters if c.id == 1).nodes)
-        ports = free_ports(2 * len(names))
+        ports = free_ports(3 * len(names))
         self.hosts = {n: net.ns_ip if n in self.far else net.host_ip for n in names}
         addresses = {n: f"{self.hosts[n]}:{ports[i]}" for i, n in enumerate(names)}
+        ring_addresses = ({n: f"{self.hosts[n]}:{ports[2 * len(names) + i]}"
+                           for i, n in enumerate(names)}
+                          if self.job.spec.training.ring_transport == "tcp" else None)
         self.metrics_ports = {n: ports[len(names) + i] for i, n in enumerate(names)}
         (out / "nodes").mkdir(parents=True)
         (out / "logs").mkdir()
@@ -265,7 +268,9 @@ class _SplitRun:
         for n in names:
             meta = NodeMetadata(job=self.job, plan=self.plan, node=n, addresses=addresses,
                                 output_dir=str(out), listen=addresses[n],
-                                metrics_port=self.metrics_ports[n])
+                                metrics_port=self.metrics_ports[n],
+                                ring_addresses=ring_addresses,
+                                ring_listen=ring_addresses[n] if ring_addresses else "")
             meta.save(out / "nodes" / f"{n}.json")
             cmd = [sys.executable, "-m", "ravnest", "worker", "--metadata",
                    str(out / "nodes" / f"{n}.json")]
@@ -358,8 +363,12 @@ SKIPPED = "ravnest_reduce_rounds_skipped_total"
 STEP = "ravnest_step"
 
 
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
 def test_cluster_cut_off_skips_rounds_others_keep_training_and_it_rejoins(tmp_path, digits_doc,
-                                                                         link):
+                                                                         link, transport):
+    """On either ring transport (gRPC, or the TCP data plane whose connections hang in a cut
+    and must be given up and opened again)."""
+    digits_doc["spec"]["training"]["ringTransport"] = transport
     run = _SplitRun(_net_job(digits_doc, timeout=1.0), tmp_path, link)
     try:
         node = run.near()[0]
@@ -393,8 +402,10 @@ def test_cluster_cut_off_skips_rounds_others_keep_training_and_it_rejoins(tmp_pa
           f"{summary['fused_val_metric']:.4f}")
 
 
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
 def test_slow_link_rounds_take_longer_then_time_out_and_nothing_hangs(tmp_path, digits_doc,
-                                                                      link):
+                                                                      link, transport):
+    digits_doc["spec"]["training"]["ringTransport"] = transport
     run = _SplitRun(_net_job(digits_doc, timeout=3.0), tmp_path, link)
     # the cluster-0 node holding the most parameters: each of its rounds moves them both ways
     node = max(run.near(), key=lambda n: run.plan.node(n).params)

@@ -1,6 +1,7 @@
-"""The ring all-reduce over real gRPC, one thread per rank in this process: every rank ends with the
-mean of all ranks' tensors (parameters of several shapes and dtypes), whatever the ring size, the
-piece size and the wire compression."""
+"""The ring all-reduce over real gRPC, and over the TCP data plane (training.ringTransport: tcp),
+one thread per rank in this process: every rank ends with the mean of all ranks' tensors
+(parameters of several shapes and dtypes), whatever the transport, the ring size, the piece size
+and the wire compression; and both transports give bit-identical results."""
 
 from __future__ import annotations
 
@@ -11,22 +12,36 @@ import pytest
 import torch
 
 from ravnest.allreducing import RingReducer
+from ravnest.dataplane import RingLink, RingServer
 from ravnest.planning import RingPlan
 from ravnest.transport import Credentials, Inbox, Peer, Server
 
 CREDS = Credentials(token="ring-test", fingerprint="ring-plan")
 
 
+TRANSPORTS = ["grpc", "tcp"]
+
+
 def run_ring(world: int, make: Callable[[int], list[torch.Tensor]], *, piece_bytes: int,
-             compression: str = "none", rounds: int = 1) -> list[list[torch.Tensor]]:
+             compression: str = "none", rounds: int = 1,
+             transport: str = "grpc", in_place: bool = False) -> list[list[torch.Tensor]]:
     inboxes = [Inbox() for _ in range(world)]
-    servers = [Server("127.0.0.1:0", CREDS, inbox.deliver) for inbox in inboxes]
+    members = tuple(f"r{i}" for i in range(world))
+    servers: list[Server | RingServer]
+    peers: list[Peer | RingLink]
+    if transport == "grpc":
+        servers = [Server("127.0.0.1:0", CREDS, inbox.deliver) for inbox in inboxes]
+        peers = [Peer(f"127.0.0.1:{servers[(i + 1) % world].port}", CREDS,
+                      compression=compression) for i in range(world)]
+    else:
+        servers = [RingServer("127.0.0.1:0", CREDS.token, CREDS.fingerprint, inbox.deliver)
+                   for inbox in inboxes]
+        peers = [RingLink(f"127.0.0.1:{servers[(i + 1) % world].port}", CREDS.token,
+                          CREDS.fingerprint, members[i], compression=compression, timeout=60)
+                 for i in range(world)]
     for server in servers:
         server.start()
-    members = tuple(f"r{i}" for i in range(world))
     ring = RingPlan(id="ring-0", members=members, state=())
-    peers = [Peer(f"127.0.0.1:{servers[(i + 1) % world].port}", CREDS, compression=compression)
-             for i in range(world)]
     tensors = [make(i) for i in range(world)]
     outcomes: list[list[bool]] = [[] for _ in range(world)]
 
@@ -35,7 +50,12 @@ def run_ring(world: int, make: Callable[[int], list[torch.Tensor]], *, piece_byt
                               inboxes[i], timeout=60, compression=compression,
                               piece_bytes=piece_bytes)
         for round_ in range(1, rounds + 1):
-            outcomes[i].append(reducer.average(tensors[i], round_))
+            if in_place:
+                (flat,) = tensors[i]
+                reducer.all_reduce_(flat, round_)
+                outcomes[i].append(True)
+            else:
+                outcomes[i].append(reducer.average(tensors[i], round_))
 
     threads = [threading.Thread(target=rank, args=(i,)) for i in range(world)]
     try:
@@ -48,7 +68,7 @@ def run_ring(world: int, make: Callable[[int], list[torch.Tensor]], *, piece_byt
         for peer in peers:
             peer.close()
         for server in servers:
-            server.stop(0)
+            server.stop()
     assert outcomes == [[True] * rounds] * world
     return tensors
 
@@ -60,12 +80,13 @@ def state(rank: int) -> list[torch.Tensor]:
             torch.randn(1, generator=g)]
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("piece_bytes", [4, 64, 1 << 22])
-def test_every_rank_ends_with_the_mean(world: int, piece_bytes: int) -> None:
+def test_every_rank_ends_with_the_mean(world: int, piece_bytes: int, transport: str) -> None:
     expected = [torch.stack([state(r)[j].double() for r in range(world)]).mean(0)
                 for j in range(len(state(0)))]
-    result = run_ring(world, state, piece_bytes=piece_bytes)
+    result = run_ring(world, state, piece_bytes=piece_bytes, transport=transport)
     for rank_tensors in result:
         for j, (got, want) in enumerate(zip(rank_tensors, expected, strict=True)):
             assert got.dtype == state(0)[j].dtype
@@ -78,17 +99,48 @@ def test_every_rank_ends_with_the_mean(world: int, piece_bytes: int) -> None:
         assert all(torch.equal(a, b) for a, b in zip(result[0], other, strict=True))
 
 
-def test_fewer_elements_than_ranks_and_repeated_rounds() -> None:
-    result = run_ring(4, lambda r: [torch.full((2,), float(r))], piece_bytes=4, rounds=3)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_fewer_elements_than_ranks_and_repeated_rounds(transport: str) -> None:
+    result = run_ring(4, lambda r: [torch.full((2,), float(r))], piece_bytes=4, rounds=3,
+                      transport=transport)
     assert all(torch.equal(t[0], torch.full((2,), 1.5)) for t in result)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("compression", ["bf16", "fp16"])
-def test_compressed_wire_stays_close_and_identical_on_every_rank(compression: str) -> None:
+def test_compressed_wire_stays_close_and_identical_on_every_rank(compression: str,
+                                                                 transport: str) -> None:
     world = 3
     make = lambda r: [torch.randn(10_000, generator=torch.Generator().manual_seed(r))]  # noqa: E731
     expected = torch.stack([make(r)[0] for r in range(world)]).mean(0)
-    result = run_ring(world, make, piece_bytes=4096, compression=compression)
+    result = run_ring(world, make, piece_bytes=4096, compression=compression, transport=transport)
     for (got,) in result:
         assert (got - expected).abs().max().item() < 2e-2
     assert all(torch.equal(result[0][0], t[0]) for t in result[1:])
+
+
+@pytest.mark.parametrize("compression", ["none", "bf16"])
+def test_both_transports_give_identical_results(compression: str) -> None:
+    """The data plane carries the same bytes as gRPC: the same inputs end bit-identical."""
+    make = lambda r: [torch.randn(5_000, generator=torch.Generator().manual_seed(r)),  # noqa: E731
+                      torch.randn(7, 3, generator=torch.Generator().manual_seed(r + 9))]
+    grpc_result = run_ring(3, make, piece_bytes=1024, compression=compression)
+    tcp_result = run_ring(3, make, piece_bytes=1024, compression=compression, transport="tcp")
+    for a, b in zip(grpc_result, tcp_result, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_all_reduce_in_place_gives_the_same_mean(transport: str) -> None:
+    """all_reduce_ (the ring alone, on a caller's flat float32 buffer) ends where average does."""
+    world = 3
+    make = lambda r: [torch.randn(3_001, generator=torch.Generator().manual_seed(r))]  # noqa: E731
+    expected = run_ring(world, make, piece_bytes=512, transport=transport)
+    flats = [make(r)[0] for r in range(world)]
+    run_ring(world, lambda r: [flats[r]], piece_bytes=512, transport=transport, in_place=True)
+    for (want,), got in zip(expected, flats, strict=True):
+        assert torch.equal(got, want)
+    reducer = RingReducer(RingPlan(id="x", members=("a", "b"), state=()), "a", {"b": None},
+                          Inbox(), timeout=1)  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="float32"):
+        reducer.all_reduce_(torch.zeros(4, dtype=torch.float64), 1)

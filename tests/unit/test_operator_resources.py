@@ -244,3 +244,32 @@ def test_network_policy_lets_only_the_jobs_own_workers_reach_its_grpc_port(job_a
     other = resources.pods(resources.Owner("other", "team-a", "2"), job, plan, "ravnest:test")
     assert not any(allowed.items() <= p["metadata"]["labels"].items() for p in other)
     assert objs[-1]["metadata"]["name"] == "digits-plan"  # created last: it marks "planned"
+
+
+def test_a_tcp_ring_job_opens_the_ring_port_to_its_own_workers_only(job_and_plan):
+    """training.ringTransport: tcp: every pod exposes the ring data port, the node metadata
+    names each node's ring address, and the job's NetworkPolicy admits the port, again from the
+    job's own workers only. A gRPC-ring job opens no such port."""
+    job, plan = job_and_plan
+    tcp = parse_job({**job.to_dict(), "spec": {**job.to_dict()["spec"], "training": {
+        **job.to_dict()["spec"]["training"], "ringTransport": "tcp"}}})
+    for j, ring in ((job, False), (tcp, True)):
+        pod = resources.pod(OWNER, j, plan, plan.nodes[0], "ravnest:test")
+        ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+        assert ("ring" in ports) == ring
+        meta = NodeMetadata.from_dict(json.loads(
+            resources.node_configmap(OWNER, j, plan, plan.nodes[0])["data"]["node.json"]))
+        (policy,) = [o for o in resources.static_objects(OWNER, j, plan, "s",
+                                                         network_policies=True)
+                     if o["kind"] == "NetworkPolicy"]
+        (rule,) = policy["spec"]["ingress"]
+        assert rule["from"] == [{"podSelector": {"matchLabels": resources.job_labels("digits")}}]
+        allowed = [p["port"] for p in rule["ports"]]
+        if ring:
+            assert ports["ring"] == resources.RING_PORT
+            assert meta.ring_addresses is not None
+            assert meta.ring_addresses["node_1"] == "node-1.digits-workers.team-a.svc:50052"
+            assert meta.ring_listen == "0.0.0.0:50052"
+            assert allowed == [resources.GRPC_PORT, resources.RING_PORT]
+        else:
+            assert meta.ring_addresses is None and allowed == [resources.GRPC_PORT]

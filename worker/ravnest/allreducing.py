@@ -1,5 +1,6 @@
-"""Ring all-reduce over gRPC: the nodes that hold the same parameters in different clusters average
-them (reduce-scatter, then all-gather), with the mean written back only if the round completes.
+"""Ring all-reduce over gRPC (or the TCP data plane of dataplane.py): the nodes that hold the same
+parameters in different clusters average them (reduce-scatter, then all-gather), with the mean
+written back only if the round completes.
 
 A ring round that misses a peer for longer than the timeout is *skipped*: local tensors keep their
 values, the round is counted as skipped, and pieces of it that arrive late are dropped.
@@ -8,10 +9,11 @@ values, the round is counted as skipped, and pieces of it that arrive late are d
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from .dataplane import RingLink
 from .errors import TransportError
 from .framing import COMPRESSIONS, Frame
 from .planning import RingPlan
@@ -65,7 +67,7 @@ def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 class RingReducer:
     """One node's part in one ring."""
 
-    def __init__(self, ring: RingPlan, me: str, peers: dict[str, Peer], inbox: Inbox,
+    def __init__(self, ring: RingPlan, me: str, peers: Mapping[str, Peer | RingLink], inbox: Inbox,
                  timeout: float, sender: str = "", compression: str = "none",
                  piece_bytes: int = PIECE_BYTES) -> None:
         self.ring = ring
@@ -85,13 +87,34 @@ class RingReducer:
             return True
         flat = self._flat = _flatten(tensors, self._flat)
         try:
-            self._all_reduce(flat, round_)
+            self._reduce(flat, round_)
         except TransportError as e:
             log.warning("ring %s round %d skipped: %s", self.ring.id, round_, e)
-            self._inbox.forget_rounds_before(self.ring.id, round_ + 1)
             return False
         _unflatten(flat, tensors)
         return True
+
+    def all_reduce_(self, flat: torch.Tensor, round_: int) -> None:
+        """Average one contiguous float32 tensor in place with the other members, without the
+        copy in and out by which `average` keeps its tensors untouched by a failed round: here a
+        failed round raises TransportError and leaves `flat` partly reduced. For callers that
+        hold their own buffer (and for measuring the ring alone against gloo's all_reduce)."""
+        if flat.dtype != torch.float32 or not flat.is_contiguous() or flat.dim() != 1:
+            raise ValueError("all_reduce_ takes a contiguous 1-d float32 tensor")
+        if self.size == 1:
+            return
+        self._reduce(flat, round_)
+
+    def _reduce(self, flat: torch.Tensor, round_: int) -> None:
+        """The ring on `flat`; after a failure, drop the round's late pieces and stop the link
+        reading `flat` (the next round reuses it), then raise."""
+        try:
+            self._all_reduce(flat, round_)
+        except TransportError:
+            self._inbox.forget_rounds_before(self.ring.id, round_ + 1)
+            if isinstance(self._next, RingLink):
+                self._next.abort()
+            raise
 
     def _all_reduce(self, flat: torch.Tensor, round_: int) -> None:
         """Reduce-scatter then all-gather, pipelined piece by piece: each of the n segments is cut
@@ -110,7 +133,7 @@ class RingReducer:
         for s in range(n - 1):
             last = s == n - 2
             for k, piece in enumerate(pieces[(r - s - 1) % n]):
-                piece.add_(self._take(round_, phase(s, k), piece))
+                self._take(round_, phase(s, k), piece, add=True)
                 if not last:
                     self._post("reduce", piece, round_, phase(s + 1, k))
                     continue
@@ -120,7 +143,7 @@ class RingReducer:
                 self._post("gather", piece, round_, phase(n - 1, k))
         for s in range(n - 1):
             for k, piece in enumerate(pieces[(r - s) % n]):
-                piece.copy_(self._take(round_, phase(n - 1 + s, k), piece))
+                self._take(round_, phase(n - 1 + s, k), piece, add=False)
                 if s < n - 2:
                     self._post("gather", piece, round_, phase(n + s, k))
         assert self._next is not None
@@ -131,14 +154,22 @@ class RingReducer:
         self._next.post(Frame(kind=kind, tensors={"x": seg}, step=round_, version=phase,
                               ring=self.ring.id, sender=self._sender), ordered=False)
 
-    def _take(self, round_: int, phase: int, like: torch.Tensor) -> torch.Tensor:
+    def _take(self, round_: int, phase: int, piece: torch.Tensor, add: bool) -> None:
+        """Add the awaited piece into `piece`, or (`add` false) copy it there."""
         frame = self._inbox.take_ring(self.ring.id, round_, phase, self._timeout)
-        x = frame.tensors.get("x")
-        if x is None or x.shape != like.shape:
-            raise TransportError(f"ring {self.ring.id}: piece of shape "
-                                 f"{None if x is None else tuple(x.shape)} from {frame.sender}, "
-                                 f"expected {tuple(like.shape)}")
-        return x
+        try:
+            x = frame.tensors.get("x")
+            if x is None or x.shape != piece.shape:
+                raise TransportError(f"ring {self.ring.id}: piece of shape "
+                                     f"{None if x is None else tuple(x.shape)} from "
+                                     f"{frame.sender}, expected {tuple(piece.shape)}")
+            if add:
+                piece.add_(x)
+            else:
+                piece.copy_(x)
+        finally:
+            if frame.release is not None:
+                frame.release()  # the data plane reuses the buffer for a later piece
 
 
 def reduce_all(reducers: Sequence[tuple[RingReducer, Callable[[], list[torch.Tensor]]]],

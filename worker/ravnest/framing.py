@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +71,9 @@ class Frame:
     """1, 2, ... within `stream` for frames the receiver must take in order; 0: no order."""
     wire_bytes: int = 0
     """Payload bytes this frame took on the wire (set when decoded)."""
+    release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    """Set by a receiver that lends the frame's buffers: call once done with the tensors (they
+    are reused for later frames), and keep no reference to them afterwards."""
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -80,13 +83,18 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _wire_tensor(t: torch.Tensor, compression: torch.dtype | None) -> torch.Tensor:
+def _wire_tensor(t: torch.Tensor, compression: torch.dtype | None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """`t` as it goes on the wire: on the CPU, contiguous, and converted when compressed (into
+    `out` when given: a reusable buffer of the wire dtype and t's element count)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     if compression is not None and t.dtype == torch.float32:
         if compression == torch.float16 and t.numel() and t.abs().max().item() > _FP16_MAX:
             return t.contiguous()
+        if out is not None:
+            return out.view(t.shape).copy_(t)
         return t.to(compression).contiguous()
     return t.contiguous()
 

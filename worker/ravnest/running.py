@@ -102,8 +102,11 @@ class LocalRun:
         plan, _, _ = building.plan_job(self.job)
         self.plan = plan
         names = plan.names()
-        ports = free_ports(2 * len(names))
+        tcp_ring = self.job.spec.training.ring_transport == "tcp"
+        ports = free_ports((3 if tcp_ring else 2) * len(names))
         addresses = {n: f"127.0.0.1:{ports[i]}" for i, n in enumerate(names)}
+        ring_addresses = ({n: f"127.0.0.1:{ports[2 * len(names) + i]}"
+                           for i, n in enumerate(names)} if tcp_ring else None)
         tls_dirs: dict[str, str | None] = dict.fromkeys(names)
         if self.job.spec.security.tls:
             ca = make_authority(self.job.name)
@@ -113,7 +116,9 @@ class LocalRun:
                 tls_dirs[n] = str(folder)
         metas = [NodeMetadata(job=self.job, plan=plan, node=n, addresses=addresses,
                               output_dir=str(self.out.resolve()), listen=addresses[n],
-                              metrics_port=ports[len(names) + i], tls_dir=tls_dirs[n])
+                              metrics_port=ports[len(names) + i], tls_dir=tls_dirs[n],
+                              ring_addresses=ring_addresses,
+                              ring_listen=ring_addresses[n] if ring_addresses else "")
                  for i, n in enumerate(names)]
         (self.out / "nodes").mkdir(parents=True, exist_ok=True)
         (self.out / "logs").mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ import logging
 import math
 import queue
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ from torch.func import functional_call
 
 from . import checkpointing
 from .allreducing import FINAL_ROUND, RingReducer, reduce_all
+from .dataplane import RingLink
 from .errors import PeerTimeout, RavnestError
 from .framing import Frame
 from .metrics import WorkerMetrics
@@ -112,7 +113,9 @@ class NodeRuntime:
                  optimizer: torch.optim.Optimizer | None, scheduler: Any,
                  criterion: Callable[..., torch.Tensor] | None, inbox: Inbox,
                  peers: dict[str, Peer], metrics: WorkerMetrics, batches: Batches | None = None,
-                 ) -> None:
+                 ring_peers: Mapping[str, RingLink] | None = None) -> None:
+        """`ring_peers`: the ring successors' data-plane links (training.ringTransport: tcp);
+        without them ring pieces go to `peers` over gRPC."""
         self.name = name
         self.plan = plan
         self.me: NodePlan = plan.node(name)
@@ -130,7 +133,7 @@ class NodeRuntime:
         self.down = peers[down] if down else None
         self.params = dict(stage.named_parameters())
         self.reducers = [
-            (RingReducer(r, name, peers, inbox, settings.reduce_timeout,
+            (RingReducer(r, name, ring_peers or peers, inbox, settings.reduce_timeout,
                          compression=settings.compression),
              self._ring_tensors(r.state))
             for r in plan.rings_of(name)

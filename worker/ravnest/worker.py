@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from . import building
+from .dataplane import RingLink, RingServer
 from .errors import PlanError, RavnestError, SpecError
 from .metrics import Identity, WorkerMetrics
 from .partitioning import Stage, build_stage, profile
@@ -48,6 +49,9 @@ class NodeMetadata:
     namespace: str = "default"
     tls_dir: str | None = None
     """Folder with this node's `ca.crt`, `tls.crt` and `tls.key` when the job uses TLS."""
+    ring_addresses: dict[str, str] | None = None
+    """Node name -> host:port of its ring data server (training.ringTransport: tcp)."""
+    ring_listen: str = "0.0.0.0:50052"
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -58,6 +62,9 @@ class NodeMetadata:
             "namespace": self.namespace}
         if self.tls_dir is not None:
             d["tlsDir"] = self.tls_dir
+        if self.ring_addresses is not None:
+            d["ringAddresses"] = self.ring_addresses
+            d["ringListen"] = self.ring_listen
         return d
 
     @classmethod
@@ -68,7 +75,10 @@ class NodeMetadata:
                    addresses=dict(d["addresses"]), output_dir=d["outputDir"],
                    listen=d.get("listen", "0.0.0.0:50051"),
                    metrics_port=int(d.get("metricsPort", 9400)),
-                   namespace=d.get("namespace", "default"), tls_dir=d.get("tlsDir"))
+                   namespace=d.get("namespace", "default"), tls_dir=d.get("tlsDir"),
+                   ring_addresses=(dict(d["ringAddresses"]) if d.get("ringAddresses") is not None
+                                   else None),
+                   ring_listen=d.get("ringListen", "0.0.0.0:50052"))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True))
@@ -182,6 +192,26 @@ class Worker:
         self.peers = {n: Peer(meta.addresses[n], creds, spec.training.compression,
                               on_bytes=self.metrics.sent, tls=tls, server_name=identity(n))
                       for n in sorted(wanted)}
+        self.ring_server: RingServer | None = None
+        ring_links: dict[str, RingLink] = {}
+        if spec.training.ring_transport == "tcp" and plan.rings_of(me.name):
+            if meta.ring_addresses is None:
+                raise RavnestError(f"{meta.node}: spec.training.ringTransport is tcp but the node "
+                                   f"metadata names no ringAddresses")
+            self.ring_server = RingServer(meta.ring_listen, token, plan.fingerprint,
+                                          self.inbox.deliver, on_bytes=self.metrics.received,
+                                          tls=tls)
+            successors = {r.members[(r.members.index(me.name) + 1) % len(r.members)]
+                          for r in plan.rings_of(me.name) if len(r.members) > 1}
+            for n in sorted(successors):
+                if n not in meta.ring_addresses:
+                    raise RavnestError(f"{meta.node}: ringAddresses has no address for {n}")
+                ring_links[n] = RingLink(meta.ring_addresses[n], token, plan.fingerprint, me.name,
+                                         spec.training.compression,
+                                         timeout=spec.training.reduce_timeout_seconds,
+                                         on_bytes=self.metrics.sent, tls=tls,
+                                         server_name=identity(n))
+        self.ring_links = ring_links
         params = [p for p in stage.parameters() if p.requires_grad]
         optimizer = building.build_optimizer(spec, params) if params else None
         scheduler = building.build_scheduler(spec, optimizer) if optimizer else None
@@ -194,13 +224,15 @@ class Worker:
             spec.checkpoint.path) else spec.checkpoint.path
         self.runtime = NodeRuntime(me.name, plan, stage, settings_from(spec, ckpt), optimizer,
                                    scheduler, criterion, self.inbox, self.peers, self.metrics,
-                                   batches)
+                                   batches, ring_peers=ring_links or None)
         self.metrics_port = 0
 
     def run(self) -> None:
         host = self.meta.listen.rsplit(":", 1)[0]
         self.metrics_port = self.metrics.serve(self.meta.metrics_port, addr=host)
         self.server.start()
+        if self.ring_server is not None:
+            self.ring_server.start()
         try:
             for peer in self.peers.values():
                 peer.wait_ready(self.runtime.s.peer_timeout)
@@ -214,6 +246,10 @@ class Worker:
         finally:
             for peer in self.peers.values():
                 peer.close()
+            for link in self.ring_links.values():
+                link.close()
+            if self.ring_server is not None:
+                self.ring_server.stop()
             self.server.stop()
 
     def _write_outputs(self) -> None:
