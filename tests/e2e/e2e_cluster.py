@@ -3,6 +3,7 @@ kubectl and helm, waits with diagnostics, and the image in the local Docker Engi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -110,6 +111,17 @@ class Cluster:
             time.sleep(interval)
 
 
+def _source_digest() -> str:
+    """A digest of what goes into the image: the engine, the operator and how they are built."""
+    h = hashlib.sha256()
+    files = [ROOT / "Dockerfile", ROOT / "pyproject.toml",
+             *sorted(p for d in ("worker", "operator") for p in (ROOT / d).rglob("*")
+                     if p.is_file() and "__pycache__" not in p.parts)]
+    for path in files:
+        h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:32]
+
+
 def ensure_docker_image() -> None:
     """The image in the local Docker Engine; built offline (test_image.py's recipe) if missing."""
     if shutil.which("docker") is None:
@@ -118,9 +130,12 @@ def ensure_docker_image() -> None:
     if info.returncode != 0:
         pytest.fail(f"the Docker Engine does not answer `docker info`: run scripts/docker-engine"
                     f"\n{info.stderr[-2000:]}")
-    have = subprocess.run(["docker", "image", "inspect", IMAGE], capture_output=True, timeout=60)
-    if have.returncode == 0:
-        return
+    source = _source_digest()
+    have = subprocess.run(["docker", "image", "inspect", "-f",
+                           '{{index .Config.Labels "io.ravnest.source"}}', IMAGE],
+                          capture_output=True, text=True, timeout=60)
+    if have.returncode == 0 and have.stdout.strip() == source:
+        return  # built from these very sources (an older build would run older code)
     sys.path.insert(0, str(ROOT / "tests" / "integration"))
     import test_image  # the offline build: wheelhouse + debootstrap base, --network none
 
@@ -134,4 +149,4 @@ def ensure_docker_image() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         context = test_image.build_context(Path(tmp) / "context", test_image.wheelhouse())
         test_image.docker_build(context, "--target", "builder", "--tag", f"{IMAGE}-builder")
-        test_image.docker_build(context, "--tag", IMAGE)
+        test_image.docker_build(context, "--tag", IMAGE, "--label", f"io.ravnest.source={source}")
