@@ -1,14 +1,18 @@
-"""Ring all-reduce: our RingReducer over gRPC versus torch.distributed gloo, side by side.
+"""Ring all-reduce: our RingReducer over gRPC and over the TCP data plane versus torch.distributed
+gloo, side by side.
 
 Why it exists: clusters average their parameters with `RingReducer.average` (reduce-scatter then
 all-gather over our transport). This measures its bus bandwidth against gloo's all_reduce on the
 same tensors, in the same rank processes, in the same run, and checks that the result is the mean:
 the max abs error against the float64 mean of all ranks' inputs is printed for ours in fp32, ours
-with bf16 on the wire (Peer compression="bf16"), and gloo.
+with bf16 on the wire (Peer compression="bf16"), and gloo. Both transports a job can choose
+(training.ringTransport) are timed: "ours" is the ring over gRPC (the default), "tcp" the same
+RingReducer over dataplane.RingLink/RingServer (authenticated raw-byte connections).
 
-Each rank is a spawned process with a Server + Inbox on a free 127.0.0.1 port and one Peer per
-compression to its ring successor, all with the same Credentials; gloo's process group (tcp://
-127.0.0.1) is also used for the barriers that line the ranks up before every timed call.
+Each rank is a spawned process with a Server + Inbox on a free 127.0.0.1 port, a RingServer
+delivering to the same Inbox, and one Peer and one RingLink per compression to its ring successor,
+all with the same credentials; gloo's process group (tcp://127.0.0.1) is also used for the
+barriers that line the ranks up before every timed call.
 What is timed:
 - ours: one `RingReducer.average([flat], round)` call (flatten copy, ring, write-back);
 - gloo: one `all_reduce(SUM)` of the input pre-scaled by 1/n outside the timer (that yields the
@@ -37,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ravnest.allreducing import RingReducer
+from ravnest.dataplane import RingLink, RingServer
 from ravnest.planning import RingPlan
 from ravnest.transport import Credentials, Inbox, Peer, Server
 
@@ -44,7 +49,7 @@ log = logging.getLogger("bench.allreduce")
 
 MIB = 1 << 20
 CREDS = Credentials(token="bench-token", fingerprint="bench-plan")
-VARIANTS = ("ours", "ours_bf16", "gloo")
+VARIANTS = ("ours", "ours_bf16", "tcp", "tcp_bf16", "tcp_ring", "gloo")
 RING_TIMEOUT = 300.0
 
 
@@ -79,17 +84,25 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
     inbox = Inbox()
     server = Server("127.0.0.1:0", CREDS, inbox.deliver)
     server.start()
-    ports: list[int] = [0] * world
-    dist.all_gather_object(ports, server.port)
+    ring_server = RingServer("127.0.0.1:0", CREDS.token, CREDS.fingerprint, inbox.deliver)
+    ring_server.start()
+    ports: list[tuple[int, int]] = [(0, 0)] * world
+    dist.all_gather_object(ports, (server.port, ring_server.port))
     members = tuple(f"r{i}" for i in range(world))
     ring = RingPlan(id="bench", members=members, state=())
     succ = members[(rank + 1) % world]
-    address = f"127.0.0.1:{ports[(rank + 1) % world]}"
+    address = f"127.0.0.1:{ports[(rank + 1) % world][0]}"
+    ring_address = f"127.0.0.1:{ports[(rank + 1) % world][1]}"
     peers = {c: Peer(address, CREDS, compression=c) for c in ("none", "bf16")}
     for peer in peers.values():
         peer.wait_ready(60)
-    reducers = {c: RingReducer(ring, members[rank], {succ: p}, inbox, RING_TIMEOUT, compression=c)
-                for c, p in peers.items()}
+    links = {c: RingLink(ring_address, CREDS.token, CREDS.fingerprint, members[rank],
+                         compression=c, timeout=RING_TIMEOUT) for c in ("none", "bf16")}
+    reducers: dict[str, RingReducer] = {
+        **{c: RingReducer(ring, members[rank], {succ: p}, inbox, RING_TIMEOUT, compression=c)
+           for c, p in peers.items()},
+        **{f"tcp_{c}": RingReducer(ring, members[rank], {succ: link}, inbox, RING_TIMEOUT,
+                                   compression=c) for c, link in links.items()}}
     round_ = 0
     try:
         for size in sizes:
@@ -106,7 +119,9 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
                 def call() -> None:
                     nonlocal round_
                     round_ += 1
-                    if not reducers[compression].average([work], round_):
+                    if compression == "tcp_ring":  # the ring alone, in place, as gloo's
+                        reducers["tcp_none"].all_reduce_(work, round_)
+                    elif not reducers[compression].average([work], round_):
                         raise RuntimeError(f"rank {rank}: ring round {round_} was skipped")
 
                 return _pair(prepare, call)
@@ -115,7 +130,9 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
                      scaled: torch.Tensor = scaled) -> Callable[[], tuple[float, float]]:
                 return _pair(lambda: work.copy_(scaled), lambda: dist.all_reduce(work))
 
-            variants = {"ours": ours("none"), "ours_bf16": ours("bf16"), "gloo": gloo()}
+            variants = {"ours": ours("none"), "ours_bf16": ours("bf16"),
+                        "tcp": ours("tcp_none"), "tcp_bf16": ours("tcp_bf16"),
+                        "tcp_ring": ours("tcp_ring"), "gloo": gloo()}
             times: dict[str, list[float]] = {k: [] for v in VARIANTS
                                              for k in (v, f"{v}_cpu")}
             for i in range(warmup + repeats):
@@ -138,6 +155,9 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
     finally:
         for peer in peers.values():
             peer.close()
+        for link in links.values():
+            link.close()
+        ring_server.stop()
         server.stop(0)
         dist.destroy_process_group()
 
@@ -253,6 +273,24 @@ def main() -> None:
               f"{s['ours_bf16_bus']:>9.3f} {s['ours_s'] / s['ours_bf16_s']:>12.2f}x "
               f"{s['ours_bf16_err']:>13.2e} {s['ours_bf16_spread']:>12.2e} "
               f"{s['ours_spread']:>12.2e}")
+    _emit()
+    _emit("The same RingReducer on the TCP data plane (training.ringTransport: tcp), same run. "
+          "tcp = average() as training calls it (copy in, ring, copy out: a failed round leaves "
+          "the parameters untouched); ring = all_reduce_() alone, in place on the flat tensor, "
+          "as gloo's all_reduce")
+    _emit(f"{'ranks':>5} {'size':>7} {'tcp ms':>8} {'gloo ms':>8} {'tcp bus':>9} {'tcp/gloo':>9} "
+          f"{'tcp/ours':>9} {'ring ms':>8} {'ring/gloo':>10} {'tcp cpu ms':>11} "
+          f"{'ring cpu ms':>12} {'tcp max err':>12} {'bf16 ms':>8} "
+          f"{'bf16/tcp':>9} {'bf16 err':>9} {'bf16 spread':>12}")
+    for world, size, s in rows:
+        _emit(f"{world:>5} {size // MIB:>4}MiB {s['tcp_s'] * 1e3:>8.1f} {s['gloo_s'] * 1e3:>8.1f} "
+              f"{s['tcp_bus']:>9.3f} {s['gloo_s'] / s['tcp_s']:>9.2f} "
+              f"{s['ours_s'] / s['tcp_s']:>9.2f} {s['tcp_ring_s'] * 1e3:>8.1f} "
+              f"{s['gloo_s'] / s['tcp_ring_s']:>10.2f} {s['tcp_cpu'] * 1e3:>11.1f} "
+              f"{s['tcp_ring_cpu'] * 1e3:>12.1f} "
+              f"{max(s['tcp_err'], s['tcp_ring_err']):>12.2e} {s['tcp_bf16_s'] * 1e3:>8.1f} "
+              f"{s['tcp_s'] / s['tcp_bf16_s']:>8.2f}x {s['tcp_bf16_err']:>9.2e} "
+              f"{s['tcp_bf16_spread']:>12.2e}")
 
 
 if __name__ == "__main__":
