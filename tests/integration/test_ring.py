@@ -77,6 +77,7 @@ def state(rank: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(rank)
     return [torch.randn(37, 5, generator=g), torch.randn(101, generator=g),
             torch.randn(3, 3, 3, generator=g).double(), torch.tensor([rank * 10 + 3]),
+            torch.empty(0), torch.randn(6, 4, generator=g).t(),  # an empty and a strided one
             torch.randn(1, generator=g)]
 
 
