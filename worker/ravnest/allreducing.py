@@ -8,9 +8,8 @@ values, the round is counted as skipped, and pieces of it that arrive late are d
 
 from __future__ import annotations
 
-import bisect
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -30,41 +29,18 @@ PIECE_BYTES = 4 << 20
 overhead stays small."""
 
 
-class _Sources:
-    """The tensors `average` reads, addressed by their offset in the flat float32 buffer the ring
-    works on: reduce-scatter reads each element once from here (a copy for the segment a node
-    sends first, an out-of-place add for every segment it receives) instead of copying all of
-    them into the buffer before the ring starts."""
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self._views = [t.detach().reshape(-1) for t in tensors]
-        self._starts: list[int] = []
-        offset = 0
-        for v in self._views:
-            self._starts.append(offset)
-            offset += v.numel()
-        self.numel = offset
-
-    def _parts(self, start: int, stop: int) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """(lo, hi, source elements [lo, hi)) covering flat offsets [start, stop)."""
-        i = max(0, bisect.bisect_right(self._starts, start) - 1)
-        while start < stop and i < len(self._views):
-            base, view = self._starts[i], self._views[i]
-            hi = min(stop, base + view.numel())
-            if hi > start:
-                yield start, hi, view[start - base:hi - base]
-                start = hi
-            i += 1
-
-    def copy_to(self, out: torch.Tensor, start: int) -> None:
-        """out = the source elements from flat offset `start` on."""
-        for lo, hi, src in self._parts(start, start + out.numel()):
-            out[lo - start:hi - start].copy_(src)
-
-    def add_to(self, out: torch.Tensor, start: int, x: torch.Tensor) -> None:
-        """out = the source elements from flat offset `start` on, plus x."""
-        for lo, hi, src in self._parts(start, start + out.numel()):
-            torch.add(src, x[lo - start:hi - start], out=out[lo - start:hi - start])
+def _flatten(tensors: Sequence[torch.Tensor], buffer: torch.Tensor | None) -> torch.Tensor:
+    """One float32 copy of all tensors, back to back (the ring works on the copy), in `buffer`
+    when it has the right size: a buffer reused round after round costs no page faults."""
+    numel = sum(t.numel() for t in tensors)
+    if buffer is None or buffer.numel() != numel:
+        buffer = torch.empty(numel, dtype=torch.float32)
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            buffer[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
+            offset += t.numel()
+    return buffer
 
 
 def _round_like_wire(seg: torch.Tensor, wire: torch.dtype | None) -> None:
@@ -109,12 +85,9 @@ class RingReducer:
         """Average `tensors` in place with the other members; False if the round was skipped."""
         if self.size == 1:
             return True
-        sources = _Sources(tensors)
-        if self._flat is None or self._flat.numel() != sources.numel:
-            self._flat = torch.empty(sources.numel, dtype=torch.float32)
-        flat = self._flat  # reused round after round: no page faults
+        flat = self._flat = _flatten(tensors, self._flat)
         try:
-            self._reduce(flat, round_, sources)
+            self._reduce(flat, round_)
         except TransportError as e:
             log.warning("ring %s round %d skipped: %s", self.ring.id, round_, e)
             return False
@@ -132,42 +105,35 @@ class RingReducer:
             return
         self._reduce(flat, round_)
 
-    def _reduce(self, flat: torch.Tensor, round_: int, sources: _Sources | None = None) -> None:
-        """The ring on `flat` (its inputs read from `sources` when given, else `flat` itself);
-        after a failure, drop the round's late pieces and stop the link reading `flat` (the next
-        round reuses it), then raise."""
+    def _reduce(self, flat: torch.Tensor, round_: int) -> None:
+        """The ring on `flat`; after a failure, drop the round's late pieces and stop the link
+        reading `flat` (the next round reuses it), then raise."""
         try:
-            self._all_reduce(flat, round_, sources)
+            self._all_reduce(flat, round_)
         except TransportError:
             self._inbox.forget_rounds_before(self.ring.id, round_ + 1)
             if isinstance(self._next, RingLink):
                 self._next.abort()
             raise
 
-    def _all_reduce(self, flat: torch.Tensor, round_: int, sources: _Sources | None) -> None:
+    def _all_reduce(self, flat: torch.Tensor, round_: int) -> None:
         """Reduce-scatter then all-gather, pipelined piece by piece: each of the n segments is cut
         into pieces, and a piece goes on to the next node as soon as it is reduced (or gathered)
         here, so sending, receiving and adding overlap along the ring instead of each step
-        waiting for a whole segment. With `sources`, this node's inputs are read from there as
-        the reduce-scatter reaches them, and every element of `flat` is written before it is
-        read (the segment sent first is copied, every other one is received and added)."""
+        waiting for a whole segment."""
         n, r = self.size, self.rank
         pieces = [list(seg.split(self._piece)) for seg in flat.tensor_split(n)]
         per = max(len(p) for p in pieces)  # phase id = ring step * per + piece
-        base = flat.storage_offset()
 
         def phase(step: int, k: int) -> int:
             return step * per + k
 
         for k, piece in enumerate(pieces[r]):
-            if sources is not None:
-                sources.copy_to(piece, piece.storage_offset() - base)
             self._post("reduce", piece, round_, phase(0, k))
         for s in range(n - 1):
             last = s == n - 2
             for k, piece in enumerate(pieces[(r - s - 1) % n]):
-                self._take(round_, phase(s, k), piece, add=True, sources=sources,
-                           start=piece.storage_offset() - base)
+                self._take(round_, phase(s, k), piece, add=True)
                 if not last:
                     self._post("reduce", piece, round_, phase(s + 1, k))
                     continue
@@ -188,10 +154,8 @@ class RingReducer:
         self._next.post(Frame(kind=kind, tensors={"x": seg}, step=round_, version=phase,
                               ring=self.ring.id, sender=self._sender), ordered=False)
 
-    def _take(self, round_: int, phase: int, piece: torch.Tensor, add: bool,
-              sources: _Sources | None = None, start: int = 0) -> None:
-        """Add the awaited piece into `piece` (to the elements of `sources` from flat offset
-        `start` on, when given), or (`add` false) copy it there."""
+    def _take(self, round_: int, phase: int, piece: torch.Tensor, add: bool) -> None:
+        """Add the awaited piece into `piece`, or (`add` false) copy it there."""
         frame = self._inbox.take_ring(self.ring.id, round_, phase, self._timeout)
         try:
             x = frame.tensors.get("x")
@@ -199,9 +163,7 @@ class RingReducer:
                 raise TransportError(f"ring {self.ring.id}: piece of shape "
                                      f"{None if x is None else tuple(x.shape)} from "
                                      f"{frame.sender}, expected {tuple(piece.shape)}")
-            if add and sources is not None:
-                sources.add_to(piece, start, x)
-            elif add:
+            if add:
                 piece.add_(x)
             else:
                 piece.copy_(x)
