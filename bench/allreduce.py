@@ -90,7 +90,7 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
     dist.all_gather_object(ports, (server.port, ring_server.port))
     members = tuple(f"r{i}" for i in range(world))
     ring = RingPlan(id="bench", members=members, state=())
-    succ = members[(rank + 1) % world]
+    succ = ring.successor(members[rank])
     address = f"127.0.0.1:{ports[(rank + 1) % world][0]}"
     ring_address = f"127.0.0.1:{ports[(rank + 1) % world][1]}"
     peers = {c: Peer(address, CREDS, compression=c) for c in ("none", "bf16")}

@@ -12,7 +12,7 @@ from models import skipnet
 
 from ravnest.errors import PlanError
 from ravnest.partitioning import Layer, Profile, profile
-from ravnest.planning import GB, ProviderInfo, Workload, estimate, make_plan
+from ravnest.planning import GB, ProviderInfo, RingPlan, Workload, estimate, make_plan
 
 
 def _layer(name: str, gflops: float, param_bytes: int) -> Layer:
@@ -131,3 +131,11 @@ def test_a_plan_of_a_thousand_providers_uses_each_once_within_its_ram():
         (ring,) = [r for r in plan.rings if name in r.state]
         assert [plan.node(m).cluster for m in ring.members] == list(range(len(plan.clusters)))
     assert make_plan(prof, pool, Workload(batch_size=8, microbatches=2)) == plan  # deterministic
+
+
+def test_ring_successor_wraps_around_and_a_ring_of_one_sends_to_itself() -> None:
+    ring = RingPlan(id="ring-0", members=("a", "b", "c"), state=())
+    assert [ring.successor(m) for m in ring.members] == ["b", "c", "a"]
+    assert RingPlan(id="ring-1", members=("a",), state=()).successor("a") == "a"
+    with pytest.raises(ValueError):
+        ring.successor("z")

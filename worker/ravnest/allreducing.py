@@ -73,7 +73,7 @@ class RingReducer:
         self.ring = ring
         self.rank = ring.members.index(me)
         self.size = len(ring.members)
-        self._next = peers[ring.members[(self.rank + 1) % self.size]] if self.size > 1 else None
+        self._next = peers[ring.successor(me)] if self.size > 1 else None
         self._inbox = inbox
         self._timeout = timeout
         self._sender = sender or me

@@ -108,6 +108,10 @@ class RingPlan:
     state: tuple[str, ...]
     """Parameter and buffer names the ring averages, in state_dict order."""
 
+    def successor(self, name: str) -> str:
+        """The member `name` sends its pieces to (itself in a ring of one)."""
+        return self.members[(self.members.index(name) + 1) % len(self.members)]
+
 
 @dataclass(frozen=True)
 class Plan:

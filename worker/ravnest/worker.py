@@ -201,8 +201,8 @@ class Worker:
             self.ring_server = RingServer(meta.ring_listen, token, plan.fingerprint,
                                           self.inbox.deliver, on_bytes=self.metrics.received,
                                           tls=tls)
-            successors = {r.members[(r.members.index(me.name) + 1) % len(r.members)]
-                          for r in plan.rings_of(me.name) if len(r.members) > 1}
+            successors = {r.successor(me.name) for r in plan.rings_of(me.name)
+                          if len(r.members) > 1}
             for n in sorted(successors):
                 if n not in meta.ring_addresses:
                     raise RavnestError(f"{meta.node}: ringAddresses has no address for {n}")
