@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ravnest import building, checkpointing, parse_job
 from ravnest.fusing import fuse_stage_files
-from ravnest.running import LocalRun, free_ports, scrape
+from ravnest.running import LocalRun, node_endpoints, scrape
 from ravnest.worker import NodeMetadata
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -253,13 +253,9 @@ class _SplitRun:
         self.plan, _, _ = building.plan_job(self.job)
         names = self.plan.names()
         self.far = set(next(c for c in self.plan.clusters if c.id == 1).nodes)
-        ports = free_ports(3 * len(names))
         self.hosts = {n: net.ns_ip if n in self.far else net.host_ip for n in names}
-        addresses = {n: f"{self.hosts[n]}:{ports[i]}" for i, n in enumerate(names)}
-        ring_addresses = ({n: f"{self.hosts[n]}:{ports[2 * len(names) + i]}"
-                           for i, n in enumerate(names)}
-                          if self.job.spec.training.ring_transport == "tcp" else None)
-        self.metrics_ports = {n: ports[len(names) + i] for i, n in enumerate(names)}
+        addresses, self.metrics_ports, ring_addresses = node_endpoints(
+            names, self.hosts, self.job.spec.training.ring_transport == "tcp")
         (out / "nodes").mkdir(parents=True)
         (out / "logs").mkdir()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}

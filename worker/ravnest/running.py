@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,17 @@ def free_ports(n: int) -> list[int]:
         for s in socks:
             s.close()
     return ports
+
+
+def node_endpoints(names: Sequence[str], hosts: Mapping[str, str], tcp_ring: bool,
+                   ) -> tuple[dict[str, str], dict[str, int], dict[str, str] | None]:
+    """Free ports for each node on its host: its gRPC address, its metrics port, and with a TCP
+    ring (training.ringTransport: tcp) its ring data address, else None."""
+    ports = iter(free_ports((3 if tcp_ring else 2) * len(names)))
+    addresses = {n: f"{hosts[n]}:{next(ports)}" for n in names}
+    metrics_ports = {n: next(ports) for n in names}
+    ring_addresses = {n: f"{hosts[n]}:{next(ports)}" for n in names} if tcp_ring else None
+    return addresses, metrics_ports, ring_addresses
 
 
 @dataclass
@@ -102,11 +114,9 @@ class LocalRun:
         plan, _, _ = building.plan_job(self.job)
         self.plan = plan
         names = plan.names()
-        tcp_ring = self.job.spec.training.ring_transport == "tcp"
-        ports = free_ports((3 if tcp_ring else 2) * len(names))
-        addresses = {n: f"127.0.0.1:{ports[i]}" for i, n in enumerate(names)}
-        ring_addresses = ({n: f"127.0.0.1:{ports[2 * len(names) + i]}"
-                           for i, n in enumerate(names)} if tcp_ring else None)
+        addresses, metrics_ports, ring_addresses = node_endpoints(
+            names, dict.fromkeys(names, "127.0.0.1"),
+            self.job.spec.training.ring_transport == "tcp")
         tls_dirs: dict[str, str | None] = dict.fromkeys(names)
         if self.job.spec.security.tls:
             ca = make_authority(self.job.name)
@@ -116,10 +126,10 @@ class LocalRun:
                 tls_dirs[n] = str(folder)
         metas = [NodeMetadata(job=self.job, plan=plan, node=n, addresses=addresses,
                               output_dir=str(self.out.resolve()), listen=addresses[n],
-                              metrics_port=ports[len(names) + i], tls_dir=tls_dirs[n],
+                              metrics_port=metrics_ports[n], tls_dir=tls_dirs[n],
                               ring_addresses=ring_addresses,
                               ring_listen=ring_addresses[n] if ring_addresses else "")
-                 for i, n in enumerate(names)]
+                 for n in names]
         (self.out / "nodes").mkdir(parents=True, exist_ok=True)
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
         for m in metas:
