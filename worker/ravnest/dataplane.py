@@ -312,7 +312,6 @@ class RingServer:
         if self._on_bytes:
             self._on_bytes(frame.kind, nbytes)
 
-
     def _buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         with self._lock:
             free = self._pool.get((dtype, numel))
@@ -433,10 +432,7 @@ class RingLink:
                 if not failed:  # after a failure the rest of the round is dropped, not sent
                     self._write(frame)
             except (OSError, ssl.SSLError, TransportError) as e:
-                reason = e if isinstance(e, TransportError) else \
-                    PeerTimeout(f"ring peer {self.address} did not take data within "
-                                f"{self._timeout:.0f}s") if isinstance(e, TimeoutError) else \
-                    TransportError(f"ring peer {self.address}: {e}")
+                reason = self._reason(e)
                 log.error("ring data to %s failed: %s", self.address, reason)
                 self._disconnect()
                 with self._lock:
@@ -446,6 +442,15 @@ class RingLink:
                     self._pending -= 1
                     if self._pending <= 0:
                         self._idle.notify_all()
+
+    def _reason(self, e: Exception) -> TransportError:
+        """A failed write, as the caller's next call raises it."""
+        if isinstance(e, TransportError):
+            return e
+        if isinstance(e, TimeoutError):
+            return PeerTimeout(f"ring peer {self.address} did not take data within "
+                               f"{self._timeout:.0f}s")
+        return TransportError(f"ring peer {self.address}: {e}")
 
     def _disconnect(self) -> None:
         with self._lock:
