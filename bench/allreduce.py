@@ -14,7 +14,9 @@ delivering to the same Inbox, and one Peer and one RingLink per compression to i
 all with the same credentials; gloo's process group (tcp://127.0.0.1) is also used for the
 barriers that line the ranks up before every timed call.
 What is timed:
-- ours: one `RingReducer.average([flat], round)` call (flatten copy, ring, write-back);
+- ours: one `RingReducer.average([t], round, movable=1)` call, as training makes it (t moved
+  into the reducer's buffer on the first call, then read in place by the ring, which writes the
+  mean to a second buffer that t is pointed at when the round completes);
 - gloo: one `all_reduce(SUM)` of the input pre-scaled by 1/n outside the timer (that yields the
   mean without a timed division).
 A repeat's time is the slowest rank's; the median over repeats is reported, after a warmup.
@@ -84,7 +86,8 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
     inbox = Inbox()
     server = Server("127.0.0.1:0", CREDS, inbox.deliver)
     server.start()
-    ring_server = RingServer("127.0.0.1:0", CREDS.token, CREDS.fingerprint, inbox.deliver)
+    ring_server = RingServer("127.0.0.1:0", CREDS.token, CREDS.fingerprint, inbox.deliver,
+                             inbox=inbox)
     ring_server.start()
     ports: list[tuple[int, int]] = [(0, 0)] * world
     dist.all_gather_object(ports, (server.port, ring_server.port))
@@ -109,9 +112,10 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
             numel = size // 4
             source = _inputs(rank, numel)
             scaled = source / world
-            work = torch.empty_like(source)
+            # one tensor per variant: average() keeps each in its own reducer's buffer
+            works = {name: torch.empty_like(source) for name in VARIANTS}
 
-            def ours(compression: str, work: torch.Tensor = work,
+            def ours(compression: str, work: torch.Tensor,
                      source: torch.Tensor = source) -> Callable[[], tuple[float, float]]:
                 def prepare() -> None:
                     work.copy_(source)
@@ -121,18 +125,20 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
                     round_ += 1
                     if compression == "tcp_ring":  # the ring alone, in place, as gloo's
                         reducers["tcp_none"].all_reduce_(work, round_)
-                    elif not reducers[compression].average([work], round_):
+                    elif not reducers[compression].average([work], round_, 1):
                         raise RuntimeError(f"rank {rank}: ring round {round_} was skipped")
 
                 return _pair(prepare, call)
 
-            def gloo(work: torch.Tensor = work,
+            def gloo(work: torch.Tensor = works["gloo"],
                      scaled: torch.Tensor = scaled) -> Callable[[], tuple[float, float]]:
                 return _pair(lambda: work.copy_(scaled), lambda: dist.all_reduce(work))
 
-            variants = {"ours": ours("none"), "ours_bf16": ours("bf16"),
-                        "tcp": ours("tcp_none"), "tcp_bf16": ours("tcp_bf16"),
-                        "tcp_ring": ours("tcp_ring"), "gloo": gloo()}
+            variants = {"ours": ours("none", works["ours"]),
+                        "ours_bf16": ours("bf16", works["ours_bf16"]),
+                        "tcp": ours("tcp_none", works["tcp"]),
+                        "tcp_bf16": ours("tcp_bf16", works["tcp_bf16"]),
+                        "tcp_ring": ours("tcp_ring", works["tcp_ring"]), "gloo": gloo()}
             times: dict[str, list[float]] = {k: [] for v in VARIANTS
                                              for k in (v, f"{v}_cpu")}
             for i in range(warmup + repeats):
@@ -146,10 +152,11 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
             exact = _exact_mean(world, numel)
             for name in VARIANTS:
                 variants[name]()
-                errors[name] = (work.double() - exact).abs().max().item()
-                reference = work.clone()
+                out = works[name]
+                errors[name] = (out.double() - exact).abs().max().item()
+                reference = out.clone()
                 dist.broadcast(reference, 0)
-                spread[name] = (work - reference).abs().max().item()
+                spread[name] = (out - reference).abs().max().item()
             del exact
             results.put((rank, size, times, errors, spread))
     finally:
@@ -275,8 +282,9 @@ def main() -> None:
               f"{s['ours_spread']:>12.2e}")
     _emit()
     _emit("The same RingReducer on the TCP data plane (training.ringTransport: tcp), same run. "
-          "tcp = average() as training calls it (copy in, ring, copy out: a failed round leaves "
-          "the parameters untouched); ring = all_reduce_() alone, in place on the flat tensor, "
+          "tcp = average() as training calls it (read in place, the mean written to a second "
+          "buffer the parameters are pointed at when the round completes: a failed round "
+          "leaves them untouched); ring = all_reduce_() alone, in place on the flat tensor, "
           "as gloo's all_reduce")
     _emit(f"{'ranks':>5} {'size':>7} {'tcp ms':>8} {'gloo ms':>8} {'tcp bus':>9} {'tcp/gloo':>9} "
           f"{'tcp/ours':>9} {'ring ms':>8} {'ring/gloo':>10} {'tcp cpu ms':>11} "

@@ -46,7 +46,8 @@ class Served:
     def __init__(self, **kw: object) -> None:
         self.inbox = Inbox()
         self.server = RingServer("127.0.0.1:0", TOKEN, PLAN, self.inbox.deliver,
-                                 max_frame_bytes=MAX, **kw)  # type: ignore[arg-type]
+                                 max_frame_bytes=MAX, inbox=self.inbox,
+                                 **kw)  # type: ignore[arg-type]
         self.address = f"127.0.0.1:{self.server.port}"
 
     def pieces(self) -> list[tuple[str, int, int]]:
@@ -248,7 +249,7 @@ def test_a_declared_size_beyond_the_limit_is_refused_without_allocating(served: 
 
 
 def _ring_of_two(address_of: list[str], inboxes: list[Inbox], timeout: float,
-                 tensors: list[torch.Tensor], round_: int) -> list[bool]:
+                 tensors: list[torch.Tensor], round_: int, movable: int = 0) -> list[bool]:
     members = ("a", "b")
     ring = RingPlan(id="ring-a", members=members, state=())
     links = [RingLink(address_of[(i + 1) % 2], TOKEN, PLAN, members[i], timeout=timeout)
@@ -258,7 +259,7 @@ def _ring_of_two(address_of: list[str], inboxes: list[Inbox], timeout: float,
     def rank(i: int) -> None:
         reducer = RingReducer(ring, members[i], {members[(i + 1) % 2]: links[i]}, inboxes[i],
                               timeout=timeout, piece_bytes=64)
-        outcome[i] = reducer.average([tensors[i]], round_)
+        outcome[i] = reducer.average([tensors[i]], round_, movable)
 
     threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
     for t in threads:
@@ -284,6 +285,67 @@ def test_after_an_aborted_round_the_next_one_goes_on_a_new_connection(served: Se
     assert served.inbox.take_ring("ring-a", 2, 0, timeout=10)
 
 
+def test_an_offered_piece_is_received_into_its_tensor_and_others_into_buffers(
+        served: Served) -> None:
+    """What the all-gather offers (Inbox.expect) is filled in place, once; a piece of another
+    key, or of another dtype (bf16 on the wire), goes to a buffer of its own."""
+    offered = torch.full((6,), -1.0)
+    served.inbox.expect("ring-a", 1, {0: offered, 2: torch.full((6,), -1.0)})
+    link = RingLink(served.address, TOKEN, PLAN, "node_1", timeout=10)
+    bf16 = RingLink(served.address, TOKEN, PLAN, "node_1", timeout=10, compression="bf16")
+    try:
+        for phase in (0, 1):
+            link.post(_piece(phase=phase))
+        bf16.post(_piece(phase=2))
+        link.flush(10)
+        bf16.flush(10)
+    finally:
+        link.close()
+        bf16.close()
+    landed = served.inbox.take_ring("ring-a", 1, 0, timeout=10)
+    assert landed.tensors["x"] is offered and landed.release is None
+    assert torch.equal(offered, torch.arange(6.0))
+    for phase in (1, 2):
+        frame = served.inbox.take_ring("ring-a", 1, phase, timeout=10)
+        assert frame.tensors["x"] is not offered and frame.release is not None
+        assert torch.equal(frame.tensors["x"].float(), torch.arange(6.0))
+
+
+def test_a_given_up_round_stops_a_reception_into_its_tensor(served: Served) -> None:
+    """A peer stalls halfway through a piece that is being received in place. Giving the round
+    up cuts that connection and returns; what the peer sends after that never reaches the
+    tensor (the next round may be using it), and the server goes on serving."""
+    offered = torch.zeros(1000)
+    served.inbox.expect("ring-a", 1, {0: offered})
+    sock = _handshake(served.address)
+    try:
+        payload = torch.ones(1000).numpy().tobytes()
+        sock.sendall(_PIECE.pack(b"RVNP", 2, 1, 6, 1, 0, 1000) + b"ring-a" + payload[:2000])
+        deadline = time.monotonic() + 10
+        while not served.inbox._receiving and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert served.inbox._receiving, "the piece was not claimed for its offered tensor"
+        started = time.monotonic()
+        served.inbox.forget_rounds_before("ring-a", 2)
+        assert time.monotonic() - started < 5
+        assert not served.inbox._receiving
+        snapshot = offered.clone()
+        try:
+            sock.sendall(payload[2000:])
+        except OSError:
+            pass  # the server has shut the connection
+        assert _closed(sock)
+        assert torch.equal(offered, snapshot)
+        assert torch.equal(offered[500:], torch.zeros(500))
+    finally:
+        sock.close()
+    assert served.pieces() == []
+    with pytest.raises(TransportError, match="no data"):
+        served.inbox.take_ring("ring-a", 1, 0, timeout=0.2)
+    _send(served.address, step=2)
+    assert served.inbox.take_ring("ring-a", 2, 0, timeout=10)
+
+
 def test_two_links_of_one_node_keep_their_own_connections(served: Served) -> None:
     """Connections are replaced per link, not per node: a second link from the same node (two
     rings to the same successor) leaves the first one's connection alone."""
@@ -299,7 +361,8 @@ def test_two_links_of_one_node_keep_their_own_connections(served: Served) -> Non
     assert len([served.inbox.take_ring("ring-a", 3, i, timeout=10) for i in range(2)]) == 2
 
 
-def test_a_lost_peer_skips_the_round_and_the_next_round_completes() -> None:
+@pytest.mark.parametrize("movable", [0, 1], ids=["copied", "moved"])
+def test_a_lost_peer_skips_the_round_and_the_next_round_completes(movable: int) -> None:
     inboxes = [Inbox(), Inbox()]
     servers = [RingServer("127.0.0.1:0", TOKEN, PLAN, inbox.deliver) for inbox in inboxes]
     for s in servers:
@@ -309,14 +372,16 @@ def test_a_lost_peer_skips_the_round_and_the_next_round_completes() -> None:
     try:
         servers[1].stop()  # b's data server is gone: a cannot send, b waits in vain
         start = time.monotonic()
-        assert _ring_of_two(addresses, inboxes, 2.0, x, round_=1) == [False, False]
+        assert _ring_of_two(addresses, inboxes, 2.0, x, round_=1, movable=movable) == \
+            [False, False]
         assert time.monotonic() - start < 30
         assert torch.equal(x[0], torch.full((100,), 1.0))  # a skipped round changes nothing
         assert torch.equal(x[1], torch.full((100,), 3.0))
         port = servers[1].port
         servers[1] = RingServer(f"127.0.0.1:{port}", TOKEN, PLAN, inboxes[1].deliver)
         servers[1].start()  # b is back on the same address
-        assert _ring_of_two(addresses, inboxes, 10.0, x, round_=2) == [True, True]
+        assert _ring_of_two(addresses, inboxes, 10.0, x, round_=2, movable=movable) == \
+            [True, True]
         assert torch.equal(x[0], torch.full((100,), 2.0)) and torch.equal(x[1], x[0])
     finally:
         for s in servers:

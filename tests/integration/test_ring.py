@@ -24,8 +24,10 @@ TRANSPORTS = ["grpc", "tcp"]
 
 def run_ring(world: int, make: Callable[[int], list[torch.Tensor]], *, piece_bytes: int,
              compression: str = "none", rounds: int = 1,
-             transport: str = "grpc", in_place: bool = False) -> list[list[torch.Tensor]]:
-    inboxes = [Inbox() for _ in range(world)]
+             transport: str = "grpc", in_place: bool = False,
+             inboxes: list[Inbox] | None = None,
+             movable: bool = False) -> list[list[torch.Tensor]]:
+    inboxes = inboxes or [Inbox() for _ in range(world)]
     members = tuple(f"r{i}" for i in range(world))
     servers: list[Server | RingServer]
     peers: list[Peer | RingLink]
@@ -34,8 +36,8 @@ def run_ring(world: int, make: Callable[[int], list[torch.Tensor]], *, piece_byt
         peers = [Peer(f"127.0.0.1:{servers[(i + 1) % world].port}", CREDS,
                       compression=compression) for i in range(world)]
     else:
-        servers = [RingServer("127.0.0.1:0", CREDS.token, CREDS.fingerprint, inbox.deliver)
-                   for inbox in inboxes]
+        servers = [RingServer("127.0.0.1:0", CREDS.token, CREDS.fingerprint, inbox.deliver,
+                              inbox=inbox) for inbox in inboxes]
         peers = [RingLink(f"127.0.0.1:{servers[(i + 1) % world].port}", CREDS.token,
                           CREDS.fingerprint, members[i], compression=compression, timeout=60)
                  for i in range(world)]
@@ -55,7 +57,8 @@ def run_ring(world: int, make: Callable[[int], list[torch.Tensor]], *, piece_byt
                 reducer.all_reduce_(flat, round_)
                 outcomes[i].append(True)
             else:
-                outcomes[i].append(reducer.average(tensors[i], round_))
+                outcomes[i].append(reducer.average(tensors[i], round_,
+                                                   len(tensors[i]) if movable else 0))
 
     threads = [threading.Thread(target=rank, args=(i,)) for i in range(world)]
     try:
@@ -81,13 +84,16 @@ def state(rank: int) -> list[torch.Tensor]:
             torch.randn(1, generator=g)]
 
 
+@pytest.mark.parametrize("movable", [False, True], ids=["copied", "moved"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("piece_bytes", [4, 64, 1 << 22])
-def test_every_rank_ends_with_the_mean(world: int, piece_bytes: int, transport: str) -> None:
+def test_every_rank_ends_with_the_mean(world: int, piece_bytes: int, transport: str,
+                                       movable: bool) -> None:
     expected = [torch.stack([state(r)[j].double() for r in range(world)]).mean(0)
                 for j in range(len(state(0)))]
-    result = run_ring(world, state, piece_bytes=piece_bytes, transport=transport)
+    result = run_ring(world, state, piece_bytes=piece_bytes, transport=transport,
+                      movable=movable, rounds=2)
     for rank_tensors in result:
         for j, (got, want) in enumerate(zip(rank_tensors, expected, strict=True)):
             assert got.dtype == state(0)[j].dtype
@@ -145,3 +151,79 @@ def test_all_reduce_in_place_gives_the_same_mean(transport: str) -> None:
                           Inbox(), timeout=1)  # type: ignore[dict-item]
     with pytest.raises(ValueError, match="float32"):
         reducer.all_reduce_(torch.zeros(4, dtype=torch.float64), 1)
+
+
+class CountingInbox(Inbox):
+    def __init__(self) -> None:
+        super().__init__()
+        self.landed_pieces = 0
+
+    def landed(self, ring: str, round_: int, phase: int) -> None:
+        self.landed_pieces += 1
+        super().landed(ring, round_, phase)
+
+
+@pytest.mark.parametrize(("compression", "landed"), [("none", 2 * 2 * 4), ("bf16", 0)])
+def test_on_the_data_plane_gathered_pieces_land_in_place(compression: str, landed: int) -> None:
+    """With fp32 on the wire every all-gather piece is received straight into the ring's own
+    tensor: 3 ranks, segments of 1,000 elements in 4 pieces, 2 gather steps, 2 rounds. bf16 pieces
+    cannot (another dtype) and go through a buffer. The mean is the same either way."""
+    world = 3
+    make = lambda r: [torch.randn(3_000, generator=torch.Generator().manual_seed(r))]  # noqa: E731
+    expected = torch.stack([make(r)[0] for r in range(world)]).mean(0)
+    inboxes = [CountingInbox() for _ in range(world)]
+    result = run_ring(world, make, piece_bytes=1024, compression=compression, transport="tcp",
+                      rounds=2, inboxes=list(inboxes))
+    assert [inbox.landed_pieces for inbox in inboxes] == [landed] * world
+    for (got,) in result:
+        assert (got - expected).abs().max().item() < (1e-6 if landed else 2e-2)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_moved_tensors_stay_the_same_objects_and_follow_their_optimizer(transport: str) -> None:
+    """What training passes as movable (a stage's parameters and buffers): after rounds they are
+    the same objects, now views of one buffer, holding the mean; an optimizer built before the
+    first round still updates them; one replaced between rounds (as a checkpoint load may) is
+    moved again; and every round ends where the copying path's mean is."""
+    world = 3
+
+    def make(rank: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(rank)
+        return [torch.nn.Parameter(torch.randn(40, 7, generator=g)),
+                torch.nn.Parameter(torch.randn(7, generator=g)),
+                torch.tensor([rank], dtype=torch.int64),  # a buffer the ring copies
+                torch.randn(5, generator=g)]
+
+    models = [make(r) for r in range(world)]
+    objects = [[id(t) for t in m] for m in models]
+    optimizers = [torch.optim.SGD(m[:2], lr=0.5) for m in models]
+    run_ring(world, lambda r: models[r], piece_bytes=256, transport=transport, movable=True)
+    for r, m in enumerate(models):
+        assert [id(t) for t in m] == objects[r]
+        assert isinstance(m[0], torch.nn.Parameter) and m[0].requires_grad
+        float_storages = {t.untyped_storage().data_ptr() for t in (m[0], m[1], m[3])}
+        assert len(float_storages) == 1, "the float32 tensors were not moved into one buffer"
+        assert torch.equal(m[0], models[0][0]) and torch.equal(m[2], torch.tensor([1]))
+    mean0 = torch.stack([make(r)[0] for r in range(world)]).mean(0)
+    torch.testing.assert_close(models[0][0].detach(), mean0, rtol=0, atol=1e-6)
+    for r, (m, opt) in enumerate(zip(models, optimizers, strict=True)):
+        (m[0].sum() * (r + 1)).backward()  # gradient r + 1 everywhere: mean step 0.5 * 2
+        opt.step()
+    models[1][3].data = models[1][3].data.clone()  # replaced since the last round
+    run_ring(world, lambda r: models[r], piece_bytes=256, transport=transport, movable=True)
+    torch.testing.assert_close(models[2][0].detach(), mean0 - 1.0, rtol=0, atol=1e-5)
+    assert len({models[1][i].untyped_storage().data_ptr() for i in (0, 1, 3)}) == 1
+    for m in models[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(models[0], m, strict=True))
+
+
+def test_tied_tensors_are_copied_not_moved() -> None:
+    """Two names of one weight (tied embeddings) stay one weight: moving it would untie them."""
+    world = 2
+    tied = [torch.randn(10, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    models = [[tied[r], tied[r][:5]] for r in range(world)]  # the second is a view of the first
+    expected = (tied[0] + tied[1]) / 2
+    run_ring(world, lambda r: models[r], piece_bytes=64, transport="tcp", movable=True)
+    for r in range(world):
+        assert models[r][1].data_ptr() == models[r][0].data_ptr()
+        torch.testing.assert_close(models[r][0], expected, rtol=0, atol=1e-6)

@@ -130,3 +130,26 @@ def test_concurrent_deliveries_with_backpressure_keep_the_order() -> None:
     assert not errors
     assert arrived != sorted(arrived), "the frames never arrived out of order"
     assert got == list(range(1, 201))
+
+
+def test_offers_are_withdrawn_with_their_round() -> None:
+    """An offered tensor is claimed once, for its exact key, dtype and size; a new offer replaces
+    the ring's old ones, and a completed or forgotten round leaves nothing a late piece could be
+    received into."""
+    inbox, t = Inbox(), torch.zeros(4)
+    cancel = lambda: None  # noqa: E731
+    inbox.expect("r", 1, {0: t, 1: torch.zeros(4)})
+    assert inbox.claim("r", 1, 0, torch.bfloat16, 4, cancel) is None
+    assert inbox.claim("r", 1, 0, torch.float32, 5, cancel) is None
+    assert inbox.claim("r", 2, 0, torch.float32, 4, cancel) is None
+    assert inbox.claim("other", 1, 0, torch.float32, 4, cancel) is None
+    assert inbox.claim("r", 1, 0, torch.float32, 4, cancel) is t
+    inbox.landed("r", 1, 0)
+    assert inbox.claim("r", 1, 0, torch.float32, 4, cancel) is None  # once
+    inbox.expect("r", 1, {})  # the round completed
+    assert inbox.claim("r", 1, 1, torch.float32, 4, cancel) is None
+    inbox.expect("r", 2, {0: t})
+    inbox.forget_rounds_before("r", 3)  # the round was given up
+    assert inbox.claim("r", 2, 0, torch.float32, 4, cancel) is None
+    inbox.expect("r", 2, {0: t})  # an offer for a round already forgotten is never claimed
+    assert inbox.claim("r", 2, 0, torch.float32, 4, cancel) is None

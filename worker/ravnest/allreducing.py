@@ -8,6 +8,7 @@ values, the round is counted as skipped, and pieces of it that arrive late are d
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
@@ -29,18 +30,54 @@ PIECE_BYTES = 4 << 20
 overhead stays small."""
 
 
-def _flatten(tensors: Sequence[torch.Tensor], buffer: torch.Tensor | None) -> torch.Tensor:
-    """One float32 copy of all tensors, back to back (the ring works on the copy), in `buffer`
-    when it has the right size: a buffer reused round after round costs no page faults."""
-    numel = sum(t.numel() for t in tensors)
+def _flatten(tensors: Sequence[torch.Tensor], buffer: torch.Tensor | None,
+             offset: int = 0) -> torch.Tensor:
+    """One float32 copy of all tensors, back to back (the ring works on the copy), from element
+    `offset` of `buffer` on when it has the right size: a buffer reused round after round costs
+    no page faults."""
+    numel = offset + sum(t.numel() for t in tensors)
     if buffer is None or buffer.numel() != numel:
         buffer = torch.empty(numel, dtype=torch.float32)
-    offset = 0
     with torch.no_grad():
         for t in tensors:
             buffer[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
             offset += t.numel()
     return buffer
+
+
+def _movable(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.layout == torch.strided and t.is_leaf
+
+
+def _overlap(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether any two tensors share memory (one weight under two names, or a view of another)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.element_size() * (
+        1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))))
+        for t in tensors if t.numel())
+    return any(start < end for (_, end), (start, _) in itertools.pairwise(spans))
+
+
+def _homed_in(tensors: Sequence[torch.Tensor], buffer: torch.Tensor | None) -> bool:
+    """Whether the tensors are, in order, contiguous views back to back from `buffer`'s start."""
+    if buffer is None:
+        return False
+    base, offset = buffer.untyped_storage().data_ptr(), buffer.storage_offset()
+    for t in tensors:
+        if (t.untyped_storage().data_ptr() != base or t.storage_offset() != offset
+                or not t.is_contiguous()):
+            return False
+        offset += t.numel()
+    return True
+
+
+def _point(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
+    """Make each tensor (its `.data`: a Parameter stays the same object, for its optimizer) a
+    view of `buffer`, back to back from its start."""
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.data = buffer[offset:offset + t.numel()].view(t.shape)
+            offset += t.numel()
 
 
 def _round_like_wire(seg: torch.Tensor, wire: torch.dtype | None) -> None:
@@ -52,8 +89,7 @@ def _round_like_wire(seg: torch.Tensor, wire: torch.dtype | None) -> None:
     seg.copy_(seg.to(wire))
 
 
-def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    offset = 0
+def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor], offset: int = 0) -> None:
     with torch.no_grad():
         for t in tensors:
             n = t.numel()
@@ -80,18 +116,62 @@ class RingReducer:
         self._wire = COMPRESSIONS[compression]
         self._piece = max(1, piece_bytes // 4)  # float32 elements per piece
         self._flat: torch.Tensor | None = None
+        self._live: torch.Tensor | None = None
+        """The buffer the movable tensors live in (views), and the one the next round writes."""
+        self._spare: torch.Tensor | None = None
 
-    def average(self, tensors: Sequence[torch.Tensor], round_: int) -> bool:
-        """Average `tensors` in place with the other members; False if the round was skipped."""
+    def average(self, tensors: Sequence[torch.Tensor], round_: int, movable: int = 0) -> bool:
+        """Average `tensors` in place with the other members; False if the round was skipped
+        (then every tensor keeps its value).
+
+        The first `movable` tensors are their caller's own (a stage's parameters and buffers,
+        not detached aliases of them): those that are float32 on the CPU are moved to live as
+        views of a buffer this reducer keeps (`.data` changes, the objects stay). The ring then
+        reads them in place and writes the mean to a second buffer, which they are pointed at
+        when the round completes, instead of copying everything in and out. The other tensors
+        are copied in and out."""
         if self.size == 1:
             return True
-        flat = self._flat = _flatten(tensors, self._flat)
+        # the order on the ring depends only on dtypes: the same on every member, moved or not
+        homed = [t for t in tensors[:movable] if t.dtype == torch.float32]
+        ids = {id(t) for t in homed}
+        rest = [t for t in tensors if id(t) not in ids]
+        at_home = _homed_in(homed, self._live)
+        if not at_home and (not all(_movable(t) for t in homed) or _overlap(homed)):
+            # not a CPU leaf, or aliases (tied weights, which moving would untie): copy them
+            rest, homed = homed + rest, []
+        if not homed:
+            flat = self._flat = _flatten(rest, self._flat)
+            if not self._round(flat, flat, round_):
+                return False
+            _unflatten(flat, rest)
+            return True
+        n = sum(t.numel() for t in homed)
+        live = self._live
+        if live is None or not at_home or live.numel() != n + sum(t.numel() for t in rest):
+            # the first round, or the tensors were replaced since: move them (one copy)
+            live = torch.empty(n + sum(t.numel() for t in rest))
+            _flatten(homed + rest, live)
+            _point(homed, live)
+        else:
+            _flatten(rest, live, n)  # the others in the buffer's tail
+        spare = self._spare
+        if spare is None or spare.numel() != live.numel():
+            spare = torch.empty_like(live)
+        self._live, self._spare = live, spare
+        if not self._round(live, spare, round_):
+            return False
+        _point(homed, spare)
+        _unflatten(spare, rest, n)
+        self._live, self._spare = spare, live
+        return True
+
+    def _round(self, src: torch.Tensor, dst: torch.Tensor, round_: int) -> bool:
         try:
-            self._reduce(flat, round_)
+            self._reduce(src, dst, round_)
         except TransportError as e:
             log.warning("ring %s round %d skipped: %s", self.ring.id, round_, e)
             return False
-        _unflatten(flat, tensors)
         return True
 
     def all_reduce_(self, flat: torch.Tensor, round_: int) -> None:
@@ -103,37 +183,53 @@ class RingReducer:
             raise ValueError("all_reduce_ takes a contiguous 1-d float32 tensor")
         if self.size == 1:
             return
-        self._reduce(flat, round_)
+        self._reduce(flat, flat, round_)
 
-    def _reduce(self, flat: torch.Tensor, round_: int) -> None:
-        """The ring on `flat`; after a failure, drop the round's late pieces and stop the link
-        reading `flat` (the next round reuses it), then raise."""
+    def _reduce(self, src: torch.Tensor, dst: torch.Tensor, round_: int) -> None:
+        """The ring from `src` into `dst`; after a failure, drop the round's late pieces, stop
+        receptions into `dst` and the link reading either (the next round reuses them), then
+        raise."""
         try:
-            self._all_reduce(flat, round_)
+            self._all_reduce(src, dst, round_)
         except TransportError:
             self._inbox.forget_rounds_before(self.ring.id, round_ + 1)
             if isinstance(self._next, RingLink):
                 self._next.abort()
             raise
+        finally:
+            self._inbox.expect(self.ring.id, round_, {})  # a completed round leaves no offer
 
-    def _all_reduce(self, flat: torch.Tensor, round_: int) -> None:
+    def _all_reduce(self, src: torch.Tensor, dst: torch.Tensor, round_: int) -> None:
         """Reduce-scatter then all-gather, pipelined piece by piece: each of the n segments is cut
         into pieces, and a piece goes on to the next node as soon as it is reduced (or gathered)
         here, so sending, receiving and adding overlap along the ring instead of each step
-        waiting for a whole segment."""
+        waiting for a whole segment.
+
+        `src` is only read (this node's segment is sent from it, and each received partial sum
+        is added to it into `dst`); every element of `dst` is written. They may be one tensor."""
         n, r = self.size, self.rank
-        pieces = [list(seg.split(self._piece)) for seg in flat.tensor_split(n)]
+
+        def cut(flat: torch.Tensor) -> list[list[torch.Tensor]]:
+            return [list(seg.split(self._piece)) for seg in flat.tensor_split(n)]
+
+        mine, pieces = cut(src), cut(dst)
         per = max(len(p) for p in pieces)  # phase id = ring step * per + piece
 
         def phase(step: int, k: int) -> int:
             return step * per + k
 
-        for k, piece in enumerate(pieces[r]):
+        if self._wire is None and isinstance(self._next, RingLink):
+            # the gathered pieces may land in place (received straight into `dst`, no copy)
+            self._inbox.expect(self.ring.id, round_, {
+                phase(n - 1 + s, k): piece
+                for s in range(n - 1) for k, piece in enumerate(pieces[(r - s) % n])})
+        for k, piece in enumerate(mine[r]):
             self._post("reduce", piece, round_, phase(0, k))
         for s in range(n - 1):
             last = s == n - 2
-            for k, piece in enumerate(pieces[(r - s - 1) % n]):
-                self._take(round_, phase(s, k), piece, add=True)
+            seg = (r - s - 1) % n
+            for k, piece in enumerate(pieces[seg]):
+                self._take(round_, phase(s, k), piece, add_to=mine[seg][k])
                 if not last:
                     self._post("reduce", piece, round_, phase(s + 1, k))
                     continue
@@ -143,7 +239,7 @@ class RingReducer:
                 self._post("gather", piece, round_, phase(n - 1, k))
         for s in range(n - 1):
             for k, piece in enumerate(pieces[(r - s) % n]):
-                self._take(round_, phase(n - 1 + s, k), piece, add=False)
+                self._take(round_, phase(n - 1 + s, k), piece)
                 if s < n - 2:
                     self._post("gather", piece, round_, phase(n + s, k))
         assert self._next is not None
@@ -154,8 +250,9 @@ class RingReducer:
         self._next.post(Frame(kind=kind, tensors={"x": seg}, step=round_, version=phase,
                               ring=self.ring.id, sender=self._sender), ordered=False)
 
-    def _take(self, round_: int, phase: int, piece: torch.Tensor, add: bool) -> None:
-        """Add the awaited piece into `piece`, or (`add` false) copy it there."""
+    def _take(self, round_: int, phase: int, piece: torch.Tensor,
+              add_to: torch.Tensor | None = None) -> None:
+        """Write the awaited piece plus `add_to` into `piece`, or (no `add_to`) the piece alone."""
         frame = self._inbox.take_ring(self.ring.id, round_, phase, self._timeout)
         try:
             x = frame.tensors.get("x")
@@ -163,21 +260,24 @@ class RingReducer:
                 raise TransportError(f"ring {self.ring.id}: piece of shape "
                                      f"{None if x is None else tuple(x.shape)} from "
                                      f"{frame.sender}, expected {tuple(piece.shape)}")
-            if add:
-                piece.add_(x)
-            else:
+            if add_to is not None:
+                torch.add(add_to, x, out=piece)
+            elif x is not piece:  # (a piece that landed in place is there already)
                 piece.copy_(x)
         finally:
             if frame.release is not None:
                 frame.release()  # the data plane reuses the buffer for a later piece
 
 
-def reduce_all(reducers: Sequence[tuple[RingReducer, Callable[[], list[torch.Tensor]]]],
+def reduce_all(reducers: Sequence[tuple[RingReducer,
+                                        Callable[[], tuple[list[torch.Tensor], int]]]],
                round_: int) -> tuple[int, int]:
-    """Run every ring of a node in ring-id order (deadlock-free); return (done, skipped)."""
+    """Run every ring of a node in ring-id order (deadlock-free); return (done, skipped).
+    Each ring's callable gives its tensors and how many of the first are movable (`average`)."""
     done = skipped = 0
     for reducer, tensors in sorted(reducers, key=lambda x: x[0].ring.id):
-        if reducer.average(tensors(), round_):
+        ts, movable = tensors()
+        if reducer.average(ts, round_, movable):
             done += 1
         else:
             skipped += 1

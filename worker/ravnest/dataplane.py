@@ -48,6 +48,7 @@ import torch
 from .errors import PeerTimeout, TransportError, shown
 from .framing import COMPRESSIONS, DEFAULT_MAX_FRAME_BYTES, Frame, _wire_tensor
 from .tls import TlsMaterial
+from .transport import Inbox
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,14 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
+def _cut(sock: socket.socket) -> None:
+    """Make every blocked read and write on `sock` fail at once (the owner closes it)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 def _keepalive(sock: socket.socket) -> None:
     """Probe an idle connection after 30 s, 3 times 10 s apart: a peer gone without a word (a
     cut, a killed pod) is noticed in about a minute instead of the kernel's two hours."""
@@ -134,16 +143,21 @@ def _tls_context(tls: TlsMaterial, server: bool) -> ssl.SSLContext:
 
 
 class RingServer:
-    """Accepts ring neighbours' connections and delivers their pieces (see the module doc)."""
+    """Accepts ring neighbours' connections and delivers their pieces (see the module doc).
+
+    Given `inbox` (the one `deliver` feeds), a piece whose tensor a ring step offered there
+    (`Inbox.expect`: the all-gather's pieces) is received straight into that tensor."""
 
     def __init__(self, address: str, token: str, fingerprint: str,
                  deliver: Callable[[Frame], None],
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
                  on_bytes: Callable[[str, int], None] | None = None,
-                 tls: TlsMaterial | None = None, max_connections: int = MAX_CONNECTIONS) -> None:
+                 tls: TlsMaterial | None = None, max_connections: int = MAX_CONNECTIONS,
+                 inbox: Inbox | None = None) -> None:
         host, _, port = address.rpartition(":")
         self._token, self._fingerprint = token, fingerprint
         self._deliver, self._max, self._on_bytes = deliver, max_frame_bytes, on_bytes
+        self._inbox = inbox
         self._tls = _tls_context(tls, server=True) if tls else None
         self._max_connections = max_connections
         self._conns: set[socket.socket] = set()
@@ -167,16 +181,10 @@ class RingServer:
         with self._lock:
             self._closed = True
             conns = list(self._conns)
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone does not)
-        except OSError:
-            pass
+        _cut(self._sock)  # wakes the accept (close alone does not)
         self._sock.close()
         for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _cut(conn)
         if self._thread.ident is not None:  # started
             self._thread.join(timeout=5)
 
@@ -215,10 +223,7 @@ class RingServer:
                 # still look open here, with a reader waiting on it forever; close it
                 stale, self._by_link[sender, link] = self._by_link.get((sender, link)), sock
             if stale is not None:
-                try:
-                    stale.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                _cut(stale)
             while True:
                 self._receive(sock, sender)
         except ConnectionError:
@@ -292,16 +297,28 @@ class RingServer:
             ring = _recv_exact(sock, ring_len).decode()
         except UnicodeDecodeError as e:
             raise ProtocolError("ring id is not UTF-8") from e
-        tensor = self._buffer(wire, numel)
-        if numel:
-            _recv_into(sock, _raw(tensor))
-        released = False
+        inbox, landing = self._inbox, None
+        if inbox is not None:
+            landing = inbox.claim(ring, round_, phase, wire, numel, lambda: _cut(sock))
+        release: Callable[[], None] | None = None
+        if inbox is not None and landing is not None:
+            tensor = landing  # straight into the ring's own tensor: no buffer, no copy
+            try:
+                if numel:
+                    _recv_into(sock, _raw(tensor))
+            finally:
+                inbox.landed(ring, round_, phase)
+        else:
+            tensor = self._buffer(wire, numel)
+            if numel:
+                _recv_into(sock, _raw(tensor))
+            released = False
 
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self._recycle(tensor)
+            def release() -> None:
+                nonlocal released
+                if not released:
+                    released = True
+                    self._recycle(tensor)
 
         frame = Frame(kind=KINDS[kind], tensors={"x": tensor}, step=round_, version=phase,
                       ring=ring, sender=sender, wire_bytes=nbytes, release=release)
@@ -408,10 +425,7 @@ class RingLink:
             self._pending -= dropped
             sock = self._sock
         if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _cut(sock)
         with self._idle:
             while self._pending:
                 self._idle.wait(1.0)

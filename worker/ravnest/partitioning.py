@@ -237,9 +237,11 @@ class Stage(nn.Module):
             return {OUTPUT: out}
         return dict(zip(self.output_names, out, strict=True))
 
-    def stage_state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's parameters and buffers under the original model's names."""
-        return {k.removeprefix("graph_module."): v for k, v in self.state_dict().items()}
+    def stage_state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        """This stage's parameters and buffers under the original model's names (`keep_vars`:
+        the Parameter and buffer objects themselves, not detached aliases)."""
+        return {k.removeprefix("graph_module."): v
+                for k, v in self.state_dict(keep_vars=keep_vars).items()}
 
 
 OUTPUT = "__output__"

@@ -160,10 +160,14 @@ class NodeRuntime:
 
     # ----------------------------------------------------------------------------- state
 
-    def _ring_tensors(self, names: tuple[str, ...]) -> Callable[[], list[torch.Tensor]]:
-        def tensors() -> list[torch.Tensor]:
-            state = self.stage.stage_state_dict()
+    def _ring_tensors(self, names: tuple[str, ...]
+                      ) -> Callable[[], tuple[list[torch.Tensor], int]]:
+        """A ring's tensors: the stage's own parameters and buffers (movable: the reducer keeps
+        them as views of its buffer), then the optimizer's state if it is averaged too."""
+        def tensors() -> tuple[list[torch.Tensor], int]:
+            state = self.stage.stage_state_dict(keep_vars=True)
             out = [state[n] for n in names]
+            movable = len(out)
             if self.s.average_optimizer:
                 for n in names:
                     p = self.params.get(f"graph_module.{n}")
@@ -171,7 +175,7 @@ class NodeRuntime:
                                  if p is not None and self.optimizer is not None else {})
                     out += [v for k, v in sorted(opt_state.items())
                             if isinstance(v, torch.Tensor) and k != "step" and v.dim() > 0]
-            return out
+            return out, movable
 
         return tensors
 

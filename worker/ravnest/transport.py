@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import torch
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -358,6 +359,11 @@ class Peer:
         self._channel.close()
 
 
+LANDING_CANCEL_SECONDS = 10.0
+"""How long a given-up round waits for a reception into its tensors to stop once its connection
+was shut down (that takes milliseconds: a stuck one means the tensor could still be written)."""
+
+
 class Inbox:
     """Frames delivered by the server, waiting for the compute thread.
 
@@ -373,6 +379,11 @@ class Inbox:
     Numbered frames (a Peer's ordered posts, which travel on several calls at once) are handed on
     in their stream's order: one that arrives early waits here, without holding a server thread,
     until the ones before it are in.
+
+    A ring step may also offer the tensor a piece belongs in (`expect`): the data plane's reader
+    then receives that piece straight into it (`claim`, `landed`) instead of into a buffer the
+    step would copy from. An offer lives until its round ends; a round given up
+    (`forget_rounds_before`) first stops every reception still writing into its tensors.
     """
 
     def __init__(self, capacity: int = 64) -> None:
@@ -385,6 +396,8 @@ class Inbox:
         """Held while numbered frames are handed on, so that they leave in order."""
         self._expected: dict[int, int] = {}
         self._early: dict[int, dict[int, Frame]] = {}
+        self._landings: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._receiving: dict[tuple[str, int, int], Callable[[], None]] = {}
 
     def deliver(self, frame: Frame) -> None:
         if frame.kind not in ("reduce", "gather", "forward", "backward", "eval", "control"):
@@ -440,8 +453,54 @@ class Inbox:
             return self._ring.pop(key)
 
     def forget_rounds_before(self, ring: str, round_: int) -> None:
-        """Drop stale pieces of skipped rounds, and refuse late ones."""
+        """Drop stale pieces of skipped rounds, and refuse late ones; withdraw their offered
+        tensors, cutting off any reception still writing into one (its connection is shut down:
+        its sender fails the round and connects again), and return once none is."""
         with self._ring_cond:
             self._min_round[ring] = round_
             for key in [k for k in self._ring if k[0] == ring and k[1] < round_]:
                 del self._ring[key]
+            for key in [k for k in self._landings if k[0] == ring and k[1] < round_]:
+                del self._landings[key]
+            busy = [cancel for k, cancel in self._receiving.items()
+                    if k[0] == ring and k[1] < round_]
+        for cancel in busy:
+            cancel()
+        deadline = time.monotonic() + LANDING_CANCEL_SECONDS
+        with self._ring_cond:
+            while any(k[0] == ring and k[1] < round_ for k in self._receiving):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"ring {ring}: a reception into round {round_ - 1}'s "
+                                       f"tensors did not stop within {LANDING_CANCEL_SECONDS}s")
+                self._ring_cond.wait(left)
+
+    def expect(self, ring: str, round_: int, landings: dict[int, torch.Tensor]) -> None:
+        """Offer where the pieces (ring, round_, phase) belong, by phase, replacing the ring's
+        earlier offers (`{}` withdraws them). The caller must not touch an offered tensor until
+        the piece was taken or the round forgotten."""
+        with self._ring_cond:
+            for key in [k for k in self._landings if k[0] == ring]:
+                del self._landings[key]
+            for phase, tensor in landings.items():
+                self._landings[(ring, round_, phase)] = tensor
+
+    def claim(self, ring: str, round_: int, phase: int, dtype: torch.dtype, numel: int,
+              cancel: Callable[[], None]) -> torch.Tensor | None:
+        """The offered tensor for an arriving piece of this dtype and size, or None (receive it
+        into a buffer as usual). The receiver must call `landed` when its reception ends, whether
+        it completed or failed; `cancel` must make a reception stuck on its connection fail."""
+        key = (ring, round_, phase)
+        with self._ring_cond:
+            tensor = self._landings.get(key)
+            if (tensor is None or tensor.dtype != dtype or tensor.numel() != numel
+                    or round_ < self._min_round.get(ring, 0)):
+                return None
+            del self._landings[key]
+            self._receiving[key] = cancel
+            return tensor
+
+    def landed(self, ring: str, round_: int, phase: int) -> None:
+        with self._ring_cond:
+            self._receiving.pop((ring, round_, phase), None)
+            self._ring_cond.notify_all()

@@ -200,7 +200,7 @@ class Worker:
                                    f"metadata names no ringAddresses")
             self.ring_server = RingServer(meta.ring_listen, token, plan.fingerprint,
                                           self.inbox.deliver, on_bytes=self.metrics.received,
-                                          tls=tls)
+                                          tls=tls, inbox=self.inbox)
             successors = {r.successor(me.name) for r in plan.rings_of(me.name)
                           if len(r.members) > 1}
             for n in sorted(successors):
