@@ -36,6 +36,7 @@ from .allreducing import FINAL_ROUND, RingReducer, reduce_all
 from .dataplane import RingLink
 from .errors import PeerTimeout, RavnestError
 from .framing import Frame
+from .heap import HeapTrimmer
 from .metrics import WorkerMetrics
 from .partitioning import OUTPUT, Stage
 from .planning import NodePlan, Plan
@@ -156,6 +157,7 @@ class NodeRuntime:
         self._finished = False
         self._last_step_time = time.monotonic()
         self.rounds_skipped = 0
+        self._trim_heap = HeapTrimmer()
         self.val_result: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------------------- state
@@ -365,6 +367,7 @@ class NodeRuntime:
         self._last_step_time = now
         self.metrics.steps.inc()
         self.metrics.step.set(self.updates)
+        self._trim_heap()
         if self.updates % self.s.reduce_factor == 0:
             self.all_reduce(self.updates // self.s.reduce_factor)
 
