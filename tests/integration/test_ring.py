@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from ravnest.allreducing import RingReducer
+from ravnest.allreducing import MAX_TAIL, RingReducer
 from ravnest.dataplane import RingLink, RingServer
 from ravnest.planning import RingPlan
 from ravnest.transport import Credentials, Inbox, Peer, Server
@@ -26,7 +26,8 @@ def run_ring(world: int, make: Callable[[int], list[torch.Tensor]], *, piece_byt
              compression: str = "none", rounds: int = 1,
              transport: str = "grpc", in_place: bool = False,
              inboxes: list[Inbox] | None = None,
-             movable: bool = False) -> list[list[torch.Tensor]]:
+             movable: bool | int = False) -> list[list[torch.Tensor]]:
+    """`movable`: True for all of each rank's tensors, or how many of the first ones."""
     inboxes = inboxes or [Inbox() for _ in range(world)]
     members = tuple(f"r{i}" for i in range(world))
     servers: list[Server | RingServer]
@@ -57,8 +58,8 @@ def run_ring(world: int, make: Callable[[int], list[torch.Tensor]], *, piece_byt
                 reducer.all_reduce_(flat, round_)
                 outcomes[i].append(True)
             else:
-                outcomes[i].append(reducer.average(tensors[i], round_,
-                                                   len(tensors[i]) if movable else 0))
+                count = len(tensors[i]) if movable is True else int(movable)
+                outcomes[i].append(reducer.average(tensors[i], round_, count))
 
     threads = [threading.Thread(target=rank, args=(i,)) for i in range(world)]
     try:
@@ -227,3 +228,20 @@ def test_tied_tensors_are_copied_not_moved() -> None:
     for r in range(world):
         assert models[r][1].data_ptr() == models[r][0].data_ptr()
         torch.testing.assert_close(models[r][0], expected, rtol=0, atol=1e-6)
+
+
+def test_moved_tensors_are_saved_without_what_is_copied_beside_them(tmp_path) -> None:
+    """A stage file (torch.save of moved parameters) holds the parameters and at most a small
+    tail, never a large copied part such as averaged optimizer state: then nothing is moved."""
+    world = 2
+    small = [[torch.nn.Parameter(torch.randn(100_000)), torch.tensor([r])] for r in range(world)]
+    run_ring(world, lambda r: small[r], piece_bytes=1 << 16, transport="tcp", movable=True)
+    torch.save({"w": small[0][0]}, tmp_path / "small.pt")
+    assert (tmp_path / "small.pt").stat().st_size < 400_000 + 8 + 4096
+    big = [[torch.nn.Parameter(torch.randn(100_000)), torch.randn(MAX_TAIL + 1)]
+           for _ in range(world)]  # a parameter, then (not movable) its optimizer's state
+    before = [b[0].data_ptr() for b in big]
+    expected = (big[0][0] + big[1][0]) / 2
+    run_ring(world, lambda r: big[r], piece_bytes=1 << 16, transport="tcp", movable=1)
+    assert [b[0].data_ptr() for b in big] == before  # copied in place, not moved
+    torch.testing.assert_close(big[1][0].detach(), expected, rtol=0, atol=1e-6)

@@ -30,6 +30,12 @@ PIECE_BYTES = 4 << 20
 overhead stays small."""
 
 
+MAX_TAIL = 1 << 18
+"""Most elements `average` copies through the tail of the buffer it moves tensors into (integer
+buffers, say): more (averaged optimizer state) and it copies everything instead, since the moved
+tensors share that buffer and `torch.save` of one of them writes all of it."""
+
+
 def _flatten(tensors: Sequence[torch.Tensor], buffer: torch.Tensor | None,
              offset: int = 0) -> torch.Tensor:
     """One float32 copy of all tensors, back to back (the ring works on the copy), from element
@@ -129,7 +135,8 @@ class RingReducer:
         views of a buffer this reducer keeps (`.data` changes, the objects stay). The ring then
         reads them in place and writes the mean to a second buffer, which they are pointed at
         when the round completes, instead of copying everything in and out. The other tensors
-        are copied in and out."""
+        are copied in and out (through the buffer's tail, or, when they hold more than
+        MAX_TAIL elements, all tensors are copied as if none were movable)."""
         if self.size == 1:
             return True
         # the order on the ring depends only on dtypes: the same on every member, moved or not
@@ -137,8 +144,11 @@ class RingReducer:
         ids = {id(t) for t in homed}
         rest = [t for t in tensors if id(t) not in ids]
         at_home = _homed_in(homed, self._live)
-        if not at_home and (not all(_movable(t) for t in homed) or _overlap(homed)):
-            # not a CPU leaf, or aliases (tied weights, which moving would untie): copy them
+        can_move = at_home or (all(_movable(t) for t in homed) and not _overlap(homed))
+        if not can_move or sum(t.numel() for t in rest) > MAX_TAIL:
+            # not a CPU leaf; aliases (tied weights, which moving would untie); or a large tail
+            # (averaged optimizer state), which the moved tensors' buffer would hold and every
+            # stage file would save with them: copy them all
             rest, homed = homed + rest, []
         if not homed:
             flat = self._flat = _flatten(rest, self._flat)
