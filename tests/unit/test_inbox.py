@@ -153,3 +153,5 @@ def test_offers_are_withdrawn_with_their_round() -> None:
     assert inbox.claim("r", 2, 0, torch.float32, 4, cancel) is None
     inbox.expect("r", 2, {0: t})  # an offer for a round already forgotten is never claimed
     assert inbox.claim("r", 2, 0, torch.float32, 4, cancel) is None
+    inbox.expect("r", 3, {0: torch.zeros(2, 2).t()})  # not contiguous: cannot be written in place
+    assert inbox.claim("r", 3, 0, torch.float32, 4, cancel) is None

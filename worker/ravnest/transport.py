@@ -487,14 +487,16 @@ class Inbox:
 
     def claim(self, ring: str, round_: int, phase: int, dtype: torch.dtype, numel: int,
               cancel: Callable[[], None]) -> torch.Tensor | None:
-        """The offered tensor for an arriving piece of this dtype and size, or None (receive it
-        into a buffer as usual). The receiver must call `landed` when its reception ends, whether
-        it completed or failed; `cancel` must make a reception stuck on its connection fail."""
+        """The offered tensor for an arriving piece of this dtype and size, or None: receive it
+        into a buffer as usual (also for an offered tensor that is not contiguous, which a
+        receiver could not write in place). The receiver must call `landed` when its reception
+        ends, whether it completed or failed; `cancel` must make a reception stuck on its
+        connection fail."""
         key = (ring, round_, phase)
         with self._ring_cond:
             tensor = self._landings.get(key)
             if (tensor is None or tensor.dtype != dtype or tensor.numel() != numel
-                    or round_ < self._min_round.get(ring, 0)):
+                    or not tensor.is_contiguous() or round_ < self._min_round.get(ring, 0)):
                 return None
             del self._landings[key]
             self._receiving[key] = cancel
