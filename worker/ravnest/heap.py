@@ -13,7 +13,6 @@ Without glibc (or /proc) it does nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 from collections.abc import Callable
@@ -24,9 +23,10 @@ SLACK_BYTES = 64 << 20
 
 
 def _glibc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim from the symbols the process already has (no library search, which
+    runs `ldconfig -p`); None where the C library has none (musl)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
+        trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
