@@ -145,7 +145,8 @@ class RingReducer:
         rest = [t for t in tensors if id(t) not in ids]
         at_home = _homed_in(homed, self._live)
         can_move = at_home or (all(_movable(t) for t in homed) and not _overlap(homed))
-        if not can_move or sum(t.numel() for t in rest) > MAX_TAIL:
+        tail = sum(t.numel() for t in rest)
+        if not can_move or tail > MAX_TAIL:
             # not a CPU leaf; aliases (tied weights, which moving would untie); or a large tail
             # (averaged optimizer state), which the moved tensors' buffer would hold and every
             # stage file would save with them: copy them all
@@ -158,9 +159,9 @@ class RingReducer:
             return True
         n = sum(t.numel() for t in homed)
         live = self._live
-        if live is None or not at_home or live.numel() != n + sum(t.numel() for t in rest):
+        if live is None or not at_home or live.numel() != n + tail:
             # the first round, or the tensors were replaced since: move them (one copy)
-            live = torch.empty(n + sum(t.numel() for t in rest))
+            live = torch.empty(n + tail)
             _flatten(homed + rest, live)
             _point(homed, live)
         else:
