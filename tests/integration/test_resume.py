@@ -15,6 +15,8 @@ from pathlib import Path
 import yaml
 from processes import worker_pid
 
+from ravnest import checkpointing
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -29,12 +31,17 @@ def test_kill_a_worker_then_resume_from_checkpoint(tmp_path, digits_doc):
     first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ckpt = out / "checkpoints"
     deadline = time.monotonic() + 300
+    done: list[int] = []
     while time.monotonic() < deadline:
-        steps = sorted(ckpt.glob("step-*")) if ckpt.exists() else []
-        if any(int(s.name[5:]) >= 30 for s in steps):
+        # a step's directory appears with its first node's file: wait until step 30 or later is
+        # complete for all six nodes, or the kill may land before node_3 wrote it
+        names = [p.stem for p in (out / "nodes").glob("node_*.json")]
+        done = checkpointing.complete_steps(ckpt, names) if len(names) == 6 else []
+        if done and done[-1] >= 30:
             break
         assert first.poll() is None, first.communicate()[1]
         time.sleep(0.2)
+    assert done and done[-1] >= 30, f"no complete checkpoint at step 30 or later: {done}"
     victim = worker_pid(out / "nodes" / "node_3.json")
     assert victim is not None
     os.kill(victim, signal.SIGKILL)
@@ -47,7 +54,7 @@ def test_kill_a_worker_then_resume_from_checkpoint(tmp_path, digits_doc):
     logs = "".join(p.read_text() for p in (out / "logs").glob("*.log"))
     resumed = [int(line.split("at step ")[1].split()[0]) for line in logs.splitlines()
                if "resumed from checkpoint at step" in line]
-    assert len(resumed) == 6 and len(set(resumed)) == 1 and resumed[0] >= 30
+    assert len(resumed) == 6 and len(set(resumed)) == 1 and resumed[0] >= done[-1]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["updates"] == 6 * 22  # 1437 samples // (2 clusters x 32) per epoch
     assert summary["val_metric"] >= 0.95
