@@ -9,7 +9,9 @@ protobuf (generic handlers, no serializers), whose server only counts the bytes.
 The servers live in a separate process (spawn), so client and server do not share a GIL; the
 same two processes also form a gloo group, and gloo's figure is `dist.send` of the tensor to the
 server process, which `dist.recv`s it into a preallocated tensor (then one small ack back).
-The three are taken in turn, repeat by repeat, after a warmup; the median is printed.
+A fourth variant, "fresh", sends to a second Server of ours with receive-buffer reuse off
+(`reuse_bytes=0`), so every frame lands in a newly allocated buffer: what the reuse is worth.
+The four are taken in turn, repeat by repeat, after a warmup; the median is printed.
 A second table times the stages of our path in one process (encode_wire: tensors straight into
 serialized Chunk messages; decode_wire: messages into the frame's buffer) next to the protobuf
 object path they replaced, to show where the difference goes.
@@ -38,7 +40,15 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from ravnest.framing import CHUNK_BYTES, Frame, decode, decode_wire, encode, encode_wire
+from ravnest.framing import (
+    CHUNK_BYTES,
+    BufferPool,
+    Frame,
+    decode,
+    decode_wire,
+    encode,
+    encode_wire,
+)
 from ravnest.proto import ravnest_pb2 as pb
 from ravnest.transport import Credentials, Peer, Server
 
@@ -76,13 +86,15 @@ def _serve(ports: Any, stop: Any, gloo_port: int, gloo_jobs: Any) -> None:
         received["bytes"] += frame.nbytes()
 
     ours = Server("127.0.0.1:0", CREDS, deliver)
+    fresh = Server("127.0.0.1:0", CREDS, deliver, reuse_bytes=0)
     raw = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=GRPC_OPTIONS)
     raw.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         "bench.Raw", {"Sink": grpc.stream_unary_rpc_method_handler(_raw_sink)}),))
     raw_port = raw.add_insecure_port("127.0.0.1:0")
     ours.start()
+    fresh.start()
     raw.start()
-    ports.put((ours.port, raw_port))
+    ports.put((ours.port, fresh.port, raw_port))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=1,
                             world_size=2, timeout=datetime.timedelta(seconds=600))
     ack = torch.zeros(1)
@@ -96,6 +108,7 @@ def _serve(ports: Any, stop: Any, gloo_port: int, gloo_jobs: Any) -> None:
     stop.wait()
     raw.stop(0).wait()
     ours.stop(0)
+    fresh.stop(0)
 
 
 def _raw_chunks(t: torch.Tensor) -> Iterator[bytes]:
@@ -116,7 +129,7 @@ def _timed(fn: Callable[[], None], times: int) -> float:
 
 
 def _measure(sizes: list[int], repeats: int,
-             warmup: int) -> list[tuple[int, float, float, float]]:
+             warmup: int) -> list[tuple[int, float, float, float, float]]:
     ctx = mp.get_context("spawn")
     ports, stop, gloo_jobs = ctx.Queue(), ctx.Event(), ctx.Queue()
     gloo_port = _free_port()
@@ -124,15 +137,17 @@ def _measure(sizes: list[int], repeats: int,
                          name="bench-server")
     server.start()
     try:
-        our_port, raw_port = ports.get(timeout=120)
+        our_port, fresh_port, raw_port = ports.get(timeout=120)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=0,
                                 world_size=2, timeout=datetime.timedelta(seconds=600))
         peer = Peer(f"127.0.0.1:{our_port}", CREDS)
         peer.wait_ready(60)
+        fresh_peer = Peer(f"127.0.0.1:{fresh_port}", CREDS)
+        fresh_peer.wait_ready(60)
         channel = grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=GRPC_OPTIONS)
         sink = channel.stream_unary(RAW_METHOD)
         ack = torch.zeros(1)
-        rows: list[tuple[int, float, float, float]] = []
+        rows: list[tuple[int, float, float, float, float]] = []
         for size in sizes:
             t = torch.randn(size // 4)
             times = max(1, MIN_BYTES_PER_REPEAT // size)
@@ -140,6 +155,9 @@ def _measure(sizes: list[int], repeats: int,
 
             def ours(frame: Frame = frame, times: int = times) -> float:
                 return _timed(lambda: peer.send(frame), times)
+
+            def fresh(frame: Frame = frame, times: int = times) -> float:
+                return _timed(lambda: fresh_peer.send(frame), times)
 
             def raw(t: torch.Tensor = t, times: int = times) -> float:
                 def once() -> None:
@@ -156,17 +174,19 @@ def _measure(sizes: list[int], repeats: int,
                 dist.recv(ack, 1)
                 return (time.perf_counter() - start) / times
 
-            samples: dict[str, list[float]] = {"ours": [], "raw": [], "gloo": []}
+            samples: dict[str, list[float]] = {"ours": [], "fresh": [], "raw": [], "gloo": []}
             variants: list[tuple[str, Callable[[], float]]] = [
-                ("ours", ours), ("raw", raw), ("gloo", gloo)]
+                ("ours", ours), ("fresh", fresh), ("raw", raw), ("gloo", gloo)]
             for i in range(warmup + repeats):
                 for name, fn in variants if i % 2 == 0 else reversed(variants):
                     seconds = fn()
                     if i >= warmup:
                         samples[name].append(seconds)
             log.info("%d bytes: %s", size, samples)
-            rows.append((size, *(statistics.median(samples[k]) for k in ("ours", "raw", "gloo"))))
+            rows.append((size, *(statistics.median(samples[k])
+                                 for k in ("ours", "raw", "gloo", "fresh"))))
         peer.close()
+        fresh_peer.close()
         channel.close()
         gloo_jobs.put(None)
         dist.destroy_process_group()
@@ -192,12 +212,14 @@ def _stages(size: int, repeats: int) -> list[tuple[str, float]]:
     blobs = [c.SerializeToString() for c in chunks]
     parsed = [pb.Chunk.FromString(b) for b in blobs]
     messages = encode_wire(frame)
+    pool = BufferPool()
     dst = torch.empty_like(t)
     steps: list[tuple[str, Callable[[], object]]] = [
         ("memcpy (tensor.copy_)", lambda: dst.copy_(t)),
         ("raw: tensor -> 1 MiB bytes chunks", lambda: list(_raw_chunks(t))),
         ("ours: encode_wire (tensor -> messages)", lambda: encode_wire(frame)),
-        ("ours: decode_wire (messages -> tensor)", lambda: decode_wire(iter(messages))),
+        ("ours: decode_wire (messages -> new tensor)", lambda: decode_wire(iter(messages))),
+        ("ours: decode_wire into a reused buffer", lambda: decode_wire(iter(messages), pool=pool)),
         ("protobuf path: encode (tensor -> pb.Chunk)", lambda: list(encode(frame))),
         ("protobuf path: SerializeToString", lambda: [c.SerializeToString() for c in chunks]),
         ("protobuf path: FromString", lambda: [pb.Chunk.FromString(b) for b in blobs]),
@@ -233,16 +255,20 @@ def main() -> None:
     _emit(f"Point-to-point, 127.0.0.1, server in another process; median of {args.repeats} "
           f"(GB = 1e9 bytes)")
     _emit(f"{'size':>9} {'ours ms':>9} {'raw ms':>9} {'gloo ms':>9} {'ours GB/s':>10} "
-          f"{'raw GB/s':>9} {'gloo GB/s':>10} {'ours/raw':>9} {'ours/gloo':>10}")
-    for size, ours_s, raw_s, gloo_s in rows:
+          f"{'raw GB/s':>9} {'gloo GB/s':>10} {'ours/raw':>9} {'ours/gloo':>10} "
+          f"{'fresh/raw':>10}")
+    for size, ours_s, raw_s, gloo_s, fresh_s in rows:
         _emit(f"{_size(size):>9} {ours_s * 1e3:>9.2f} {raw_s * 1e3:>9.2f} {gloo_s * 1e3:>9.2f} "
               f"{size / ours_s / 1e9:>10.3f} {size / raw_s / 1e9:>9.3f} "
-              f"{size / gloo_s / 1e9:>10.3f} {raw_s / ours_s:>9.2f} {gloo_s / ours_s:>10.2f}")
+              f"{size / gloo_s / 1e9:>10.3f} {raw_s / ours_s:>9.2f} {gloo_s / ours_s:>10.2f} "
+              f"{raw_s / fresh_s:>10.2f}")
+    _emit("fresh: our Server with receive-buffer reuse off (reuse_bytes=0): every frame "
+          "lands in a newly allocated buffer")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["bytes", "ours_s", "raw_s", "gloo_s"])
-            writer.writerows(rows)
+            writer.writerows(row[:4] for row in rows)
 
     size = int(max(args.sizes) * MIB) // 4 * 4
     _emit()

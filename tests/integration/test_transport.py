@@ -122,6 +122,34 @@ def test_frames_arrive_intact(served: Served, peer: Peer) -> None:
     assert frame.nbytes() <= got.wire_bytes < frame.nbytes() + 64 * len(tensors)
 
 
+def test_large_frames_reuse_receive_buffers_only_once_dropped(served: Served,
+                                                                peer: Peer) -> None:
+    """Frames of 1 MiB and more land in receive buffers the server hands out again, but only
+    once nothing holds the earlier frame: posted back to back over several lanes, with a stage
+    still holding some (as it holds its inputs until their backward pass), every frame arrives
+    with its own values."""
+    numel = (2 << 20) // 4
+    held = []
+    for wave in range(3):
+        for i in range(4 * wave, 4 * wave + 4):
+            peer.post(Frame("forward", {"act": torch.full((numel,), float(i))}, microbatch=i))
+        peer.flush(timeout=TIMEOUT)
+        for i in range(4 * wave, 4 * wave + 4):
+            got = served.next_frame()
+            assert got.microbatch == i
+            assert torch.equal(got.tensors["act"], torch.full((numel,), float(i)))
+            if i % 3 == 0:
+                held.append((i, got.tensors["act"].view(-1, 4)))
+    for i, act in held:
+        assert (act == i).all(), f"frame {i} was overwritten"
+    assert served.server.buffers.reused > 0
+    del held, got, act
+    reused = served.server.buffers.reused
+    peer.send(Frame("forward", {"act": torch.full((numel,), -1.0)}))
+    assert torch.equal(served.next_frame().tensors["act"], torch.full((numel,), -1.0))
+    assert served.server.buffers.reused == reused + 1
+
+
 def test_compressed_frames_arrive_close(served: Served) -> None:
     tensor = torch.randn(1000) * 50
     peer = Peer(served.address, CREDS, compression="bf16", timeout=TIMEOUT)

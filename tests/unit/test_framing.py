@@ -4,6 +4,8 @@ and a malformed chunk stream only ever raises FrameError, before anything large 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +18,7 @@ from ravnest.framing import (
     CHUNK_BYTES,
     DEFAULT_MAX_FRAME_BYTES,
     DTYPES,
+    BufferPool,
     Frame,
     FrameError,
     decode,
@@ -507,3 +510,118 @@ def test_mutated_wire_bytes_give_a_frame_or_a_frame_error(
     except FrameError:
         return
     assert isinstance(got, Frame)
+
+
+# Receive buffers reused (BufferPool): a large frame's buffer is handed out again only once
+# nothing refers to it, so a frame still held is never overwritten by a later one.
+
+MIB = 1 << 20
+
+
+def _big(value: float, numel: int = MIB) -> Frame:
+    return Frame("activations", {"x": torch.full((numel,), value), "y": torch.arange(7)})
+
+
+def _received(pool: BufferPool, value: float, numel: int = MIB) -> Frame:
+    return decode_wire(iter(encode_wire(_big(value, numel))), pool=pool)
+
+
+def test_a_dropped_frames_buffer_receives_the_next_frame_of_its_size() -> None:
+    pool = BufferPool(max_bytes=64 * MIB, min_bytes=MIB)
+    assert pool.enabled
+    first = _received(pool, 1.0)
+    where = first.tensors["x"].data_ptr()
+    del first
+    second = _received(pool, 2.0)
+    assert pool.reused == 1 and second.tensors["x"].data_ptr() == where
+    assert torch.equal(second.tensors["x"], torch.full((MIB,), 2.0))
+    assert torch.equal(second.tensors["y"], torch.arange(7))
+
+
+@pytest.mark.parametrize("hold", ["tensor", "view", "numpy", "autograd"])
+def test_a_frame_still_referenced_is_never_overwritten(hold: str) -> None:
+    pool = BufferPool(max_bytes=64 * MIB, min_bytes=MIB)
+    first = _received(pool, 1.0)
+    x = first.tensors["x"]
+    kept: object
+    if hold == "tensor":
+        kept = x
+    elif hold == "view":
+        kept = x[5:9].view(torch.int32)
+    elif hold == "numpy":
+        kept = x.numpy()[3:]
+    else:  # what a stage keeps for its backward pass: its input, saved by autograd
+        leaf = torch.ones(MIB, requires_grad=True)
+        kept = (leaf * x).sum()
+    del first, x
+    later = [_received(pool, float(v)) for v in (2, 3, 4)]
+    assert pool.reused == 0
+    if hold == "autograd":
+        kept.backward()  # type: ignore[attr-defined]
+        assert torch.equal(leaf.grad, torch.full((MIB,), 1.0))
+    elif hold == "numpy":
+        assert (kept == 1.0).all()  # type: ignore[attr-defined]
+    else:
+        assert torch.equal(kept.view(torch.float32) if hold == "view" else kept,  # type: ignore
+                           torch.full((4 if hold == "view" else MIB,), 1.0))
+    assert [f.tensors["x"][0].item() for f in later] == [2.0, 3.0, 4.0]
+    del kept, later
+    assert torch.equal(_received(pool, 5.0).tensors["x"], torch.full((MIB,), 5.0))
+    assert pool.reused == 1
+
+
+def test_small_and_compressed_frames_and_other_sizes() -> None:
+    pool = BufferPool(max_bytes=64 * MIB, min_bytes=MIB)
+    for value in (1.0, 2.0):  # under min_bytes: plain allocations, never tracked
+        assert _received(pool, value, numel=1000).tensors["x"][0] == value
+    assert pool.held_bytes == 0
+    del_me = _received(pool, 1.0)
+    del del_me
+    other = _received(pool, 3.0, numel=MIB + 16)  # another size: its own buffer
+    assert pool.reused == 0 and other.tensors["x"][-1] == 3.0
+    # bf16 on the wire: the frame holds converted copies, so its buffer is free at once
+    wire = encode_wire(_big(4.0, numel=2 * MIB), compression="bf16")
+    first = decode_wire(iter(wire), pool=pool)
+    second = decode_wire(iter(wire), pool=pool)
+    assert pool.reused == 1
+    assert torch.equal(first.tensors["x"], second.tensors["x"])
+
+
+def test_the_pool_tracks_at_most_max_bytes() -> None:
+    pool = BufferPool(max_bytes=12 * MIB, min_bytes=MIB)
+    held = [_received(pool, float(v)) for v in range(5)]  # 4 MiB each, all in use
+    assert pool.held_bytes <= 12 * MIB
+    assert [f.tensors["x"][-1].item() for f in held] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    del held
+    assert _received(pool, 9.0).tensors["x"][0] == 9.0
+    assert pool.reused == 1 and pool.held_bytes <= 12 * MIB
+
+
+def test_concurrent_receivers_never_share_a_buffer() -> None:
+    """Server threads decode at once, each pausing between chunks as a network read does: every
+    frame arrives intact while the buffers go round between them."""
+    pool = BufferPool(max_bytes=64 * MIB, min_bytes=MIB)
+    numel = MIB // 4
+    wires = {v: encode_wire(_big(float(v), numel), chunk_bytes=64 << 10) for v in range(4)}
+    start = threading.Barrier(len(wires))
+    bad: list[str] = []
+
+    def network(messages: list[bytes]) -> Iterator[bytes]:
+        for message in messages:
+            time.sleep(0)
+            yield message
+
+    def receive(v: int) -> None:
+        want = torch.full((numel,), float(v))
+        start.wait()
+        for i in range(30):  # each frame checked, then dropped: few buffers, reused all the time
+            if not torch.equal(decode_wire(network(wires[v]), pool=pool).tensors["x"], want):
+                bad.append(f"receiver {v}, frame {i}")
+
+    threads = [threading.Thread(target=receive, args=(v,)) for v in wires]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
+    assert pool.reused > 0 and pool.held_bytes <= 8 * MIB

@@ -33,6 +33,7 @@ from .errors import PeerTimeout, TransportError, shown
 from .framing import (
     CHUNK_BYTES,
     DEFAULT_MAX_FRAME_BYTES,
+    BufferPool,
     Frame,
     FrameError,
     check_sendable,
@@ -117,17 +118,18 @@ class _Servicer:
     half of a streaming call (no thread to consume a request iterator)."""
 
     def __init__(self, deliver: Callable[[Frame], None], max_frame_bytes: int,
-                 on_bytes: Callable[[str, int], None] | None) -> None:
+                 on_bytes: Callable[[str, int], None] | None, buffers: BufferPool) -> None:
         self._deliver = deliver
         self._max = max_frame_bytes
         self._on_bytes = on_bytes
+        self._buffers = buffers
 
     def SendOne(self, request: bytes, context: grpc.ServicerContext) -> pb.Ack:
         return self.Send(iter((request,)), context)
 
     def Send(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.Ack:
         try:
-            frame = decode_wire(request_iterator, self._max)
+            frame = decode_wire(request_iterator, self._max, self._buffers)
         except FrameError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
@@ -168,11 +170,14 @@ class Server:
     def __init__(self, address: str, creds: Credentials, deliver: Callable[[Frame], None],
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, threads: int = 16,
                  on_bytes: Callable[[str, int], None] | None = None,
-                 tls: TlsMaterial | None = None) -> None:
+                 tls: TlsMaterial | None = None, reuse_bytes: int = 256 << 20) -> None:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
                                                               thread_name_prefix="grpc"),
                                    interceptors=[_Auth(creds)], options=_GRPC_OPTIONS)
-        servicer = _Servicer(deliver, max_frame_bytes, on_bytes)
+        self.buffers = BufferPool(max_bytes=reuse_bytes)
+        """Receive buffers of large frames (up to `reuse_bytes` of them), reused once their
+        frame is dropped; 0 turns reuse off."""
+        servicer = _Servicer(deliver, max_frame_bytes, on_bytes, self.buffers)
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
             "Send": grpc.stream_unary_rpc_method_handler(
                 servicer.Send, request_deserializer=None,
