@@ -21,9 +21,11 @@ from ravnest.framing import (
     BufferPool,
     Frame,
     FrameError,
+    _parse_chunk,
     decode,
     decode_wire,
     encode,
+    encode_one,
     encode_wire,
 )
 from ravnest.proto import ravnest_pb2 as pb
@@ -507,6 +509,52 @@ def test_mutated_wire_bytes_give_a_frame_or_a_frame_error(
         messages[i] = m[:at % (len(m) + 1)] + replacement + m[at % (len(m) + 1) + len(replacement):]
     try:
         got = decode_wire(iter(messages), FUZZ_LIMIT)
+    except FrameError:
+        return
+    assert isinstance(got, Frame)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(FRAMES, st.sampled_from(["none", "bf16"]))
+def test_one_message_frames_are_one_protobuf_chunk(frame: Frame, compression: str) -> None:
+    """`encode_one` (what a frame of up to one chunk goes as, on the unary call) is the Chunk
+    protobuf would write with both fields, and reads back like the chunked form."""
+    message = encode_one(frame, compression)
+    chunked = encode_wire(frame, compression)
+    parsed = pb.Chunk.FromString(message)
+    assert parsed.header == pb.Chunk.FromString(chunked[0]).header
+    assert parsed.data == b"".join(pb.Chunk.FromString(m).data for m in chunked[1:])
+    got, want = decode_wire(iter([message])), decode_wire(iter(chunked))
+    assert got.control == want.control and got.tensors.keys() == want.tensors.keys()
+    for name, tensor in want.tensors.items():
+        assert_same(got.tensors[name], tensor)
+
+
+def test_a_one_message_frame_is_read_without_copying_its_payload() -> None:
+    x = torch.arange(1000, dtype=torch.float32)
+    message = encode_one(Frame("forward", {"x": x}, microbatch=3))
+    header, data = _parse_chunk(message)
+    assert header is not None and header.microbatch == 3
+    assert isinstance(data, memoryview) and data.obj is message  # a slice of the message
+    assert bytes(data) == x.numpy().tobytes() + bytes(len(data) - 4000)  # aligned: padded
+    # a header that is not a FrameHeader, with valid data after it, is a frame error
+    data_field = message[len(pb.Chunk(header=header).SerializeToString()):]
+    assert data_field[:1] == b"\x12"
+    broken = b"\x0a\x03\xff\xff\xff" + data_field
+    with pytest.raises(FrameError, match="not a FrameHeader"):
+        decode_wire(iter([broken]))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(FRAMES, st.lists(st.tuples(st.integers(0, 400), st.binary(max_size=4)), max_size=3))
+def test_mutated_one_message_bytes_give_a_frame_or_a_frame_error(
+        frame: Frame, edits: list[tuple[int, bytes]]) -> None:
+    m = encode_one(frame)
+    for at, replacement in edits:
+        at %= len(m) + 1
+        m = m[:at] + replacement + m[at + len(replacement):]
+    try:
+        got = decode_wire(iter([m]), FUZZ_LIMIT)
     except FrameError:
         return
     assert isinstance(got, Frame)

@@ -223,6 +223,17 @@ def encode_wire(frame: Frame, compression: str = "none",
     return list(iter_wire(frame, compression, chunk_bytes))
 
 
+def encode_one(frame: Frame, compression: str = "none") -> bytes:
+    """The whole frame as one serialized `Chunk` holding both its header and its payload, for
+    frames small enough to go as one message: the payload is copied once, straight from the
+    tensors' memory."""
+    header, views, total = _prepare(frame, compression)
+    parts: list[bytes | memoryview] = [pb.Chunk(header=header).SerializeToString()]
+    if total:
+        parts += [_DATA_TAG, _varint(total), *_segments(views, total)]
+    return b"".join(parts)
+
+
 def iter_wire(frame: Frame, compression: str = "none",
               chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
     """`encode_wire` one message at a time, so that sending starts before the whole frame is
@@ -235,6 +246,8 @@ def iter_wire(frame: Frame, compression: str = "none",
 
 _DATA_TAG = b"\x12"
 """`Chunk.data` on the wire: field 2, length-delimited."""
+_HEADER_TAG = b"\x0a"
+"""`Chunk.header` on the wire: field 1, length-delimited."""
 
 
 def _varint(n: int) -> bytes:
@@ -246,20 +259,45 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
+def _read_varint(message: bytes, i: int) -> tuple[int, int] | None:
+    """The varint at `message[i:]` and the index after it, or None where there is none."""
+    n = shift = 0
+    for j in range(i, min(len(message), i + 10)):
+        byte = message[j]
+        n |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return n, j + 1
+    return None
+
+
+def _data_after(message: bytes, i: int) -> memoryview | None:
+    """The data field that makes up all of `message[i:]`, sliced without a copy, or None."""
+    if message[i:i + 1] != _DATA_TAG:
+        return None
+    length = _read_varint(message, i + 1)
+    if length is None or length[1] + length[0] != len(message):
+        return None
+    return memoryview(message)[length[1]:]
+
+
 def _parse_chunk(message: bytes) -> tuple[pb.FrameHeader | None, memoryview | bytes]:
-    """One serialized `Chunk`: a data-only message is sliced without a copy; anything else goes
-    through protobuf."""
-    if message[:1] == _DATA_TAG:
-        n, shift, i = 0, 0, 1
-        while i < len(message) and i < 11:
-            byte = message[i]
-            n |= (byte & 0x7F) << shift
-            shift += 7
-            i += 1
-            if not byte & 0x80:
-                if i + n == len(message):
-                    return None, memoryview(message)[i:]
-                break
+    """One serialized `Chunk`. A data-only message, and a header followed by data (what
+    `encode_one` writes), are sliced without copying the data; anything else goes through
+    protobuf."""
+    data = _data_after(message, 0)
+    if data is not None:
+        return None, data
+    if message[:1] == _HEADER_TAG:
+        length = _read_varint(message, 1)
+        if length is not None:
+            end = length[1] + length[0]
+            data = _data_after(message, end)
+            if data is not None:
+                try:
+                    return pb.FrameHeader.FromString(message[length[1]:end]), data
+                except DecodeError as e:
+                    raise FrameError(f"chunk header is not a FrameHeader: {e}") from e
     try:
         chunk = pb.Chunk.FromString(message)
     except DecodeError as e:

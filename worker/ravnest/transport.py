@@ -38,6 +38,7 @@ from .framing import (
     FrameError,
     check_sendable,
     decode_wire,
+    encode_one,
     encode_wire,
     iter_wire,
 )
@@ -54,9 +55,10 @@ _GRPC_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 SERVICE = "ravnest.v1.Peer"
-ONE_MESSAGE_BYTES = 256 << 10
-"""Frames up to this payload go as one message on the unary SendOne (larger ones are streamed:
-joining them into one message would cost a copy and lose the overlap of sending and encoding)."""
+ONE_MESSAGE_BYTES = CHUNK_BYTES
+"""Frames up to this payload (one chunk's worth) go as one message, header and payload together
+(`encode_one`), on the unary SendOne; larger ones are streamed in chunks, sent as they are
+made."""
 _HEADER_ALLOWANCE = 4096
 """Bytes of header (and the data Chunk's tag) a one-message frame may add to its payload."""
 UNORDERED_LANES = 4
@@ -255,14 +257,18 @@ class Peer:
     def send(self, frame: Frame, compression: str | None = None) -> None:
         """Send now, in the caller's thread; raise TransportError on failure."""
         compression = self._compression if compression is None else compression
-        small = frame.nbytes() <= ONE_MESSAGE_BYTES
-        self._send(frame.kind, (encode_wire if small else iter_wire)(frame, compression))
+        self._send(frame.kind, [encode_one(frame, compression)]
+                   if frame.nbytes() <= ONE_MESSAGE_BYTES else iter_wire(frame, compression))
+
+    def _encode(self, frame: Frame) -> list[bytes]:
+        return ([encode_one(frame, self._compression)] if frame.nbytes() <= ONE_MESSAGE_BYTES
+                else encode_wire(frame, self._compression))
 
     def _send(self, kind: str, messages: Iterator[bytes] | list[bytes]) -> None:
         """One call: an encoded frame of at most ONE_MESSAGE_BYTES of payload (plus its header)
-        goes as one message (its header and data Chunks concatenated, which protobuf parses as
-        one Chunk with both) on the unary SendOne; anything else is streamed on Send, a
-        generator's messages as they are made."""
+        goes as one message (one Chunk with both, or its header and data Chunks concatenated,
+        which protobuf parses the same) on the unary SendOne; anything else is streamed on
+        Send, a generator's messages as they are made."""
         try:
             if isinstance(messages, list) and len(messages) <= 2 and \
                     sum(map(len, messages)) <= ONE_MESSAGE_BYTES + _HEADER_ALLOWANCE:
@@ -294,8 +300,7 @@ class Peer:
             with self._lock:
                 self._sequence += 1
                 frame.stream, frame.sequence = self._stream, self._sequence
-        messages: list[bytes] | Frame = (encode_wire(frame, self._compression) if snapshot
-                                         else frame)
+        messages: list[bytes] | Frame = self._encode(frame) if snapshot else frame
         with self._lock:
             self._pending += 1
             self._idle.clear()
@@ -323,7 +328,7 @@ class Peer:
                     self._budget.wait()
                 self._bytes_in_flight += size
             try:
-                self._send(kind, encode_wire(messages, self._compression)
+                self._send(kind, self._encode(messages)
                            if isinstance(messages, Frame) else messages)
             except TransportError as e:
                 log.error("sending %s frame to %s failed: %s", kind, self.address, e)
