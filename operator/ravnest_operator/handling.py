@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 IMAGE = os.environ.get("RAVNEST_WORKER_IMAGE", "ravnest:latest")
 INTERVAL = float(os.environ.get("RAVNEST_RECONCILE_INTERVAL", "2"))
 NETWORK_POLICIES = os.environ.get("RAVNEST_NETWORK_POLICIES", "false") == "true"
+FINAL_SCRAPE_SECONDS = float(os.environ.get("RAVNEST_FINAL_SCRAPE_SECONDS", "0") or 0)
+"""Set by the chart when its PodMonitor is on: how long a finished worker waits for Prometheus
+to scrape its final metrics."""
 
 
 @kopf.on.startup()
@@ -277,7 +280,8 @@ def reconcile(body: kopf.Body, spec: dict[str, Any], status: dict[str, Any], nam
         return
     for node in plan.nodes:
         if obs.nodes[node.name].phase == "Missing":
-            _create(resources.pod(owner, job, plan, node, IMAGE, attempt=restarts))
+            _create(resources.pod(owner, job, plan, node, IMAGE, attempt=restarts,
+                                  final_scrape_seconds=FINAL_SCRAPE_SECONDS))
     started = status.get("startTime")
     if obs.all_running:
         if phase != "Running":

@@ -203,8 +203,9 @@ def _resources(provider: Provider) -> dict[str, Any]:
 
 
 def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
-        attempt: int = 0) -> dict[str, Any]:
-    """The worker pod of one provider."""
+        attempt: int = 0, final_scrape_seconds: float = 0) -> dict[str, Any]:
+    """The worker pod of one provider. With `final_scrape_seconds` (Prometheus scrapes the
+    workers) a finished worker stays up to that long for one scrape of its final metrics."""
     provider = job.spec.expanded_providers()[node.provider]
     annotations = {"ravnest.io/plan": plan.fingerprint, "ravnest.io/attempt": str(attempt)}
     if provider.bandwidth is not None:
@@ -231,7 +232,10 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
             "env": [{"name": "RAVNEST_TOKEN", "valueFrom": {"secretKeyRef": {
                         "name": token_secret_name(owner.name), "key": "token"}}},
                     {"name": "RAVNEST_TORCH_THREADS",
-                     "value": str(max(1, round(provider.compute)))}],
+                     "value": str(max(1, round(provider.compute)))},
+                    *([{"name": "RAVNEST_FINAL_SCRAPE_SECONDS",
+                        "value": f"{final_scrape_seconds:g}"}] if final_scrape_seconds > 0
+                      else [])],
             "ports": [{"name": "grpc", "containerPort": GRPC_PORT},
                       {"name": "metrics", "containerPort": METRICS_PORT},
                       *([{"name": "ring", "containerPort": RING_PORT}] if _tcp_ring(job) else [])],
@@ -291,5 +295,6 @@ def static_objects(owner: Owner, job: Job, plan: Plan, token: str,
             plan_configmap(owner, plan)]
 
 
-def pods(owner: Owner, job: Job, plan: Plan, image: str, attempt: int = 0) -> list[dict[str, Any]]:
-    return [pod(owner, job, plan, n, image, attempt) for n in plan.nodes]
+def pods(owner: Owner, job: Job, plan: Plan, image: str, attempt: int = 0,
+         final_scrape_seconds: float = 0) -> list[dict[str, Any]]:
+    return [pod(owner, job, plan, n, image, attempt, final_scrape_seconds) for n in plan.nodes]

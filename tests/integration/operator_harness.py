@@ -23,8 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 class Operator:
     """`kopf run` of ravnest_operator as a subprocess, restartable."""
 
-    def __init__(self, kube: LocalApiserver, workdir: Path) -> None:
+    def __init__(self, kube: LocalApiserver, workdir: Path,
+                 env: dict[str, str] | None = None) -> None:
         self.kube = kube
+        self.env = env or {}
         self.log = workdir / "operator.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.metrics_port = free_port()
@@ -37,7 +39,7 @@ class Operator:
                # per-job NetworkPolicies, as the chart's networkPolicy.enabled asks: the real
                # apiserver validates them (no network plugin here enforces them)
                "RAVNEST_NETWORK_POLICIES": "true",
-               "RAVNEST_OPERATOR_METRICS_PORT": str(self.metrics_port)}
+               "RAVNEST_OPERATOR_METRICS_PORT": str(self.metrics_port), **self.env}
         with open(self.log, "ab") as fh:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kopf", "run", "--standalone", "--namespace", "default",
@@ -110,16 +112,17 @@ def phase_of(kube: LocalApiserver, name: str) -> str | None:
 
 
 @contextlib.contextmanager
-def operator_cluster(work: Path) -> Iterator[tuple[LocalApiserver, FakeKubelet, Operator]]:
+def operator_cluster(work: Path, env: dict[str, str] | None = None
+                     ) -> Iterator[tuple[LocalApiserver, FakeKubelet, Operator]]:
     """etcd + kube-apiserver + kube-controller-manager with the CRD installed, the harness kubelet
-    and the operator, all stopped on exit."""
+    and the operator (with `env` added to its environment), all stopped on exit."""
     with local_apiserver(work / "kube", controller_manager=True) as kube:
         kctl(kube, "apply", "-f", str(ROOT / "crds" / "ravnestjob.yaml"))
         kctl(kube, "wait", "--for=condition=Established", "crd/ravnestjobs.ravnest.io",
              "--timeout=60s")
         kubelet = FakeKubelet(str(kube.kubeconfig), work / "kubelet")
         kubelet.start()
-        operator = Operator(kube, work)
+        operator = Operator(kube, work, env)
         operator.kubelet_errors = kubelet.errors
         operator.start()
         try:

@@ -825,6 +825,9 @@ def test_monitors_select_the_workers_and_the_operator() -> None:
     default_env = {e["name"]: e.get("value") for e in one(rendered("defaults"), "Deployment")[
         "spec"]["template"]["spec"]["containers"][0]["env"]}
     assert default_env["RAVNEST_NETWORK_POLICIES"] == "false"
+    # with the PodMonitor on, finished workers wait for one scrape of their final metrics
+    assert env["RAVNEST_FINAL_SCRAPE_SECONDS"] == "30"
+    assert "RAVNEST_FINAL_SCRAPE_SECONDS" not in default_env
     operator_peer = metrics["from"][0]["podSelector"]["matchLabels"]
     assert operator_peer.items() <= pod_labels.items(), "the operator could not scrape progress"
     namespaced = rendered("namespaced")

@@ -189,7 +189,12 @@ def prometheus(chart: list[dict[str, Any]], rules_file: Path,
     service = one(chart, "Service")
     assert service["spec"]["selector"].items() >= servicemonitor["spec"]["selector"][
         "matchLabels"].items(), "the ServiceMonitor does not select the metrics Service"
-    with operator_cluster(work / "cluster") as (kube, _kubelet, operator):
+    # the operator's environment as the chart sets it with the PodMonitor on: finished workers
+    # stay until a scrape has read their final metrics
+    deployed = {e["name"]: e["value"] for e in one(chart, "Deployment")["spec"]["template"][
+        "spec"]["containers"][0]["env"] if e["name"] == "RAVNEST_FINAL_SCRAPE_SECONDS"}
+    assert deployed, "the chart does not make finished workers wait for a final scrape"
+    with operator_cluster(work / "cluster", env=deployed) as (kube, _kubelet, operator):
         discovery = WorkerDiscovery(kube.kubeconfig, podmonitor, work / "workers.json")
         config = work / "prometheus.yml"
         config.write_text(yaml.safe_dump(scrape_config(

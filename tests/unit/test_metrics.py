@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
+import urllib.request
 
 from ravnest.metrics import ACTIVITIES, Identity, WorkerMetrics
 
@@ -42,3 +44,23 @@ def test_nested_blocks_charge_the_innermost_activity_and_add_up_to_wall_time():
     slack = wall - 0.09
     assert got["compute"] <= 0.04 + slack and got["communication"] <= 0.02 + slack
     assert 0.09 <= sum(got.values()) <= wall
+
+
+def test_a_finished_worker_waits_for_a_scrape_that_begins_after_it_finished():
+    m = WorkerMetrics(WHO)
+    port = m.serve(0, addr="127.0.0.1")
+
+    def scrape() -> bytes:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            return bytes(r.read())
+
+    m.steps.inc(66)
+    scrape()  # before the wait: does not count
+    assert m.wait_for_scrape(0.3) is False
+    later = threading.Timer(0.2, scrape)
+    later.start()
+    started = time.monotonic()
+    assert m.wait_for_scrape(30) is True
+    assert time.monotonic() - started < 10  # the scrape ended the wait, not the timeout
+    later.join()
+    assert b"ravnest_steps_total{" in scrape()  # the watch itself exports nothing

@@ -108,6 +108,10 @@ def test_worker_pod(job_and_plan):
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert c["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "digits-token", "key": "token"}
     assert {"name": "node-metadata", "configMap": {"name": "digits-node-1"}} in spec["volumes"]
+    assert "RAVNEST_FINAL_SCRAPE_SECONDS" not in {e["name"] for e in c["env"]}
+    watched = resources.pod(OWNER, job, plan, node, "ravnest:test", final_scrape_seconds=30)
+    assert {"name": "RAVNEST_FINAL_SCRAPE_SECONDS", "value": "30"} in watched["spec"][
+        "containers"][0]["env"]
 
 
 def _pod(name, phase, code=None, attempt=0, ip="10.0.0.5"):

@@ -7,12 +7,15 @@ plus `kind` for bytes and `activity` for where the training loop's time goes).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 _LABELS = ("job", "namespace", "node", "role", "cluster", "stage")
 ACTIVITIES = ("compute", "communication", "waiting", "other")
@@ -38,11 +41,33 @@ class Identity:
                 "role": self.role, "cluster": str(self.cluster), "stage": str(self.stage)}
 
 
+class _ScrapeWatch(Collector):
+    """Exports nothing; notes a scrape that begins after `arm()`. Registered before every other
+    metric, so such a scrape reads all of them as they were when it was armed, or later."""
+
+    def __init__(self) -> None:
+        self._armed = False
+        self.scraped = threading.Event()
+
+    def arm(self) -> None:
+        self._armed = True
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> list[Metric]:
+        if self._armed:
+            self.scraped.set()
+        return []
+
+
 class WorkerMetrics:
     """All metrics of one worker, already bound to its identity labels."""
 
     def __init__(self, who: Identity, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self._watch = _ScrapeWatch()
+        self.registry.register(self._watch)
         r, lab = self.registry, who.labels()
 
         def counter(name: str, doc: str) -> Counter:
@@ -119,6 +144,12 @@ class WorkerMetrics:
 
     def received(self, kind: str, n: int) -> None:
         self._received.labels(**self._lab, kind=kind).inc(n)
+
+    def wait_for_scrape(self, timeout: float) -> bool:
+        """Wait until a scrape that began after this call has read the metrics (so a worker
+        that is done can stay until its final figures are in Prometheus); False on timeout."""
+        self._watch.arm()
+        return self._watch.scraped.wait(timeout)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Serve /metrics; port 0 picks a free port. Returns the port."""

@@ -29,6 +29,8 @@ from .spec import Job, JobSpec, parse_job
 from .tls import TlsMaterial, identity
 from .transport import Credentials, Inbox, Peer, Server
 
+FINAL_SCRAPE_ENV = "RAVNEST_FINAL_SCRAPE_SECONDS"
+
 log = logging.getLogger(__name__)
 
 METADATA_KIND = "RavnestNodeMetadata"
@@ -243,6 +245,7 @@ class Worker:
                 self.runtime.serve()
             self._write_outputs()
             self.metrics.finished.set(1)
+            self._await_final_scrape()
         finally:
             for peer in self.peers.values():
                 peer.close()
@@ -251,6 +254,19 @@ class Worker:
             if self.ring_server is not None:
                 self.ring_server.stop()
             self.server.stop()
+
+    def _await_final_scrape(self) -> None:
+        """Where Prometheus scrapes the workers (the chart's PodMonitor sets
+        RAVNEST_FINAL_SCRAPE_SECONDS), stay until one scrape has read the final figures, or that
+        many seconds: a pod gone between two scrapes would leave its last steps unrecorded."""
+        raw = os.environ.get(FINAL_SCRAPE_ENV, "")
+        try:
+            seconds = float(raw) if raw else 0.0
+        except ValueError:
+            log.warning("%s=%r is not a number of seconds: not waiting", FINAL_SCRAPE_ENV, raw)
+            return
+        if seconds > 0 and not self.metrics.wait_for_scrape(seconds):
+            log.info("no scrape of the final metrics within %.0f s", seconds)
 
     def _write_outputs(self) -> None:
         out = Path(self.meta.output_dir)
