@@ -127,6 +127,20 @@ def test_compressed_wire_stays_close_and_identical_on_every_rank(compression: st
     assert all(torch.equal(result[0][0], t[0]) for t in result[1:])
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_fp16_wire_sends_a_piece_it_cannot_hold_uncompressed(transport: str) -> None:
+    """A piece beyond float16's range (65504) goes as float32 instead of as inf, so its mean is
+    exact; pieces in range are rounded to float16 on the way; every rank ends the same."""
+    world = 3
+    big = lambda r: [torch.cat([torch.full((500,), 1e5 + r),  # noqa: E731
+                                torch.full((500,), 0.1 + r)])]
+    result = run_ring(world, big, piece_bytes=1000, compression="fp16", transport=transport)
+    for (got,) in result:
+        assert torch.equal(got[:500], torch.full((500,), 1e5 + 1))
+        assert (got[500:] - 1.1).abs().max().item() < 2e-3
+    assert all(torch.equal(result[0][0], t[0]) for t in result[1:])
+
+
 @pytest.mark.parametrize("compression", ["none", "bf16"])
 def test_both_transports_give_identical_results(compression: str) -> None:
     """The data plane carries the same bytes as gRPC: the same inputs end bit-identical."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -86,15 +86,6 @@ def _point(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
             offset += t.numel()
 
 
-def _round_like_wire(seg: torch.Tensor, wire: torch.dtype | None) -> None:
-    """Round a segment the way the wire will, so its owner keeps what the others receive."""
-    if wire is None:
-        return
-    if wire == torch.float16 and seg.numel() and seg.abs().max().item() > 65504.0:
-        return  # framing sends such a tensor uncompressed
-    seg.copy_(seg.to(wire))
-
-
 def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor], offset: int = 0) -> None:
     with torch.no_grad():
         for t in tensors:
@@ -125,6 +116,11 @@ class RingReducer:
         self._live: torch.Tensor | None = None
         """The buffer the movable tensors live in (views), and the one the next round writes."""
         self._spare: torch.Tensor | None = None
+        self._scratch = torch.empty(0)
+        """float32 room for one received piece of another dtype (bf16 on the wire), converted
+        there before it is added: torch's mixed-dtype add is ~10x slower than the two passes."""
+        self._wired = torch.empty(0, dtype=self._wire or torch.float32)
+        """The gathered pieces this node owns, in the wire's dtype, as they are posted."""
 
     def average(self, tensors: Sequence[torch.Tensor], round_: int, movable: int = 0) -> bool:
         """Average `tensors` in place with the other members; False if the round was skipped
@@ -229,6 +225,12 @@ class RingReducer:
         def phase(step: int, k: int) -> int:
             return step * per + k
 
+        wired: Iterator[torch.Tensor] = iter(())
+        if self._wire is not None:  # where the pieces this node owns are rounded and posted
+            sizes = [p.numel() for p in pieces[(r + 1) % n]]
+            if self._wired.numel() < sum(sizes):
+                self._wired = torch.empty(sum(sizes), dtype=self._wire)
+            wired = iter(self._wired[:sum(sizes)].split(sizes))
         if self._wire is None and isinstance(self._next, RingLink):
             # the gathered pieces may land in place (received straight into `dst`, no copy)
             self._inbox.expect(self.ring.id, round_, {
@@ -246,8 +248,8 @@ class RingReducer:
                     continue
                 # fully reduced here: this node owns the piece's mean and starts its gather
                 piece.div_(n)
-                _round_like_wire(piece, self._wire)
-                self._post("gather", piece, round_, phase(n - 1, k))
+                self._post("gather", self._like_wire(piece, next(wired, None)), round_,
+                           phase(n - 1, k))
         for s in range(n - 1):
             for k, piece in enumerate(pieces[(r - s) % n]):
                 self._take(round_, phase(n - 1 + s, k), piece)
@@ -255,6 +257,20 @@ class RingReducer:
                     self._post("gather", piece, round_, phase(n + s, k))
         assert self._next is not None
         self._next.flush(self._timeout)
+
+    def _like_wire(self, piece: torch.Tensor, wired: torch.Tensor | None) -> torch.Tensor:
+        """A fully reduced piece as the wire carries it: rounded to the wire's dtype into `wired`
+        (its slot in a buffer that lives until the round is over, posted as it is: nothing to
+        convert again when it is sent), and the piece set to that, so its owner keeps what the
+        others receive. float16 cannot hold a piece over 65504: framing sends such a tensor
+        uncompressed, and so it stays."""
+        if self._wire is None or wired is None:
+            return piece
+        if self._wire == torch.float16 and piece.numel() and piece.abs().max().item() > 65504.0:
+            return piece
+        wired = wired.view(piece.shape).copy_(piece)
+        piece.copy_(wired)
+        return wired
 
     def _post(self, kind: str, seg: torch.Tensor, round_: int, phase: int) -> None:
         assert self._next is not None
@@ -272,6 +288,10 @@ class RingReducer:
                                      f"{None if x is None else tuple(x.shape)} from "
                                      f"{frame.sender}, expected {tuple(piece.shape)}")
             if add_to is not None:
+                if x.dtype != piece.dtype:
+                    if self._scratch.numel() < x.numel():
+                        self._scratch = torch.empty(x.numel(), dtype=piece.dtype)
+                    x = self._scratch[:x.numel()].view(x.shape).copy_(x)
                 torch.add(add_to, x, out=piece)
             elif x is not piece:  # (a piece that landed in place is there already)
                 piece.copy_(x)
