@@ -6,7 +6,7 @@ all-gather over our transport). This measures its bus bandwidth against gloo's a
 same tensors, in the same rank processes, in the same run, and checks that the result is the mean:
 the max abs error against the float64 mean of all ranks' inputs is printed for ours in fp32, ours
 with bf16 on the wire (Peer compression="bf16"), and gloo. Both transports a job can choose
-(training.ringTransport) are timed: "ours" is the ring over gRPC (the default), "tcp" the same
+(training.ringTransport) are timed: "ours" is the ring over gRPC, "tcp" (the default) the same
 RingReducer over dataplane.RingLink/RingServer (authenticated raw-byte connections).
 
 Each rank is a spawned process with a Server + Inbox on a free 127.0.0.1 port, a RingServer

@@ -240,7 +240,9 @@ def test_network_policy_lets_only_the_jobs_own_workers_reach_its_grpc_port(job_a
     selector = spec["podSelector"]["matchLabels"]
     assert all(selector.items() <= p["metadata"]["labels"].items() for p in pods)
     (rule,) = spec["ingress"]
-    assert rule["ports"] == [{"protocol": "TCP", "port": resources.GRPC_PORT}]
+    # the default ring transport (tcp) adds the ring data port; see the next test
+    assert rule["ports"] == [{"protocol": "TCP", "port": resources.GRPC_PORT},
+                             {"protocol": "TCP", "port": resources.RING_PORT}]
     (peer,) = rule["from"]
     assert set(peer) == {"podSelector"}  # no namespaceSelector: the policy's own namespace
     allowed = peer["podSelector"]["matchLabels"]
@@ -251,13 +253,14 @@ def test_network_policy_lets_only_the_jobs_own_workers_reach_its_grpc_port(job_a
 
 
 def test_a_tcp_ring_job_opens_the_ring_port_to_its_own_workers_only(job_and_plan):
-    """training.ringTransport: tcp: every pod exposes the ring data port, the node metadata
-    names each node's ring address, and the job's NetworkPolicy admits the port, again from the
-    job's own workers only. A gRPC-ring job opens no such port."""
+    """training.ringTransport: tcp (the default): every pod exposes the ring data port, the node
+    metadata names each node's ring address, and the job's NetworkPolicy admits the port, again
+    from the job's own workers only. A gRPC-ring job opens no such port."""
     job, plan = job_and_plan
-    tcp = parse_job({**job.to_dict(), "spec": {**job.to_dict()["spec"], "training": {
-        **job.to_dict()["spec"]["training"], "ringTransport": "tcp"}}})
-    for j, ring in ((job, False), (tcp, True)):
+    assert job.spec.training.ring_transport == "tcp"
+    grpc = parse_job({**job.to_dict(), "spec": {**job.to_dict()["spec"], "training": {
+        **job.to_dict()["spec"]["training"], "ringTransport": "grpc"}}})
+    for j, ring in ((grpc, False), (job, True)):
         pod = resources.pod(OWNER, j, plan, plan.nodes[0], "ravnest:test")
         ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
         assert ("ring" in ports) == ring

@@ -243,10 +243,11 @@ class TrainingSpec(_Model):
     average_optimizer: bool = False
     """Also average optimizer state (e.g. Adam moments) in the ring."""
     compression: Literal["none", "bf16", "fp16"] = "none"
-    ring_transport: Literal["grpc", "tcp"] = "grpc"
-    """How ring all-reduce pieces travel: over the workers' gRPC servers, or as raw bytes on one
-    authenticated (and, with security.tls, mutual-TLS) TCP connection per ring neighbour on a
-    second port, which costs several times less CPU per byte (see docs/performance.md)."""
+    ring_transport: Literal["grpc", "tcp"] = "tcp"
+    """How ring all-reduce pieces travel: as raw bytes on one authenticated (and, with
+    security.tls, mutual-TLS) TCP connection per ring neighbour on a second port (the default:
+    several times less CPU per byte, level with or ahead of gloo), or over the workers' gRPC
+    servers, one port for everything (see docs/performance.md)."""
     schedule: Literal["sync", "async"] = "sync"
     max_in_flight: int = Field(4, gt=0)
     """Microbatches a root may have in flight (backpressure; bounds staleness in async)."""
