@@ -34,9 +34,11 @@ echo
 echo "== bench/wan.py: ring and send over rate-limited, delayed links vs the paper model"
 python bench/wan.py --model-only
 if [[ $(id -u) == 0 ]]; then
-    python bench/wan.py --ranks 2 3 --delays 0 50 150 --rates 1000 --size 24 --rounds 2 --lanes 0 4
+    python bench/wan.py --ranks 2 3 --delays 0 50 150 --rates 1000 --size 24 --rounds 2 --lanes 0 4 \
+        --transports grpc tcp
     echo "-- bf16 against fp32 on the wire where the link, not the CPU, is the limit"
-    python bench/wan.py --ranks 2 3 --delays 20 --rates 100 1000 --size 24 --rounds 2 --wires none bf16
+    python bench/wan.py --ranks 2 3 --delays 20 --rates 100 1000 --size 24 --rounds 2 --wires none bf16 \
+        --transports grpc tcp
 else
     echo "bench/wan.py: NOT RUN (needs root for network namespaces)"
 fi

@@ -18,19 +18,23 @@ Each host's uplink (its veth's egress) gets `tbf rate B`, and its rank reaches i
 through the delay line, so a hop costs one-way latency D (round trip 2D) and at most B bits/s
 per host. One rank process runs in
 each host's namespace (`ip netns exec`) with our Server, a Peer to its successor, and a
-RingReducer; rank 0 also times Peer.send of one tensor to rank 1, and a burst of 8 ordered
-Peer.posts of 2 MiB (a pipeline hop's activations) with the flush after them.
+RingReducer whose pieces go over gRPC (the Peer) or, with `--transports tcp`, over the data plane
+(a RingServer and a RingLink to the successor's, through a delay line of its own); rank 0 also
+times Peer.send of one tensor to rank 1, and a burst of 8 ordered Peer.posts of 2 MiB (a pipeline
+hop's activations) with the flush after them.
 
 For every (n, D, B) it prints measured and modelled times and their ratio (the model and its
 terms are in docs/performance.md):
-    ring   T = 2(n-1) * ceil(S/(n P)) * max(P/B, (P/B + 2D) / c) + 2D
+    ring   T = 2(n-1) * max(k * max(P/B, (P/B + 2D) / c), P/B + D) + 2D   (gRPC: a call a piece)
+           T = 2(n-1) * max(k * P/B, P/B + D) + D                          (tcp: one stream)
     send   T = S/B + 2D   (the stream, then the Ack)
     posts  T = 8 * max(A/B, (A/B + 2D) / c) + 2D
-with S bytes per rank, P the ring's piece size, A = 2 MiB and c = 1 + lanes the calls in flight
+with S bytes per rank, P the ring's piece size, k = ceil(S/(n P)) pieces per ring step,
+A = 2 MiB and c = 1 + lanes the calls in flight
 per peer (--lanes 0: one sender thread, one call at a time, as before the lanes existed).
 
     python bench/wan.py [--ranks 2 3] [--delays 0 20 50] [--rates 100 1000] [--size 8]
-                          [--rounds 3] [--lanes 0 4]
+                          [--rounds 3] [--lanes 0 4] [--transports grpc tcp]
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import math
@@ -57,6 +60,9 @@ PREFIX = "rvb"
 SUBNET = "10.213.0"
 PORT = 47000
 PROXY_PORT = 47001
+RING_PORT = 47002
+"""The data plane's port (--transports tcp), reached through a delay line on RING_PROXY_PORT."""
+RING_PROXY_PORT = 47003
 MIB = 1 << 20
 TOKEN = "bench-netem-token"
 CALLS = 5
@@ -175,14 +181,26 @@ async def _proxy(listen: int, target: str, delay: float) -> None:
 
 def model_ring(n: int, size: int, rate_bps: float, delay_s: float, piece: int,
                calls: int) -> float:
-    """Seconds for one ring all-reduce (docs/performance.md, "Ring"): 2(n-1) steps of k pieces
-    each go through one uplink; a piece's call takes P/B plus a round trip for its Ack, and
-    `calls` calls are in flight at once, so a piece costs max(P/B, (P/B + 2d) / calls)."""
+    """Seconds for one ring all-reduce over gRPC (docs/performance.md, "Ring"): 2(n-1) steps of
+    k pieces each go through one uplink; a piece's call takes P/B plus a round trip for its Ack,
+    and `calls` calls are in flight at once, so a piece costs max(P/B, (P/B + 2d) / calls); and a
+    step's first piece can go only once the previous step's first piece is in, one hop
+    (P/B + d) after it left, so a step takes at least that; the last Ack comes 2d after."""
     seg = size / n
     pieces = math.ceil(seg / piece)
     per_piece = min(piece, seg) / rate_bps
     effective = max(per_piece, (per_piece + 2 * delay_s) / calls)
-    return 2 * (n - 1) * pieces * effective + 2 * delay_s
+    return 2 * (n - 1) * max(pieces * effective, per_piece + delay_s) + 2 * delay_s
+
+
+def model_stream_ring(n: int, size: int, rate_bps: float, delay_s: float, piece: int) -> float:
+    """Seconds for one ring all-reduce on the data plane (docs/performance.md, "Ring"): pieces
+    stream back to back on one connection, with no Ack per piece; a step's first piece can go
+    once the previous step's first piece is in, one hop (P/B + d) after it left, so a step takes
+    max(k P/B, P/B + d), and the last piece arrives d after it left."""
+    seg = size / n
+    per_piece = min(piece, seg) / rate_bps
+    return 2 * (n - 1) * max(math.ceil(seg / piece) * per_piece, per_piece + delay_s) + delay_s
 
 
 def model_send(size: int, rate_bps: float, delay_s: float) -> float:
@@ -217,17 +235,20 @@ def model_pipeline(stages: int, micro: int, compute_s: float, act_bytes: int, ra
 def print_model() -> None:
     """The model's figures for internet links, for docs/performance.md."""
     mb = 1e6
-    _emit("Ring all-reduce of S = 110 MB per member (a 440 MB model in 4 stages), P = 4 MiB, "
+    _emit("Ring all-reduce of S = 110 MB per member (a 440 MB model in 4 stages), P = 4 MiB, on "
+          "the tcp data plane (the default), bf16 on it, and over gRPC with "
           f"{CALLS} calls in flight per peer; seconds")
-    _emit(f"{'link':>16} " + " ".join(f"{f'n={n}':>8}" for n in (2, 4, 8, 16)) + "  bf16 n=4")
+    _emit(f"{'link':>16} " + " ".join(f"{f'n={n}':>8}" for n in (2, 4, 8, 16))
+          + "  bf16 n=4  gRPC n=4")
     for rate in (10, 100, 1000):
         for delay in (20, 150):
             bps, d = rate * 1e6 / 8, delay / 1e3
-            cells = [model_ring(n, int(110 * mb), bps, d, 4 << 20, CALLS)
+            cells = [model_stream_ring(n, int(110 * mb), bps, d, 4 << 20)
                      for n in (2, 4, 8, 16)]
-            bf16 = model_ring(4, int(55 * mb), bps, d, 4 << 20, CALLS)
+            bf16 = model_stream_ring(4, int(55 * mb), bps, d, 2 << 20)
+            grpc = model_ring(4, int(110 * mb), bps, d, 4 << 20, CALLS)
             _emit(f"{rate:>5} Mbps {delay:>4} ms " + " ".join(f"{c:>8.1f}" for c in cells)
-                  + f"  {bf16:>8.1f}")
+                  + f"  {bf16:>8.1f}  {grpc:>8.1f}")
     _emit()
     _emit("Pipeline of p stages, 50 ms of compute per stage and microbatch, 2 MB activations, "
           f"m = 8 microbatches, maxInFlight 4, {CALLS} calls in flight per peer; microbatches/s "
@@ -248,6 +269,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch
 
     from ravnest.allreducing import RingReducer
+    from ravnest.dataplane import RingLink, RingServer
     from ravnest.framing import Frame
     from ravnest.planning import RingPlan
     from ravnest.transport import Credentials, Inbox, Peer, Server
@@ -265,14 +287,21 @@ def rank_main(args: argparse.Namespace) -> None:
             inbox.deliver(frame)
 
     server = Server(f"{SUBNET}.{rank + 1}:{PORT}", creds, deliver)
-    server.start()
     succ = (rank + 1) % n
+    members = tuple(f"r{i}" for i in range(n))
+    ring_server, link = None, None
+    if args.ring_target:  # the data plane (training.ringTransport: tcp)
+        ring_server = RingServer(f"{SUBNET}.{rank + 1}:{RING_PORT}", TOKEN, creds.fingerprint,
+                                 inbox.deliver, inbox=inbox)
+        ring_server.start()
+        link = RingLink(args.ring_target, TOKEN, creds.fingerprint, members[rank],
+                        compression=args.wire, timeout=600)
+    server.start()  # after the ring server: a successor that answers health is listening there
     peer = Peer(args.target, creds, timeout=600, lanes=args.lane, compression=args.wire)
     peer.wait_ready(120)
-    members = tuple(f"r{i}" for i in range(n))
     reducer = RingReducer(RingPlan(id="netem", members=members, state=()), members[rank],
-                          {members[succ]: peer}, inbox, timeout=600, piece_bytes=args.piece,
-                          compression=args.wire)
+                          {members[succ]: link or peer}, inbox, timeout=600,
+                          piece_bytes=args.piece, compression=args.wire)
     t = torch.randn(args.size // 4, generator=torch.Generator().manual_seed(rank))
     expected = sum(torch.randn(args.size // 4, generator=torch.Generator().manual_seed(r))
                    for r in range(n)) / n
@@ -313,37 +342,44 @@ def rank_main(args: argparse.Namespace) -> None:
         raise SystemExit(f"rank {rank}: closing round skipped")
     print(json.dumps({"rank": rank, "ring": ring, "send": send, "posts": posts}), flush=True)
     peer.close()
+    if link is not None and ring_server is not None:
+        link.close()
+        ring_server.stop()
     server.stop(0)
 
 
 def run_ranks(n: int, size: int, rounds: int, piece: int, lanes: int,
-              delay_s: float, wire: str = "none") -> tuple[float, float, float]:
+              delay_s: float, wire: str = "none",
+              transport: str = "grpc") -> tuple[float, float, float]:
     """(median ring seconds over rounds of the slowest rank, median send seconds, median
     seconds of a burst of posts). With a delay, each rank reaches its successor through a delay
-    line in its own namespace."""
+    line in its own namespace (one per port: gRPC, and the data plane's with tcp)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proxies: list[subprocess.Popen[str]] = []
     procs: list[subprocess.Popen[str]] = []
+
+    def reach(rank: int, port: int, proxy_port: int) -> str:
+        """How `rank` reaches its successor's `port`: directly, or through a delay line."""
+        succ = f"{SUBNET}.{(rank + 1) % n + 1}:{port}"
+        if delay_s <= 0:
+            return succ
+        proxy = subprocess.Popen(
+            ["ip", "netns", "exec", f"{PREFIX}-h{rank}", sys.executable, __file__, "--proxy",
+             str(proxy_port), succ, str(delay_s)], stdout=subprocess.PIPE, text=True, env=env)
+        proxies.append(proxy)
+        assert proxy.stdout is not None
+        if proxy.stdout.readline().strip() != "ready":
+            raise RuntimeError("delay line did not start")
+        return f"127.0.0.1:{proxy_port}"
+
     try:
-        targets = []
-        for rank in range(n):
-            succ = f"{SUBNET}.{(rank + 1) % n + 1}:{PORT}"
-            if delay_s <= 0:
-                targets.append(succ)
-                continue
-            proxy = subprocess.Popen(
-                ["ip", "netns", "exec", f"{PREFIX}-h{rank}", sys.executable, __file__, "--proxy",
-                 str(PROXY_PORT), succ, str(delay_s)], stdout=subprocess.PIPE, text=True, env=env)
-            proxies.append(proxy)
-            assert proxy.stdout is not None
-            if proxy.stdout.readline().strip() != "ready":
-                raise RuntimeError("delay line did not start")
-            targets.append(f"127.0.0.1:{PROXY_PORT}")
         for rank in range(n):
             cmd = ["ip", "netns", "exec", f"{PREFIX}-h{rank}", sys.executable, __file__,
                    "--rank", str(rank), "--world", str(n), "--size", str(size), "--rounds",
                    str(rounds), "--piece", str(piece), "--lane", str(lanes), "--target",
-                   targets[rank], "--wire", wire]
+                   reach(rank, PORT, PROXY_PORT), "--wire", wire]
+            if transport == "tcp":
+                cmd += ["--ring-target", reach(rank, RING_PORT, RING_PROXY_PORT)]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           text=True, env=env))
         results = []
@@ -378,7 +414,10 @@ def main() -> None:
                         help="sender threads per peer for ring pieces (default: the engine's)")
     parser.add_argument("--wires", nargs="+", default=["none"], choices=["none", "bf16"],
                         help="ring compression: fp32 (none) and/or bf16 on the wire")
+    parser.add_argument("--transports", nargs="+", default=["grpc"], choices=["grpc", "tcp"],
+                        help="how ring pieces travel: gRPC calls and/or the tcp data plane")
     parser.add_argument("--wire", default="none", help=argparse.SUPPRESS)
+    parser.add_argument("--ring-target", default="", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--lane", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
@@ -409,7 +448,8 @@ def main() -> None:
           f"per rank, ring piece {piece / MIB:g} MiB; posts: {POSTS} ordered frames of 2 MiB; "
           f"median of {args.rounds}")
     _emit("model: docs/performance.md; ratio = measured / model")
-    _emit(f"{'ranks':>5} {'delay':>6} {'rate':>9} {'lanes':>5} {'wire':>5} {'ring ms':>9} "
+    _emit(f"{'ranks':>5} {'delay':>6} {'rate':>9} {'ring':>4} {'lanes':>5} {'wire':>5} "
+          f"{'ring ms':>9} "
           f"{'model ms':>9} "
           f"{'ratio':>6} {'send ms':>9} {'model ms':>9} {'ratio':>6} {'posts ms':>9} "
           f"{'model ms':>9} {'ratio':>6}")
@@ -418,17 +458,24 @@ def main() -> None:
             for rate in args.rates:
                 for delay in args.delays:
                     shape_links(n, rate)
-                    for lanes, wire in itertools.product(args.lanes or [UNORDERED_LANES],
-                                                         args.wires):
+                    # the lanes are gRPC's sender threads: the data plane's ring has one stream
+                    cases = [(t, lanes, wire) for t in args.transports
+                             for lanes in (args.lanes or [UNORDERED_LANES]
+                                           if t == "grpc" else [UNORDERED_LANES])
+                             for wire in args.wires]
+                    for transport, lanes, wire in cases:
                         ring_s, send_s, posts_s = run_ranks(n, size, args.rounds, piece, lanes,
-                                                            delay / 1e3, wire)
+                                                            delay / 1e3, wire, transport)
                         bps, d = rate * 1e6 / 8, delay / 1e3
                         # bf16 halves the ring's bytes (its pieces too); Peer.send stays fp32
                         half = 2 if wire == "bf16" else 1
-                        ring_m = model_ring(n, size // half, bps, d, piece // half, lanes + 1)
+                        ring_m = (model_ring(n, size // half, bps, d, piece // half, lanes + 1)
+                                  if transport == "grpc" else
+                                  model_stream_ring(n, size // half, bps, d, piece // half))
                         send_m = model_send(size, bps, d)
                         posts_m = model_posts(POSTS, 2 * MIB, bps, d, lanes + 1)
-                        _emit(f"{n:>5} {delay:>4.0f}ms {rate:>5.0f}Mbps {lanes:>5} "
+                        _emit(f"{n:>5} {delay:>4.0f}ms {rate:>5.0f}Mbps {transport:>4} "
+                              f"{lanes if transport == 'grpc' else '-':>5} "
                               f"{'fp32' if wire == 'none' else wire:>5} "
                               f"{ring_s * 1e3:>9.0f} {ring_m * 1e3:>9.0f} {ring_s / ring_m:>6.2f} "
                               f"{send_s * 1e3:>9.0f} {send_m * 1e3:>9.0f} {send_s / send_m:>6.2f} "
