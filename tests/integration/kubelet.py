@@ -119,9 +119,13 @@ class FakeKubelet(threading.Thread):
         cm = self.api.read_namespaced_config_map(cm_name, p.metadata.namespace)
         meta = json.loads(cm.data["node.json"])
         ip = self.ip(job, p.spec.hostname)
-        meta["addresses"] = {n: f"{self.ip(job, n.replace('_', '-'))}:{a.rsplit(':', 1)[1]}"
-                             for n, a in meta["addresses"].items()}
-        meta["listen"] = f"{ip}:{meta['listen'].rsplit(':', 1)[1]}"
+        # the gRPC addresses, and the ring data plane's (training.ringTransport: tcp)
+        for addresses, listen in (("addresses", "listen"), ("ringAddresses", "ringListen")):
+            if meta.get(addresses) is None:
+                continue
+            meta[addresses] = {n: f"{self.ip(job, n.replace('_', '-'))}:{a.rsplit(':', 1)[1]}"
+                               for n, a in meta[addresses].items()}
+            meta[listen] = f"{ip}:{meta[listen].rsplit(':', 1)[1]}"
         data = self.workdir / p.metadata.namespace / job
         data.mkdir(parents=True, exist_ok=True)
         meta["outputDir"] = str(data)
