@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ravnest import heap
 from ravnest.allreducing import RingReducer
 from ravnest.dataplane import RingLink, RingServer
 from ravnest.planning import RingPlan
@@ -80,6 +81,7 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
           results: Any) -> None:
     """One rank: set up both transports, then time every variant for every size."""
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(message)s")
+    heap.tune(os.environ)  # as a worker does
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=RING_TIMEOUT))

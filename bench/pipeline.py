@@ -302,7 +302,10 @@ def node_main(node: str, addresses: dict[str, str], runs: list[RunConfig], resul
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format=f"%(asctime)s {node} %(levelname)s %(message)s")
     torch.set_num_threads(1)
+    from ravnest import heap
     from ravnest.transport import Credentials, Inbox, Peer, Server
+
+    heap.tune(os.environ)  # as a worker does
 
     creds = Credentials(CREDS_TOKEN, FINGERPRINT)
     names = sorted(addresses)

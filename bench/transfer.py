@@ -17,6 +17,7 @@ serialized Chunk messages; decode_wire: messages into the frame's buffer) next t
 object path they replaced, to show where the difference goes.
 
     python bench/transfer.py [--sizes 1 16 64] [--repeats 5] [--warmup 1] [--csv rows.csv]
+                             [--glibc-heap]
 
 `--csv` writes one row per size (bytes and the three medians in seconds) for bench/plot.py.
 """
@@ -40,6 +41,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from ravnest import heap
 from ravnest.framing import (
     CHUNK_BYTES,
     BufferPool,
@@ -76,9 +78,11 @@ def _raw_sink(request_iterator: Iterator[bytes], context: grpc.ServicerContext) 
     return n.to_bytes(8, "little")
 
 
-def _serve(ports: Any, stop: Any, gloo_port: int, gloo_jobs: Any) -> None:
+def _serve(ports: Any, stop: Any, gloo_port: int, gloo_jobs: Any, tune_heap: bool) -> None:
     """Server process: our Server (deliver counts frames), a raw bytes sink, and gloo rank 1
     that receives what each job (numel, times) says, until stopped."""
+    if tune_heap:
+        heap.tune(os.environ)
     received = {"frames": 0, "bytes": 0}
 
     def deliver(frame: Frame) -> None:
@@ -128,12 +132,12 @@ def _timed(fn: Callable[[], None], times: int) -> float:
     return (time.perf_counter() - start) / times
 
 
-def _measure(sizes: list[int], repeats: int,
-             warmup: int) -> list[tuple[int, float, float, float, float]]:
+def _measure(sizes: list[int], repeats: int, warmup: int,
+             tune_heap: bool = True) -> list[tuple[int, float, float, float, float]]:
     ctx = mp.get_context("spawn")
     ports, stop, gloo_jobs = ctx.Queue(), ctx.Event(), ctx.Queue()
     gloo_port = _free_port()
-    server = ctx.Process(target=_serve, args=(ports, stop, gloo_port, gloo_jobs),
+    server = ctx.Process(target=_serve, args=(ports, stop, gloo_port, gloo_jobs, tune_heap),
                          name="bench-server")
     server.start()
     try:
@@ -245,15 +249,21 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--csv", help="also write the rows to this CSV file (for bench/plot.py)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every repeat")
+    parser.add_argument("--glibc-heap", action="store_true",
+                        help="leave glibc's heap thresholds as they are (as workers did before "
+                             "ravnest.heap.tune); by default both processes tune them as workers "
+                             "do")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    tuned = not args.glibc_heap and heap.tune(os.environ)
 
-    rows = _measure([int(s * MIB) // 4 * 4 for s in args.sizes], args.repeats, args.warmup)
+    rows = _measure([int(s * MIB) // 4 * 4 for s in args.sizes], args.repeats, args.warmup,
+                    tune_heap=not args.glibc_heap)
     _emit(f"Point-to-point, 127.0.0.1, server in another process; median of {args.repeats} "
-          f"(GB = 1e9 bytes)")
+          f"(GB = 1e9 bytes); heap: {'tuned as a worker' if tuned else 'glibc as it is'}")
     _emit(f"{'size':>9} {'ours ms':>9} {'raw ms':>9} {'gloo ms':>9} {'ours GB/s':>10} "
           f"{'raw GB/s':>9} {'gloo GB/s':>10} {'ours/raw':>9} {'ours/gloo':>10} "
           f"{'fresh/raw':>10}")

@@ -94,6 +94,7 @@ def _status(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     import torch
 
+    from . import heap
     from .worker import NodeMetadata, Worker
 
     threads = os.environ.get("RAVNEST_TORCH_THREADS")
@@ -108,6 +109,7 @@ def _worker(args: argparse.Namespace) -> int:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, terminate)
+    heap.tune(os.environ)
     Worker(NodeMetadata.load(args.metadata), token).run()
     return 0
 

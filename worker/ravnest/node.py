@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import heap
 from .errors import PlanError, RavnestError, SpecError
 from .metrics import Identity, WorkerMetrics
 from .partitioning import Stage, build_stage, profile
@@ -69,6 +70,7 @@ class Node:
             "bf16" if compression else "none")
         self.average_optim = average_optim
         self.token = token or os.environ.get("RAVNEST_TOKEN") or _read_token(root)
+        heap.tune(os.environ)  # this process is the provider's worker, as `ravnest worker` is
         self.metrics = WorkerMetrics(Identity("seed", "local", name, self.me.role,
                                               self.me.cluster, self.me.stage))
         creds = Credentials(self.token, self.plan.fingerprint)
