@@ -25,6 +25,7 @@ import ctypes
 import logging
 import os
 from collections.abc import Callable, Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -45,24 +46,20 @@ def tune(environ: Mapping[str, str]) -> bool:
     were set, False without glibc or where `environ` already tunes the heap."""
     if any(name in environ for name in ENVIRONMENT):
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-                and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    mallopt = _glibc("mallopt", ctypes.c_int, ctypes.c_int)
+    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+                                        and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
-def _glibc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim from the symbols the process already has (no library search, which
-    runs `ldconfig -p`); None where the C library has none (musl)."""
+def _glibc(name: str, *argtypes: Any) -> Callable[..., int] | None:
+    """A C library function returning int, from the symbols the process already has (no library
+    search, which runs `ldconfig -p`); None where the C library has none (musl)."""
     try:
-        trim = ctypes.CDLL(None).malloc_trim
+        function = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim  # type: ignore[no-any-return]
+    function.argtypes, function.restype = list(argtypes), ctypes.c_int
+    return function  # type: ignore[no-any-return]
 
 
 def _statm_rss() -> int | None:
@@ -80,7 +77,7 @@ class HeapTrimmer:
                  rss: Callable[[], int | None] = _statm_rss,
                  trim: Callable[[int], int] | None = None) -> None:
         self._slack, self._rss = slack, rss
-        self._trim = trim if trim is not None else _glibc_trim()
+        self._trim = trim if trim is not None else _glibc("malloc_trim", ctypes.c_size_t)
         self._floor = rss()
         self.trims = 0
 
