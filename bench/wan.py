@@ -180,27 +180,21 @@ async def _proxy(listen: int, target: str, delay: float) -> None:
 
 
 def model_ring(n: int, size: int, rate_bps: float, delay_s: float, piece: int,
-               calls: int) -> float:
-    """Seconds for one ring all-reduce over gRPC (docs/performance.md, "Ring"): 2(n-1) steps of
-    k pieces each go through one uplink; a piece's call takes P/B plus a round trip for its Ack,
-    and `calls` calls are in flight at once, so a piece costs max(P/B, (P/B + 2d) / calls); and a
-    step's first piece can go only once the previous step's first piece is in, one hop
-    (P/B + d) after it left, so a step takes at least that; the last Ack comes 2d after."""
-    seg = size / n
-    pieces = math.ceil(seg / piece)
-    per_piece = min(piece, seg) / rate_bps
-    effective = max(per_piece, (per_piece + 2 * delay_s) / calls)
-    return 2 * (n - 1) * max(pieces * effective, per_piece + delay_s) + 2 * delay_s
-
-
-def model_stream_ring(n: int, size: int, rate_bps: float, delay_s: float, piece: int) -> float:
-    """Seconds for one ring all-reduce on the data plane (docs/performance.md, "Ring"): pieces
-    stream back to back on one connection, with no Ack per piece; a step's first piece can go
-    once the previous step's first piece is in, one hop (P/B + d) after it left, so a step takes
-    max(k P/B, P/B + d), and the last piece arrives d after it left."""
+               calls: int | None) -> float:
+    """Seconds for one ring all-reduce (docs/performance.md, "Ring"): 2(n-1) steps of k pieces
+    each go through one uplink, and a step's first piece can go only once the previous step's
+    first piece is in, one hop (P/B + d) after it left, so a step takes at least that.
+    Over gRPC (`calls` in flight) a piece's call takes P/B plus a round trip for its Ack, so a
+    piece costs max(P/B, (P/B + 2d) / calls) and the last Ack comes 2d after the last piece
+    left; on the data plane (`calls` None: one stream, no Acks) a piece costs P/B and the last
+    one lands d after it left."""
     seg = size / n
     per_piece = min(piece, seg) / rate_bps
-    return 2 * (n - 1) * max(math.ceil(seg / piece) * per_piece, per_piece + delay_s) + delay_s
+    if calls is None:
+        effective, tail = per_piece, delay_s
+    else:
+        effective, tail = max(per_piece, (per_piece + 2 * delay_s) / calls), 2 * delay_s
+    return 2 * (n - 1) * max(math.ceil(seg / piece) * effective, per_piece + delay_s) + tail
 
 
 def model_send(size: int, rate_bps: float, delay_s: float) -> float:
@@ -243,9 +237,9 @@ def print_model() -> None:
     for rate in (10, 100, 1000):
         for delay in (20, 150):
             bps, d = rate * 1e6 / 8, delay / 1e3
-            cells = [model_stream_ring(n, int(110 * mb), bps, d, 4 << 20)
+            cells = [model_ring(n, int(110 * mb), bps, d, 4 << 20, None)
                      for n in (2, 4, 8, 16)]
-            bf16 = model_stream_ring(4, int(55 * mb), bps, d, 2 << 20)
+            bf16 = model_ring(4, int(55 * mb), bps, d, 2 << 20, None)
             grpc = model_ring(4, int(110 * mb), bps, d, 4 << 20, CALLS)
             _emit(f"{rate:>5} Mbps {delay:>4} ms " + " ".join(f"{c:>8.1f}" for c in cells)
                   + f"  {bf16:>8.1f}  {grpc:>8.1f}")
@@ -469,9 +463,8 @@ def main() -> None:
                         bps, d = rate * 1e6 / 8, delay / 1e3
                         # bf16 halves the ring's bytes (its pieces too); Peer.send stays fp32
                         half = 2 if wire == "bf16" else 1
-                        ring_m = (model_ring(n, size // half, bps, d, piece // half, lanes + 1)
-                                  if transport == "grpc" else
-                                  model_stream_ring(n, size // half, bps, d, piece // half))
+                        ring_m = model_ring(n, size // half, bps, d, piece // half,
+                                            lanes + 1 if transport == "grpc" else None)
                         send_m = model_send(size, bps, d)
                         posts_m = model_posts(POSTS, 2 * MIB, bps, d, lanes + 1)
                         _emit(f"{n:>5} {delay:>4.0f}ms {rate:>5.0f}Mbps {transport:>4} "
