@@ -42,11 +42,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ravnest import heap
-from ravnest.allreducing import RingReducer
-from ravnest.dataplane import RingLink, RingServer
-from ravnest.planning import RingPlan
-from ravnest.transport import Credentials, Inbox, Peer, Server
+from ravnest.comm.dataplane import RingLink, RingServer
+from ravnest.comm.transport import Credentials, Inbox, Peer, Server
+from ravnest.plan.planning import RingPlan
+from ravnest.train import heap
+from ravnest.train.allreducing import RingReducer
 
 log = logging.getLogger("bench.allreduce")
 

@@ -34,7 +34,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from ravnest import parse_job
-from ravnest.running import LocalRun
+from ravnest.run.local import LocalRun
 
 log = logging.getLogger("bench.e2e")
 

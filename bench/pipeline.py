@@ -174,7 +174,7 @@ _PAGE = 4096
 
 def _plan(profile: Any, costs: tuple[StageCost, ...]) -> Any:
     """A one-cluster plan cutting after every sleep block (the planner does not know sleeps)."""
-    from ravnest.planning import ClusterPlan, NodePlan, Plan
+    from ravnest.plan.planning import ClusterPlan, NodePlan, Plan
 
     cuts = [i + 1 for i, layer in enumerate(profile.layers) if "sleep_block" in layer.name]
     assert len(cuts) == len(costs), cuts
@@ -202,9 +202,10 @@ def _run_once(cfg: RunConfig, node: str, inbox: Any, peers: dict[str, Any]) -> N
     """Build this node's stage for `cfg` and train through it; report timings and memory."""
     import threading
 
-    from ravnest.metrics import ACTIVITIES, Identity, WorkerMetrics
-    from ravnest.partitioning import build_stage, profile
-    from ravnest.runtime import Batches, NodeRuntime, Settings
+    from ravnest.plan.partitioning import build_stage, profile
+    from ravnest.train.metrics import ACTIVITIES, Identity, WorkerMetrics
+    from ravnest.train.runtime import Batches, NodeRuntime
+    from ravnest.train.settings import Settings
 
     rss, anon = _rss()
     report = NodeReport(node=node, rss_base=rss, anon_base=anon)
@@ -302,8 +303,8 @@ def node_main(node: str, addresses: dict[str, str], runs: list[RunConfig], resul
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format=f"%(asctime)s {node} %(levelname)s %(message)s")
     torch.set_num_threads(1)
-    from ravnest import heap
-    from ravnest.transport import Credentials, Inbox, Peer, Server
+    from ravnest.comm.transport import Credentials, Inbox, Peer, Server
+    from ravnest.train import heap
 
     heap.tune(os.environ)  # as a worker does
 
@@ -334,7 +335,7 @@ def node_main(node: str, addresses: dict[str, str], runs: list[RunConfig], resul
 def run_nodes(runs: list[RunConfig], stages: int, verbose: bool = False,
               timeout: float = 600) -> list[dict[str, NodeReport]]:
     """Spawn one process per stage, run `runs` in order; one {node: report} per run."""
-    from ravnest.running import free_ports
+    from ravnest.run.local import free_ports
 
     names = [f"node_{i}" for i in range(stages)]
     ports = free_ports(stages)

@@ -7,7 +7,7 @@ cluster's speed is the sum over its providers of RAM (MB) // bandwidth (Mbps). P
 500 generations, tournaments of 5, one-point crossover, mutation rate 0.01, the best assignment
 ever seen wins. Inside each cluster the providers keep their node-id order and the model is cut
 into equal parameter shares. This script re-implements that search (same rules and constants,
-seeded) and scores the result with `ravnest.planning.estimate`, the same cost model `make_plan`
+seeded) and scores the result with `ravnest.plan.planning.estimate`, the same cost model `make_plan`
 optimises, next to our own plan. It then times `make_plan` on large pools.
 
 Two conveniences favour the baseline: the model size it must cover is our full training memory
@@ -34,8 +34,8 @@ import torch
 from ravnest.errors import PlanError
 from ravnest.examples.digits import build_model as digits_model
 from ravnest.examples.sorter import build_model as sorter_model
-from ravnest.partitioning import Profile, profile
-from ravnest.planning import GB, Estimate, Plan, ProviderInfo, Workload, estimate, make_plan
+from ravnest.plan.partitioning import Profile, profile
+from ravnest.plan.planning import GB, Estimate, Plan, ProviderInfo, Workload, estimate, make_plan
 
 log = logging.getLogger("bench.planner")
 

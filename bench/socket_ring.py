@@ -147,7 +147,7 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true",
                         help="also the same ring with bf16 on the wire, in the same run")
     args = parser.parse_args()
-    from ravnest.running import free_ports
+    from ravnest.run.local import free_ports
 
     wires = [torch.float32] + ([torch.bfloat16] if args.bf16 else [])
     numel = int(args.size * (1 << 20)) // 4

@@ -41,8 +41,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from ravnest import heap
-from ravnest.framing import (
+from ravnest.comm.framing import (
     CHUNK_BYTES,
     BufferPool,
     Frame,
@@ -51,8 +50,9 @@ from ravnest.framing import (
     encode,
     encode_wire,
 )
-from ravnest.proto import ravnest_pb2 as pb
-from ravnest.transport import Credentials, Peer, Server
+from ravnest.comm.proto import ravnest_pb2 as pb
+from ravnest.comm.transport import Credentials, Peer, Server
+from ravnest.train import heap
 
 log = logging.getLogger("bench.transfer")
 
@@ -251,8 +251,8 @@ def main() -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="log every repeat")
     parser.add_argument("--glibc-heap", action="store_true",
                         help="leave glibc's heap thresholds as they are (as workers did before "
-                             "ravnest.heap.tune); by default both processes tune them as workers "
-                             "do")
+                             "ravnest.train.heap.tune); by default both processes tune them as "
+                             "workers do")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")

@@ -262,11 +262,11 @@ def rank_main(args: argparse.Namespace) -> None:
     """One rank: serve, ring with the successor, print a JSON line of timings."""
     import torch
 
-    from ravnest.allreducing import RingReducer
-    from ravnest.dataplane import RingLink, RingServer
-    from ravnest.framing import Frame
-    from ravnest.planning import RingPlan
-    from ravnest.transport import Credentials, Inbox, Peer, Server
+    from ravnest.comm.dataplane import RingLink, RingServer
+    from ravnest.comm.framing import Frame
+    from ravnest.comm.transport import Credentials, Inbox, Peer, Server
+    from ravnest.plan.planning import RingPlan
+    from ravnest.train.allreducing import RingReducer
 
     torch.set_num_threads(1)
     n, rank = args.world, args.rank
@@ -433,8 +433,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     if os.geteuid() != 0:
         raise SystemExit("bench/wan.py makes network namespaces: run it as root")
-    from ravnest.allreducing import PIECE_BYTES
-    from ravnest.transport import UNORDERED_LANES
+    from ravnest.comm.transport import UNORDERED_LANES
+    from ravnest.train.allreducing import PIECE_BYTES
 
     piece = args.piece or PIECE_BYTES
     size = args.size * MIB

@@ -22,12 +22,12 @@ import kopf
 import kubernetes
 from kubernetes.client.rest import ApiException
 
-from ravnest.building import plan_job
+from ravnest.comm.tls import TlsMaterial, issue, make_authority
 from ravnest.errors import PlanError, SpecError
-from ravnest.planning import Plan
-from ravnest.running import scrape
+from ravnest.plan.building import plan_job
+from ravnest.plan.planning import Plan
+from ravnest.run.local import scrape
 from ravnest.spec import parse_job
-from ravnest.tls import TlsMaterial, issue, make_authority
 
 from . import monitoring, resources
 from .crds import GROUP, PLURAL, VERSION

@@ -15,9 +15,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ravnest.planning import NodePlan, Plan
+from ravnest.comm.tls import CA_FILE, CERT_FILE, KEY_FILE, TlsMaterial
+from ravnest.plan.planning import NodePlan, Plan
 from ravnest.spec import Job, Provider
-from ravnest.tls import CA_FILE, CERT_FILE, KEY_FILE, TlsMaterial
 
 from .crds import GROUP, KIND, VERSION
 
@@ -170,7 +170,7 @@ def plan_configmap(owner: Owner, plan: Plan) -> dict[str, Any]:
 
 
 def node_metadata(owner: Owner, job: Job, plan: Plan, node: str) -> dict[str, Any]:
-    """What `ravnest worker --metadata` reads (see ravnest.worker.NodeMetadata)."""
+    """What `ravnest worker --metadata` reads (see ravnest.run.worker.NodeMetadata)."""
     meta = {"apiVersion": "ravnest.io/v1alpha1", "kind": "RavnestNodeMetadata", "node": node,
             "job": job.to_dict(), "plan": plan.to_dict(),
             "addresses": {n: address(owner, n) for n in plan.names()},

@@ -6,8 +6,8 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any
 
-from ravnest.planning import Plan
-from ravnest.progress import progress as job_progress
+from ravnest.plan.planning import Plan
+from ravnest.run.progress import progress as job_progress
 
 from .resources import pod_name
 
@@ -118,6 +118,6 @@ def set_condition(conditions: list[dict[str, Any]], type_: str, status: bool, re
 
 
 def progress(samples: list[dict[str, float]], started: str | None) -> dict[str, Any]:
-    """Job progress from the roots' metrics (see ravnest.progress)."""
+    """Job progress from the roots' metrics (see ravnest.run.progress)."""
     elapsed = (dt.datetime.now(dt.UTC) - parse_time(started)).total_seconds() if started else None
     return job_progress(samples, elapsed)

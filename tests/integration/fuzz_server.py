@@ -16,9 +16,9 @@ from collections import Counter
 
 import torch
 
+from ravnest.comm.framing import Frame
+from ravnest.comm.transport import Credentials, Inbox, Server
 from ravnest.errors import PeerTimeout
-from ravnest.framing import Frame
-from ravnest.transport import Credentials, Inbox, Server
 
 
 def digest(frame: Frame) -> str:

@@ -45,8 +45,8 @@ from kube import (
 from prometheus_client.metrics import MetricWrapperBase
 
 from ravnest import __version__
-from ravnest.metrics import Identity, WorkerMetrics
 from ravnest.spec import parse_job
+from ravnest.train.metrics import Identity, WorkerMetrics
 from ravnest_operator import monitoring
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from ravnest import parse_job
-from ravnest.allreducing import RingReducer
-from ravnest.dataplane import (
+from ravnest.comm.dataplane import (
     _AUTH,
     _HELLO,
     _PIECE,
@@ -30,13 +29,14 @@ from ravnest.dataplane import (
     RingServer,
     _mac,
 )
+from ravnest.comm.framing import Frame
+from ravnest.comm.tls import issue, make_authority
+from ravnest.comm.transport import Inbox, Peer
 from ravnest.errors import RavnestError, TransportError
-from ravnest.framing import Frame
-from ravnest.planning import RingPlan
-from ravnest.running import LocalRun, run_job
-from ravnest.tls import issue, make_authority
-from ravnest.transport import Inbox, Peer
-from ravnest.worker import Worker
+from ravnest.plan.planning import RingPlan
+from ravnest.run.local import LocalRun, run_job
+from ravnest.run.worker import Worker
+from ravnest.train.allreducing import RingReducer
 
 TOKEN, PLAN = "ring-s3cret", "plan-0123abcd"
 MAX = 1 << 20

@@ -30,10 +30,12 @@ import yaml
 from processes import worker_pid
 from prometheus_client.parser import text_string_to_metric_families
 
-from ravnest import building, checkpointing, parse_job
-from ravnest.fusing import fuse_stage_files
-from ravnest.running import LocalRun, node_endpoints, scrape
-from ravnest.worker import NodeMetadata
+from ravnest import parse_job
+from ravnest.plan import building
+from ravnest.run.local import LocalRun, node_endpoints, scrape
+from ravnest.run.worker import NodeMetadata
+from ravnest.train import checkpointing
+from ravnest.train.fusing import fuse_stage_files
 
 ROOT = Path(__file__).resolve().parents[2]
 EVERY = 8

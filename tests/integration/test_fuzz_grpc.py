@@ -30,8 +30,7 @@ from fuzz_server import digest
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
-from ravnest.errors import shown
-from ravnest.framing import (
+from ravnest.comm.framing import (
     CHUNK_BYTES,
     DEFAULT_MAX_FRAME_BYTES,
     DTYPES,
@@ -40,8 +39,9 @@ from ravnest.framing import (
     decode_wire,
     encode_wire,
 )
-from ravnest.proto import ravnest_pb2 as pb
-from ravnest.transport import SERVICE, Credentials
+from ravnest.comm.proto import ravnest_pb2 as pb
+from ravnest.comm.transport import SERVICE, Credentials
+from ravnest.errors import shown
 
 HERE = Path(__file__).resolve().parent
 CREDS = Credentials(token="fuzz-token", fingerprint="plan-fuzz")

@@ -12,10 +12,10 @@ import grpc
 import pytest
 import torch
 
-from ravnest import transport
+from ravnest.comm import transport
+from ravnest.comm.framing import Frame
+from ravnest.comm.transport import Credentials, Inbox, Peer, Server
 from ravnest.errors import PeerTimeout, TransportError
-from ravnest.framing import Frame
-from ravnest.transport import Credentials, Inbox, Peer, Server
 
 FINGERPRINT = "plan-shared-0123"
 JOB_A = Credentials(token="token-of-job-a", fingerprint=FINGERPRINT)

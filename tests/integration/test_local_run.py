@@ -14,7 +14,7 @@ from processes import pids_with
 
 from ravnest import WorkerFailed, parse_job, run_job
 from ravnest.examples.digits import build_model, datasets
-from ravnest.fusing import fuse_stage_files
+from ravnest.train.fusing import fuse_stage_files
 
 ROOT = Path(__file__).resolve().parents[2]
 

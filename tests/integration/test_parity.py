@@ -10,8 +10,8 @@ import torch
 from models import DeepMLP
 
 from ravnest import parse_job, run_job
-from ravnest.building import set_seed
 from ravnest.examples.digits import datasets
+from ravnest.plan.building import set_seed
 
 SEED = 7
 BATCH = 32

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 from processes import worker_pid
 
-from ravnest import checkpointing
+from ravnest.train import checkpointing
 
 ROOT = Path(__file__).resolve().parents[2]
 

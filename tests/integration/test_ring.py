@@ -11,10 +11,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from ravnest.allreducing import MAX_TAIL, RingReducer
-from ravnest.dataplane import RingLink, RingServer
-from ravnest.planning import RingPlan
-from ravnest.transport import Credentials, Inbox, Peer, Server
+from ravnest.comm.dataplane import RingLink, RingServer
+from ravnest.comm.transport import Credentials, Inbox, Peer, Server
+from ravnest.plan.planning import RingPlan
+from ravnest.train.allreducing import MAX_TAIL, RingReducer
 
 CREDS = Credentials(token="ring-test", fingerprint="ring-plan")
 

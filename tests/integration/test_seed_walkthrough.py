@@ -12,7 +12,7 @@ import torch
 
 from ravnest import clusterize, model_fusion, set_seed
 from ravnest.examples.digits import build_model, datasets
-from ravnest.running import free_ports
+from ravnest.run.local import free_ports
 
 HERE = Path(__file__).parent
 RAMS = [4, 8, 2, 16, 4, 8]

@@ -16,11 +16,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ravnest import parse_job
+from ravnest.comm.framing import Frame
+from ravnest.comm.tls import TlsMaterial, issue, make_authority
+from ravnest.comm.transport import Credentials, Inbox, Peer, Server
 from ravnest.errors import RavnestError, TransportError
-from ravnest.framing import Frame
-from ravnest.running import LocalRun
-from ravnest.tls import TlsMaterial, issue, make_authority
-from ravnest.transport import Credentials, Inbox, Peer, Server
+from ravnest.run.local import LocalRun
 
 CREDS = Credentials(token="s3cret-token", fingerprint="plan-0123abcd")
 TIMEOUT = 10.0
@@ -177,7 +177,7 @@ def test_a_local_job_with_tls_trains_over_tls(tmp_path, digits_doc) -> None:
 
 def test_a_worker_of_a_tls_job_without_its_certificate_does_not_start(tmp_path,
                                                                       digits_doc) -> None:
-    from ravnest.worker import Worker
+    from ravnest.run.worker import Worker
 
     digits_doc["spec"]["providers"] = [{"ram": 2, "bandwidth": 1000, "replicas": 2}]
     digits_doc["spec"]["security"] = {"tls": True}

@@ -8,7 +8,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from ravnest import parse_job
-from ravnest.running import LocalRun
+from ravnest.run.local import LocalRun
 
 EXPECTED = {
     "ravnest_steps", "ravnest_samples", "ravnest_loss", "ravnest_validation_loss",

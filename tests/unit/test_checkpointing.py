@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ravnest import checkpointing
+from ravnest.train import checkpointing
 
 NODES = ["node_0", "node_1"]
 
@@ -52,7 +52,7 @@ def test_damaged_newest_checkpoint_is_detected_and_the_previous_one_used(tmp_pat
                                                                           damage):
     _write(tmp_path, 10, 20)
     damage(_file(tmp_path, 20, "node_1.pt"))
-    with caplog.at_level(logging.WARNING, logger="ravnest.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="ravnest.train.checkpointing"):
         assert checkpointing.latest(tmp_path, NODES) == 10
     assert checkpointing.load(tmp_path, 10, "node_1")["step"] == 10
     message = caplog.text

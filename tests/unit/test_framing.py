@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ravnest.framing import (
+from ravnest.comm.framing import (
     ALIGN,
     CHUNK_BYTES,
     DEFAULT_MAX_FRAME_BYTES,
@@ -28,7 +28,7 @@ from ravnest.framing import (
     encode_one,
     encode_wire,
 )
-from ravnest.proto import ravnest_pb2 as pb
+from ravnest.comm.proto import ravnest_pb2 as pb
 
 INT64_MAX = 2**63 - 1
 

@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
-from ravnest import heap
-from ravnest.heap import HeapTrimmer
+from ravnest.train import heap
+from ravnest.train.heap import HeapTrimmer
 
 MB = 1 << 20
 
@@ -83,7 +83,7 @@ def test_tuned_heap_keeps_the_pages_of_freed_megabyte_blocks() -> None:
     so every cycle faults its pages in again (about 512 a cycle here); after `tune` the pages
     stay in the heap."""
     untuned = _page_faults("")
-    tuned = _page_faults("from ravnest import heap\nassert heap.tune({})")
+    tuned = _page_faults("from ravnest.train import heap\nassert heap.tune({})")
     assert tuned < 2_000, (tuned, untuned)
     assert tuned * 10 < untuned, (tuned, untuned)  # the cost it removes, on this glibc
 
@@ -93,6 +93,6 @@ def test_tune_leaves_a_heap_the_environment_tunes_alone() -> None:
     assert not heap.tune({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"})
     # the user's setting stands: the same process with their trim threshold of 128 KiB faults
     env = {"MALLOC_TRIM_THRESHOLD_": "131072", "MALLOC_MMAP_THRESHOLD_": "33554432"}
-    tried = _page_faults("import os\nfrom ravnest import heap\n"
+    tried = _page_faults("import os\nfrom ravnest.train import heap\n"
                          "assert not heap.tune(os.environ)", env)
     assert tried > 200 * 100, tried

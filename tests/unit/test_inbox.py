@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch
 
-from ravnest.framing import Frame
-from ravnest.transport import ORDER_WINDOW, Inbox
+from ravnest.comm.framing import Frame
+from ravnest.comm.transport import ORDER_WINDOW, Inbox
 
 
 def numbered(stream: int, sequence: int, kind: str = "forward") -> Frame:

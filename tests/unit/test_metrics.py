@@ -6,7 +6,7 @@ import threading
 import time
 import urllib.request
 
-from ravnest.metrics import ACTIVITIES, Identity, WorkerMetrics
+from ravnest.train.metrics import ACTIVITIES, Identity, WorkerMetrics
 
 WHO = Identity("j", "ns", "node_1", "stem", 0, 1)
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from ravnest import parse_job, plan_job
-from ravnest.worker import NodeMetadata
+from ravnest.run.worker import NodeMetadata
 from ravnest_operator import crds, resources, statuses
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -174,7 +174,7 @@ def test_worker_pods_run_unprivileged_on_a_read_only_root(job_and_plan):
 
 
 def _certificates(plan):
-    from ravnest.tls import issue, make_authority
+    from ravnest.comm.tls import issue, make_authority
 
     ca = make_authority("digits")
     return {n: issue(ca, n, resources.tls_dns_names(OWNER, n)) for n in plan.names()}

@@ -9,8 +9,8 @@ import torch
 from models import SkipNet
 
 from ravnest.errors import PlanError
-from ravnest.partitioning import OUTPUT, build_stage, profile
-from ravnest.planning import ProviderInfo, Workload, make_plan
+from ravnest.plan.partitioning import OUTPUT, build_stage, profile
+from ravnest.plan.planning import ProviderInfo, Workload, make_plan
 
 
 def run_stages(stages, x):

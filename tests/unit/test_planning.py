@@ -11,8 +11,8 @@ import torch
 from models import skipnet
 
 from ravnest.errors import PlanError
-from ravnest.partitioning import Layer, Profile, profile
-from ravnest.planning import GB, ProviderInfo, RingPlan, Workload, estimate, make_plan
+from ravnest.plan.partitioning import Layer, Profile, profile
+from ravnest.plan.planning import GB, ProviderInfo, RingPlan, Workload, estimate, make_plan
 
 
 def _layer(name: str, gflops: float, param_bytes: int) -> Layer:

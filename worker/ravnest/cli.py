@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._version import __version__
-from .errors import RavnestError, SpecError
+from ravnest._version import __version__
+from ravnest.errors import RavnestError, SpecError
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .running import run_job
-    from .spec import load_job
+    from ravnest.run.local import run_job
+    from ravnest.spec import load_job
 
     job = load_job(args.job)
     out = Path(args.output or Path("runs") / job.name)
@@ -33,8 +33,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .building import plan_job
-    from .spec import load_job
+    from ravnest.plan.building import plan_job
+    from ravnest.spec import load_job
 
     plan, _, _ = plan_job(load_job(args.job))
     print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.table())
@@ -42,7 +42,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from .spec import load_job
+    from ravnest.spec import load_job
 
     job = load_job(args.job)
     print(f"{args.job}: valid RavnestJob {job.name!r}")
@@ -68,7 +68,7 @@ def _read_status(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .progress import render
+    from ravnest.run.progress import render
 
     while True:
         status = _read_status(args)
@@ -94,8 +94,8 @@ def _status(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     import torch
 
-    from . import heap
-    from .worker import NodeMetadata, Worker
+    from ravnest.run.worker import NodeMetadata, Worker
+    from ravnest.train import heap
 
     threads = os.environ.get("RAVNEST_TORCH_THREADS")
     if threads:

@@ -26,7 +26,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from .errors import SpecError, shown
+from ravnest.errors import SpecError, shown
 
 API_VERSION = "ravnest.io/v1alpha1"
 KIND = "RavnestJob"

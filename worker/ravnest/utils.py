@@ -1,22 +1,5 @@
 """Compatibility module: Ravnest's `ravnest.utils` (`model_fusion`, `set_seed`)."""
 
-from __future__ import annotations
-
-from pathlib import Path
-
-import torch
-
-from .building import set_seed
-from .fusing import fuse_stage_files
+from ravnest.seed.fusion import model_fusion, set_seed
 
 __all__ = ["model_fusion", "set_seed"]
-
-
-def model_fusion(cluster_id: int = 0,
-                 trained_dir: str | Path = "trained") -> dict[str, torch.Tensor]:
-    """Fuse the submodels a cluster's providers saved (``Trainer(save=True)``) into one
-    state_dict with the original parameter names, save it as
-    ``trained/trained_state_dict.pt`` and return it."""
-    fused = fuse_stage_files(trained_dir, cluster_id)
-    torch.save(fused, Path(trained_dir) / "trained_state_dict.pt")
-    return fused

@@ -1,5 +1,5 @@
 """Compatibility module: `from ravnest.operations.utils import clusterize` as in Ravnest."""
 
-from ..clustering import clusterize
+from ravnest.seed.clustering import clusterize
 
 __all__ = ["clusterize"]

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .errors import RavnestError
+from ravnest.errors import RavnestError
 
 
 def fuse_stage_files(stages_dir: str | Path, cluster: int = 0,

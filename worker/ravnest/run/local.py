@@ -38,14 +38,15 @@ from typing import Any
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from . import building, checkpointing
-from .errors import RavnestError, WorkerFailed
-from .fusing import fuse_stage_files, ordered_like
-from .planning import Plan
-from .progress import progress
-from .spec import Job
-from .tls import identity, issue, make_authority
-from .worker import NodeMetadata
+from ravnest.comm.tls import identity, issue, make_authority
+from ravnest.errors import RavnestError, WorkerFailed
+from ravnest.plan import building
+from ravnest.plan.planning import Plan
+from ravnest.run.progress import progress
+from ravnest.run.worker import NodeMetadata
+from ravnest.spec import Job
+from ravnest.train import checkpointing
+from ravnest.train.fusing import fuse_stage_files, ordered_like
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import PlanError
-from .partitioning import Profile
+from ravnest.errors import PlanError
+from ravnest.plan.partitioning import Profile
 
 GB = 2**30
 REF_FLOPS = 20e9

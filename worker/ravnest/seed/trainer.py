@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from .runtime import Batch, Batches, NodeRuntime, Settings
+from ravnest.train.runtime import Batch, Batches, NodeRuntime
+from ravnest.train.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from google.protobuf.message import DecodeError
 
-from .errors import TransportError, shown
-from .proto import ravnest_pb2 as pb
+from ravnest.comm.proto import ravnest_pb2 as pb
+from ravnest.errors import TransportError, shown
 
 CHUNK_BYTES = 1 << 20
 ALIGN = 64

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import PlanError, SpecError
-from .partitioning import build_stage, profile
-from .planning import Plan, ProviderInfo, Workload, make_plan
+from ravnest.errors import PlanError, SpecError
+from ravnest.plan.partitioning import build_stage, profile
+from ravnest.plan.planning import Plan, ProviderInfo, Workload, make_plan
 
 log = logging.getLogger(__name__)
 

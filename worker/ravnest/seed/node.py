@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import heap
-from .errors import PlanError, RavnestError, SpecError
-from .metrics import Identity, WorkerMetrics
-from .partitioning import Stage, build_stage, profile
-from .planning import Plan
-from .transport import Credentials, Inbox, Peer, Server
+from ravnest.comm.transport import Credentials, Inbox, Peer, Server
+from ravnest.errors import PlanError, RavnestError, SpecError
+from ravnest.plan.partitioning import Stage, build_stage, profile
+from ravnest.plan.planning import Plan
+from ravnest.train import heap
+from ravnest.train.metrics import Identity, WorkerMetrics
 
 
 class Node:

@@ -18,16 +18,17 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
-from . import building
-from .dataplane import RingLink, RingServer
-from .errors import PlanError, RavnestError, SpecError
-from .metrics import Identity, WorkerMetrics
-from .partitioning import Stage, build_stage, profile
-from .planning import Plan, fingerprint
-from .runtime import Batch, Batches, NodeRuntime, Settings
-from .spec import Job, JobSpec, parse_job
-from .tls import TlsMaterial, identity
-from .transport import Credentials, Inbox, Peer, Server
+from ravnest.comm.dataplane import RingLink, RingServer
+from ravnest.comm.tls import TlsMaterial, identity
+from ravnest.comm.transport import Credentials, Inbox, Peer, Server
+from ravnest.errors import PlanError, RavnestError, SpecError
+from ravnest.plan import building
+from ravnest.plan.partitioning import Stage, build_stage, profile
+from ravnest.plan.planning import Plan, fingerprint
+from ravnest.spec import Job, JobSpec, parse_job
+from ravnest.train.metrics import Identity, WorkerMetrics
+from ravnest.train.runtime import Batch, Batches, NodeRuntime
+from ravnest.train.settings import Settings
 
 FINAL_SCRAPE_ENV = "RAVNEST_FINAL_SCRAPE_SECONDS"
 

@@ -22,7 +22,7 @@ import torch
 from torch import fx, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from .errors import PlanError
+from ravnest.errors import PlanError
 
 _COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")
 

@@ -31,45 +31,21 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
-from . import checkpointing
-from .allreducing import FINAL_ROUND, RingReducer, reduce_all
-from .dataplane import RingLink
-from .errors import PeerTimeout, RavnestError
-from .framing import Frame
-from .heap import HeapTrimmer
-from .metrics import WorkerMetrics
-from .partitioning import OUTPUT, Stage
-from .planning import NodePlan, Plan
-from .transport import Inbox, Peer
+from ravnest.comm.dataplane import RingLink
+from ravnest.comm.framing import Frame
+from ravnest.comm.transport import Inbox, Peer
+from ravnest.errors import PeerTimeout, RavnestError
+from ravnest.plan.partitioning import OUTPUT, Stage
+from ravnest.plan.planning import NodePlan, Plan
+from ravnest.train import checkpointing
+from ravnest.train.allreducing import FINAL_ROUND, RingReducer, reduce_all
+from ravnest.train.heap import HeapTrimmer
+from ravnest.train.metrics import WorkerMetrics
+from ravnest.train.settings import Settings
 
 log = logging.getLogger(__name__)
 
 LABELS = "__labels__"
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Training settings of a node (from the job spec, or from the seed API's arguments)."""
-
-    epochs: int = 1
-    batch_size: int = 64
-    microbatches: int = 1
-    update_frequency: int = 1
-    reduce_factor: int = 1
-    average_optimizer: bool = False
-    schedule: str = "sync"
-    max_in_flight: int = 4
-    validation_frequency: int = 1
-    validation_smoothing: float = 1.0
-    clip_norm: float | None = None
-    reduce_timeout: float = 30.0
-    peer_timeout: float = 300.0
-    metric: str = "accuracy"
-    compression: str = "none"
-    scheduler_step_on: str = "epoch"
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    checkpoint_keep: int = 2
 
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]

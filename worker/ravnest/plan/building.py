@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import SpecError
-from .partitioning import Profile, profile
-from .planning import Plan, ProviderInfo, Workload, make_plan
-from .spec import Job, JobSpec
+from ravnest.errors import SpecError
+from ravnest.plan.partitioning import Profile, profile
+from ravnest.plan.planning import Plan, ProviderInfo, Workload, make_plan
+from ravnest.spec import Job, JobSpec
 
 
 def set_seed(seed: int) -> None:

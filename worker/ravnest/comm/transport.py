@@ -29,8 +29,7 @@ import torch
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from .errors import PeerTimeout, TransportError, shown
-from .framing import (
+from ravnest.comm.framing import (
     CHUNK_BYTES,
     DEFAULT_MAX_FRAME_BYTES,
     BufferPool,
@@ -42,8 +41,9 @@ from .framing import (
     encode_wire,
     iter_wire,
 )
-from .proto import ravnest_pb2 as pb
-from .tls import TlsMaterial
+from ravnest.comm.proto import ravnest_pb2 as pb
+from ravnest.comm.tls import TlsMaterial
+from ravnest.errors import PeerTimeout, TransportError, shown
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from .errors import RavnestError
+from ravnest.errors import RavnestError
 
 CA_FILE = "ca.crt"
 CERT_FILE = "tls.crt"

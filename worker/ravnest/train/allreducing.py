@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from .dataplane import RingLink
-from .errors import TransportError
-from .framing import COMPRESSIONS, Frame
-from .planning import RingPlan
-from .transport import Inbox, Peer
+from ravnest.comm.dataplane import RingLink
+from ravnest.comm.framing import COMPRESSIONS, Frame
+from ravnest.comm.transport import Inbox, Peer
+from ravnest.errors import TransportError
+from ravnest.plan.planning import RingPlan
 
 log = logging.getLogger(__name__)
 
