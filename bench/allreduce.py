@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from ravnest.comm.dataplane import RingLink, RingServer
-from ravnest.comm.transport import Credentials, Inbox, Peer, Server
+from ravnest.comm.inboxes import Inbox
+from ravnest.comm.transport import Credentials, Peer, Server
 from ravnest.plan.planning import RingPlan
 from ravnest.train import heap
 from ravnest.train.allreducing import RingReducer

@@ -303,7 +303,8 @@ def node_main(node: str, addresses: dict[str, str], runs: list[RunConfig], resul
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format=f"%(asctime)s {node} %(levelname)s %(message)s")
     torch.set_num_threads(1)
-    from ravnest.comm.transport import Credentials, Inbox, Peer, Server
+    from ravnest.comm.inboxes import Inbox
+    from ravnest.comm.transport import Credentials, Peer, Server
     from ravnest.train import heap
 
     heap.tune(os.environ)  # as a worker does

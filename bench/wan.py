@@ -264,7 +264,8 @@ def rank_main(args: argparse.Namespace) -> None:
 
     from ravnest.comm.dataplane import RingLink, RingServer
     from ravnest.comm.framing import Frame
-    from ravnest.comm.transport import Credentials, Inbox, Peer, Server
+    from ravnest.comm.inboxes import Inbox
+    from ravnest.comm.transport import Credentials, Peer, Server
     from ravnest.plan.planning import RingPlan
     from ravnest.train.allreducing import RingReducer
 

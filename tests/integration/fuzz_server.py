@@ -17,7 +17,8 @@ from collections import Counter
 import torch
 
 from ravnest.comm.framing import Frame
-from ravnest.comm.transport import Credentials, Inbox, Server
+from ravnest.comm.inboxes import Inbox
+from ravnest.comm.transport import Credentials, Server
 from ravnest.errors import PeerTimeout
 
 

@@ -30,8 +30,9 @@ from ravnest.comm.dataplane import (
     _mac,
 )
 from ravnest.comm.framing import Frame
+from ravnest.comm.inboxes import Inbox
 from ravnest.comm.tls import issue, make_authority
-from ravnest.comm.transport import Inbox, Peer
+from ravnest.comm.transport import Peer
 from ravnest.errors import RavnestError, TransportError
 from ravnest.plan.planning import RingPlan
 from ravnest.run.local import LocalRun, run_job

@@ -14,7 +14,8 @@ import torch
 
 from ravnest.comm import transport
 from ravnest.comm.framing import Frame
-from ravnest.comm.transport import Credentials, Inbox, Peer, Server
+from ravnest.comm.inboxes import Inbox
+from ravnest.comm.transport import Credentials, Peer, Server
 from ravnest.errors import PeerTimeout, TransportError
 
 FINGERPRINT = "plan-shared-0123"

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ravnest.comm.dataplane import RingLink, RingServer
-from ravnest.comm.transport import Credentials, Inbox, Peer, Server
+from ravnest.comm.inboxes import Inbox
+from ravnest.comm.transport import Credentials, Peer, Server
 from ravnest.plan.planning import RingPlan
 from ravnest.train.allreducing import MAX_TAIL, RingReducer
 

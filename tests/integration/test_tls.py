@@ -17,8 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ravnest import parse_job
 from ravnest.comm.framing import Frame
+from ravnest.comm.inboxes import Inbox
 from ravnest.comm.tls import TlsMaterial, issue, make_authority
-from ravnest.comm.transport import Credentials, Inbox, Peer, Server
+from ravnest.comm.transport import Credentials, Peer, Server
 from ravnest.errors import RavnestError, TransportError
 from ravnest.run.local import LocalRun
 

@@ -14,9 +14,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ravnest.comm.framing import Frame, encode
+from ravnest.comm.inboxes import Inbox
 from ravnest.comm.proto import ravnest_pb2 as pb
 from ravnest.comm.proto import ravnest_pb2_grpc as pb_grpc
-from ravnest.comm.transport import Credentials, Inbox, Peer, Server
+from ravnest.comm.transport import Credentials, Peer, Server
 from ravnest.errors import PeerTimeout, TransportError
 
 CREDS = Credentials(token="s3cret-token", fingerprint="plan-0123abcd")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ravnest.comm.framing import Frame
-from ravnest.comm.transport import ORDER_WINDOW, Inbox
+from ravnest.comm.inboxes import ORDER_WINDOW, Inbox
 
 
 def numbered(stream: int, sequence: int, kind: str = "forward") -> Frame:

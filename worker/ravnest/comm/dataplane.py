@@ -46,8 +46,8 @@ from collections.abc import Callable
 import torch
 
 from ravnest.comm.framing import COMPRESSIONS, DEFAULT_MAX_FRAME_BYTES, Frame, _wire_tensor
+from ravnest.comm.inboxes import Inbox
 from ravnest.comm.tls import TlsMaterial
-from ravnest.comm.transport import Inbox
 from ravnest.errors import PeerTimeout, TransportError, shown
 
 log = logging.getLogger(__name__)

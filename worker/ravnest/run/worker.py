@@ -19,8 +19,9 @@ import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from ravnest.comm.dataplane import RingLink, RingServer
+from ravnest.comm.inboxes import Inbox
 from ravnest.comm.tls import TlsMaterial, identity
-from ravnest.comm.transport import Credentials, Inbox, Peer, Server
+from ravnest.comm.transport import Credentials, Peer, Server
 from ravnest.errors import PlanError, RavnestError, SpecError
 from ravnest.plan import building
 from ravnest.plan.partitioning import Stage, build_stage, profile

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ravnest.comm.transport import Credentials, Inbox, Peer, Server
+from ravnest.comm.inboxes import Inbox
+from ravnest.comm.transport import Credentials, Peer, Server
 from ravnest.errors import PlanError, RavnestError, SpecError
 from ravnest.plan.partitioning import Stage, build_stage, profile
 from ravnest.plan.planning import Plan

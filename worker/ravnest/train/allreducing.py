@@ -16,7 +16,8 @@ import torch
 
 from ravnest.comm.dataplane import RingLink
 from ravnest.comm.framing import COMPRESSIONS, Frame
-from ravnest.comm.transport import Inbox, Peer
+from ravnest.comm.inboxes import Inbox
+from ravnest.comm.transport import Peer
 from ravnest.errors import TransportError
 from ravnest.plan.planning import RingPlan
 

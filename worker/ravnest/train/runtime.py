@@ -33,7 +33,8 @@ from torch.func import functional_call
 
 from ravnest.comm.dataplane import RingLink
 from ravnest.comm.framing import Frame
-from ravnest.comm.transport import Inbox, Peer
+from ravnest.comm.inboxes import Inbox
+from ravnest.comm.transport import Peer
 from ravnest.errors import PeerTimeout, RavnestError
 from ravnest.plan.partitioning import OUTPUT, Stage
 from ravnest.plan.planning import NodePlan, Plan
