@@ -41,9 +41,9 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from ravnest.comm.buffers import BufferPool
 from ravnest.comm.framing import (
     CHUNK_BYTES,
-    BufferPool,
     Frame,
     decode,
     decode_wire,

@@ -13,12 +13,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ravnest.comm.buffers import BufferPool
 from ravnest.comm.framing import (
     ALIGN,
     CHUNK_BYTES,
     DEFAULT_MAX_FRAME_BYTES,
     DTYPES,
-    BufferPool,
     Frame,
     FrameError,
     _parse_chunk,
@@ -673,3 +673,37 @@ def test_concurrent_receivers_never_share_a_buffer() -> None:
         t.join()
     assert not bad
     assert pool.reused > 0 and pool.held_bytes <= 8 * MIB
+
+
+def test_a_free_buffer_behind_one_in_use_is_the_one_let_go() -> None:
+    """Past `max_bytes` the pool lets a free buffer go before one still in use, wherever it is."""
+    pool = BufferPool(max_bytes=10 * MIB, min_bytes=MIB)
+    held = _received(pool, 1.0)  # 4 MiB, in use
+    dropped = _received(pool, 2.0, numel=MIB + 16)  # 4 MiB and a bit, dropped
+    del dropped
+    other = _received(pool, 3.0, numel=MIB // 2 + 16)  # over the limit: the dropped one goes
+    assert pool.reused == 0 and pool.held_bytes <= 10 * MIB
+    assert held.tensors["x"][0] == 1.0 and other.tensors["x"][0] == 3.0
+
+
+def test_a_buffer_given_back_is_handed_out_again_while_still_referenced() -> None:
+    """What the data plane does with a ring piece: its reader knows when it is done with it."""
+    pool = BufferPool(max_bytes=8 * MIB, min_bytes=1)
+    piece = pool.take(4096).view(torch.float32)
+    assert pool.take(4096).data_ptr() != piece.data_ptr()  # still referenced: not handed out
+    pool.give_back(piece)
+    again = pool.take(4096)
+    assert again.data_ptr() == piece.data_ptr() and pool.reused == 1
+    assert pool.take(4096).data_ptr() != again.data_ptr()  # handed out: not given back any more
+
+
+def test_a_buffer_given_back_beyond_the_limit_is_not_kept() -> None:
+    pool = BufferPool(max_bytes=2 * MIB, min_bytes=1)
+    pieces = [pool.take(MIB) for _ in range(3)]  # the third one makes the first let go
+    assert pool.held_bytes == 2 * MIB
+    for piece in pieces:
+        pool.give_back(piece)
+    assert pool.held_bytes == 2 * MIB
+    assert {pool.take(MIB).data_ptr() for _ in range(2)} == {p.data_ptr() for p in pieces[1:]}
+    pool.give_back(torch.empty(3 * MIB, dtype=torch.uint8))  # larger than the pool: ignored
+    assert pool.held_bytes == 2 * MIB

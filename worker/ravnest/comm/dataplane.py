@@ -45,7 +45,8 @@ from collections.abc import Callable
 
 import torch
 
-from ravnest.comm.framing import COMPRESSIONS, DEFAULT_MAX_FRAME_BYTES, Frame, _wire_tensor
+from ravnest.comm.buffers import BufferPool
+from ravnest.comm.framing import COMPRESSIONS, DEFAULT_MAX_FRAME_BYTES, Frame, to_wire
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.tls import TlsMaterial
 from ravnest.errors import PeerTimeout, TransportError, shown
@@ -71,8 +72,8 @@ HANDSHAKE_SECONDS = 10.0
 MAX_CONNECTIONS = 64
 """Connections a server holds at once (authenticated or not); more are closed at once."""
 POOL_BYTES = 32 << 20
-"""Bytes of released receive buffers a server keeps for reuse: a fresh 4 MiB buffer costs ~1.5 ms
-of page faults here, more than receiving into it, so pieces land in recycled buffers."""
+"""Bytes of receive buffers a server keeps for reuse (a `BufferPool`): a fresh 4 MiB buffer costs
+~1.5 ms of page faults here, more than receiving into it, so pieces land in recycled buffers."""
 OK, UNAUTHENTICATED, WRONG_PLAN, BAD_HELLO = 0, 1, 2, 3
 
 
@@ -163,8 +164,8 @@ class RingServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._by_link: dict[tuple[str, int], socket.socket] = {}
-        self._pool: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
-        self._pooled = 0
+        self._buffers = BufferPool(max_bytes=POOL_BYTES, min_bytes=1)
+        """Receive buffers of pieces, given back by the frame's `release`."""
         self._closed = False
         try:
             self._sock = socket.create_server((host.strip("[]") or "0.0.0.0", int(port)),
@@ -309,7 +310,7 @@ class RingServer:
             finally:
                 inbox.landed(ring, round_, phase)
         else:
-            tensor = self._buffer(wire, numel)
+            tensor = self._buffers.take(nbytes).view(wire)
             if numel:
                 _recv_into(sock, _raw(tensor))
             released = False
@@ -318,7 +319,7 @@ class RingServer:
                 nonlocal released
                 if not released:
                     released = True
-                    self._recycle(tensor)
+                    self._buffers.give_back(tensor)
 
         frame = Frame(kind=KINDS[kind], tensors={"x": tensor}, step=round_, version=phase,
                       ring=ring, sender=sender, wire_bytes=nbytes, release=release)
@@ -328,21 +329,6 @@ class RingServer:
             raise ProtocolError(f"piece rejected: {e}") from e
         if self._on_bytes:
             self._on_bytes(frame.kind, nbytes)
-
-    def _buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        with self._lock:
-            free = self._pool.get((dtype, numel))
-            if free:
-                self._pooled -= numel * dtype.itemsize
-                return free.pop()
-        return torch.empty(numel, dtype=dtype)
-
-    def _recycle(self, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        with self._lock:
-            if self._pooled + nbytes <= POOL_BYTES:
-                self._pool.setdefault((tensor.dtype, tensor.numel()), []).append(tensor)
-                self._pooled += nbytes
 
 
 class RingLink:
@@ -481,7 +467,7 @@ class RingLink:
             out = self._scratch.get(x.numel())
             if out is None:
                 out = self._scratch[x.numel()] = torch.empty(x.numel(), dtype=self._wire)
-        tensor = _wire_tensor(x, self._wire, out).reshape(-1)
+        tensor = to_wire(x, self._wire, out).reshape(-1)
         if tensor.dtype not in _DTYPE_CODES:
             raise TransportError(f"ring data cannot carry {tensor.dtype}")
         ring = frame.ring.encode()

@@ -5,7 +5,7 @@ bytes laid out back to back at 64-byte aligned offsets. On the wire a frame is a
 chunks. The receiver checks the header (dtypes, shapes, offsets, total size against its limit)
 before it allocates anything, then copies each chunk straight into one preallocated buffer and
 rebuilds the tensors as views of it. A server's buffers for large frames come from a
-`BufferPool`, which hands a buffer out again once nothing refers to its frame.
+`BufferPool` (buffers.py), which hands a buffer out again once nothing refers to its frame.
 
 Optional compression sends float32 tensors as bfloat16 or float16. float16 cannot hold values
 beyond +-65504: such a tensor is sent uncompressed rather than silently clamped.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 from google.protobuf.message import DecodeError
 
+from ravnest.comm.buffers import BufferPool
 from ravnest.comm.proto import ravnest_pb2 as pb
 from ravnest.errors import TransportError, shown
 
@@ -55,81 +55,6 @@ class FrameError(TransportError):
     """A frame is malformed, oversized or does not match its header."""
 
 
-_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _storage_refs(t: torch.Tensor) -> int:
-    assert _use_count is not None
-    return _use_count(t.untyped_storage()._cdata)
-
-
-def _can_tell_unused() -> int | None:
-    """The reference count of an unshared buffer's storage, as `_storage_refs` sees it, or None
-    when this torch cannot count references to a storage (then nothing is ever reused): checked
-    once against a view, so a torch whose count means something else turns reuse off."""
-    if _use_count is None:
-        return None
-    try:
-        probe = torch.empty(8, dtype=torch.uint8)
-        alone = _storage_refs(probe)
-        view = probe[2:4]
-        shared = _storage_refs(probe)
-        del view
-        return alone if shared > alone == _storage_refs(probe) else None
-    except (AttributeError, RuntimeError, TypeError):
-        return None
-
-
-class BufferPool:
-    """Receive buffers for large frames, reused once nothing refers to them any more.
-
-    A frame's tensors are views of its receive buffer. A fresh buffer of many MiB costs page
-    faults on every page as its bytes are first written (64 MiB: about 25 ms here, more than the
-    copy into it), so the buffers of frames of at least `min_bytes` are kept here and handed out
-    again for a frame of the same size once no tensor, view or autograd record holds their
-    storage any more (counted by torch). A buffer still referenced is never handed out. At most
-    `max_bytes` of buffers are tracked: past that the oldest are let go (freed when their last
-    user drops them)."""
-
-    def __init__(self, max_bytes: int = 256 << 20, min_bytes: int = 1 << 20) -> None:
-        self.max_bytes, self.min_bytes = max_bytes, min_bytes
-        self._alone = _can_tell_unused()
-        self._lock = threading.Lock()
-        self._buffers: list[torch.Tensor] = []
-        self._bytes = 0
-        self.reused = 0
-        """Buffers handed out again (for tests and benchmarks)."""
-
-    @property
-    def enabled(self) -> bool:
-        return self._alone is not None and self.max_bytes >= self.min_bytes
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A uint8 buffer of `nbytes` that nothing else refers to."""
-        if nbytes < self.min_bytes or nbytes > self.max_bytes or self._alone is None:
-            return torch.empty(nbytes, dtype=torch.uint8)
-        with self._lock:
-            for i, buffer in enumerate(self._buffers):
-                if buffer.numel() == nbytes and _storage_refs(buffer) == self._alone:
-                    self._buffers.append(self._buffers.pop(i))
-                    self.reused += 1
-                    return buffer[:]  # a view, made under the lock: the buffer counts as used
-            while self._buffers and self._bytes + nbytes > self.max_bytes:
-                unused = [b for b in self._buffers if _storage_refs(b) == self._alone]
-                gone = (unused or self._buffers)[0]
-                self._buffers.remove(gone)
-                self._bytes -= gone.numel()
-            buffer = torch.empty(nbytes, dtype=torch.uint8)
-            self._buffers.append(buffer)
-            self._bytes += nbytes
-            return buffer[:]
-
-    @property
-    def held_bytes(self) -> int:
-        with self._lock:
-            return self._bytes
-
-
 @dataclass
 class Frame:
     """A decoded (or to-be-encoded) message between workers."""
@@ -160,7 +85,7 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _wire_tensor(t: torch.Tensor, compression: torch.dtype | None,
+def to_wire(t: torch.Tensor, compression: torch.dtype | None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """`t` as it goes on the wire: on the CPU, contiguous, and converted when compressed (into
     `out` when given: a reusable buffer of the wire dtype and t's element count)."""
@@ -190,7 +115,7 @@ def _prepare(frame: Frame, compression: str) -> tuple[pb.FrameHeader,
     wire_dtype = COMPRESSIONS[compression]
     metas, views, offset = [], [], 0
     for name, tensor in frame.tensors.items():
-        wire = _wire_tensor(tensor, wire_dtype)
+        wire = to_wire(tensor, wire_dtype)
         metas.append(pb.TensorMeta(
             name=name, dtype=NAMES[tensor.dtype], shape=list(tensor.shape),
             wire_dtype="" if wire.dtype == tensor.dtype else NAMES[wire.dtype], offset=offset,

@@ -28,10 +28,10 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from ravnest.comm.buffers import BufferPool
 from ravnest.comm.framing import (
     CHUNK_BYTES,
     DEFAULT_MAX_FRAME_BYTES,
-    BufferPool,
     Frame,
     FrameError,
     check_sendable,
