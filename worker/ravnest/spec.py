@@ -28,9 +28,6 @@ from pydantic.alias_generators import to_camel
 
 from ravnest.errors import SpecError, shown
 
-API_VERSION = "ravnest.io/v1alpha1"
-KIND = "RavnestJob"
-
 _QUANTITY = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
 _DECIMAL = {"k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
@@ -97,20 +94,6 @@ class ExampleInput(_Model):
     def _known_dtype(cls, v: str) -> str:
         if v not in _DTYPES:
             raise ValueError(f"must be one of {', '.join(_DTYPES)}, got {shown(v)}")
-        return v
-
-
-class EntrypointRef(_Model):
-    """A Python callable named ``package.module:callable`` and the keyword arguments for it."""
-
-    entrypoint: str
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("entrypoint")
-    @classmethod
-    def _entrypoint_form(cls, v: str) -> str:
-        if not _ENTRYPOINT.match(v):
-            raise ValueError(f"must look like 'package.module:callable', got {shown(v)}")
         return v
 
 
