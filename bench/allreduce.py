@@ -45,7 +45,7 @@ import torch.distributed as dist
 from ravnest.comm.dataplane import RingLink, RingServer
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.transport import Credentials, Peer, Server
-from ravnest.plan.planning import RingPlan
+from ravnest.plan.plans import RingPlan
 from ravnest.train import heap
 from ravnest.train.allreducing import RingReducer
 

@@ -174,7 +174,7 @@ _PAGE = 4096
 
 def _plan(profile: Any, costs: tuple[StageCost, ...]) -> Any:
     """A one-cluster plan cutting after every sleep block (the planner does not know sleeps)."""
-    from ravnest.plan.planning import ClusterPlan, NodePlan, Plan
+    from ravnest.plan.plans import ClusterPlan, NodePlan, Plan
 
     cuts = [i + 1 for i, layer in enumerate(profile.layers) if "sleep_block" in layer.name]
     assert len(cuts) == len(costs), cuts

@@ -34,8 +34,10 @@ import torch
 from ravnest.errors import PlanError
 from ravnest.examples.digits import build_model as digits_model
 from ravnest.examples.sorter import build_model as sorter_model
+from ravnest.plan.costs import Workload
 from ravnest.plan.partitioning import Profile, profile
-from ravnest.plan.planning import GB, Estimate, Plan, ProviderInfo, Workload, estimate, make_plan
+from ravnest.plan.planning import Estimate, estimate, make_plan
+from ravnest.plan.plans import GB, Plan, ProviderInfo
 
 log = logging.getLogger("bench.planner")
 

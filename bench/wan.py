@@ -266,7 +266,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from ravnest.comm.framing import Frame
     from ravnest.comm.inboxes import Inbox
     from ravnest.comm.transport import Credentials, Peer, Server
-    from ravnest.plan.planning import RingPlan
+    from ravnest.plan.plans import RingPlan
     from ravnest.train.allreducing import RingReducer
 
     torch.set_num_threads(1)

@@ -25,7 +25,7 @@ from kubernetes.client.rest import ApiException
 from ravnest.comm.tls import TlsMaterial, issue, make_authority
 from ravnest.errors import PlanError, SpecError
 from ravnest.plan.building import plan_job
-from ravnest.plan.planning import Plan
+from ravnest.plan.plans import Plan
 from ravnest.run.local import scrape
 from ravnest.spec import parse_job
 

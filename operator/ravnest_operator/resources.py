@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ravnest.comm.tls import CA_FILE, CERT_FILE, KEY_FILE, TlsMaterial
-from ravnest.plan.planning import NodePlan, Plan
+from ravnest.plan.plans import NodePlan, Plan
 from ravnest.spec import Job, Provider
 
 from .crds import GROUP, KIND, VERSION

@@ -6,7 +6,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any
 
-from ravnest.plan.planning import Plan
+from ravnest.plan.plans import Plan
 from ravnest.run.progress import progress as job_progress
 
 from .resources import pod_name

@@ -34,7 +34,7 @@ from ravnest.comm.inboxes import Inbox
 from ravnest.comm.tls import issue, make_authority
 from ravnest.comm.transport import Peer
 from ravnest.errors import RavnestError, TransportError
-from ravnest.plan.planning import RingPlan
+from ravnest.plan.plans import RingPlan
 from ravnest.run.local import LocalRun, run_job
 from ravnest.run.worker import Worker
 from ravnest.train.allreducing import RingReducer

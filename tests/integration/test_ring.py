@@ -14,7 +14,7 @@ import torch
 from ravnest.comm.dataplane import RingLink, RingServer
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.transport import Credentials, Peer, Server
-from ravnest.plan.planning import RingPlan
+from ravnest.plan.plans import RingPlan
 from ravnest.train.allreducing import MAX_TAIL, RingReducer
 
 CREDS = Credentials(token="ring-test", fingerprint="ring-plan")

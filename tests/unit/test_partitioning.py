@@ -9,8 +9,10 @@ import torch
 from models import SkipNet
 
 from ravnest.errors import PlanError
+from ravnest.plan.costs import Workload
 from ravnest.plan.partitioning import OUTPUT, build_stage, profile
-from ravnest.plan.planning import ProviderInfo, Workload, make_plan
+from ravnest.plan.planning import make_plan
+from ravnest.plan.plans import ProviderInfo
 
 
 def run_stages(stages, x):

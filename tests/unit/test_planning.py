@@ -5,14 +5,21 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from models import skipnet
 
 from ravnest.errors import PlanError
+from ravnest.plan.costs import Workload
 from ravnest.plan.partitioning import Layer, Profile, profile
-from ravnest.plan.planning import GB, ProviderInfo, RingPlan, Workload, estimate, make_plan
+from ravnest.plan.planning import estimate, make_plan
+from ravnest.plan.plans import GB, ProviderInfo, RingPlan
+from ravnest.spec import parse_job
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "digits.yaml"
 
 
 def _layer(name: str, gflops: float, param_bytes: int) -> Layer:
@@ -139,3 +146,14 @@ def test_ring_successor_wraps_around_and_a_ring_of_one_sends_to_itself() -> None
     assert RingPlan(id="ring-1", members=("a",), state=()).successor("a") == "a"
     with pytest.raises(ValueError):
         ring.successor("z")
+
+
+def test_workload_is_read_from_the_spec_and_defaults_to_the_specs_defaults() -> None:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["data"] = {"entrypoint": doc["spec"]["data"]["entrypoint"]}
+    del doc["spec"]["training"]
+    assert Workload.from_spec(parse_job(doc).spec) == Workload()
+    doc["spec"]["data"].update(batchSize=32, microbatches=4)
+    doc["spec"]["training"] = {"optimizer": {"name": "SGD"}, "maxInFlight": 2, "reduceFactor": 3}
+    assert Workload.from_spec(parse_job(doc).spec) == Workload(
+        batch_size=32, microbatches=4, max_in_flight=2, optimizer="SGD", reduce_factor=3)

@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 from ravnest.errors import SpecError
+from ravnest.plan.costs import Workload
 from ravnest.plan.partitioning import Profile, profile
-from ravnest.plan.planning import Plan, ProviderInfo, Workload, make_plan
+from ravnest.plan.planning import make_plan
+from ravnest.plan.plans import Plan, ProviderInfo
 from ravnest.spec import Job, JobSpec
 
 
@@ -115,20 +117,13 @@ def build_scheduler(spec: JobSpec, optimizer: torch.optim.Optimizer) -> Any:
         raise SpecError([f"spec.training.lrScheduler.params: {s.name} rejected them ({e})"]) from e
 
 
-def workload(spec: JobSpec) -> Workload:
-    t = spec.training
-    return Workload(batch_size=spec.data.batch_size, microbatches=spec.data.microbatches,
-                    max_in_flight=t.max_in_flight, optimizer=t.optimizer.name,
-                    reduce_factor=t.reduce_factor)
-
-
 def plan_job(job: Job) -> tuple[Plan, Profile, Any]:
     """Build and profile the model, then plan it over the job's providers."""
     spec = job.spec
     model = build_model(spec)
     gm, prof = profile(model, example_inputs(spec))
     pool = [ProviderInfo(p.ram, p.bandwidth, p.compute) for p in spec.expanded_providers()]
-    plan = make_plan(prof, pool, workload(spec), clusters=spec.plan.clusters,
+    plan = make_plan(prof, pool, Workload.from_spec(spec), clusters=spec.plan.clusters,
                      max_clusters=spec.plan.max_clusters, identity=identity(spec))
     return plan, prof, gm
 

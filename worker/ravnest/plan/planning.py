@@ -1,16 +1,7 @@
 """The planner: group providers into clusters and split the model into stages per cluster.
 
-All stage, cluster and ring arithmetic lives here, in one validated place, and the result is a
-deterministic, JSON-serialisable `Plan`.
-
-Cost model (per microbatch, per stage): compute time = 3 x forward FLOPs / (compute x REF_FLOPS)
-(forward + backward), plus the time to send the activations that cross its downstream cut (and the
-gradients back) over the slower of the two links. A cluster's time per batch is the pipeline bound
-(m + S - 1) x the slowest stage for m microbatches and S stages. Memory per stage = parameters x
-(weights + gradients + optimizer slots) + buffers + activations of the microbatches in flight.
-A step (every cluster trains one batch) adds the ring all-reduce of all parameters over k
-clusters, 2 (k - 1) / k x parameter bytes at the slowest provider's bandwidth, divided by the
-reduce factor.
+All stage, cluster and ring arithmetic lives here and in `costs`, and the result is a
+deterministic, JSON-serialisable `plans.Plan`.
 
 Cluster formation uses every provider. For each candidate number of clusters (all of them for
 small pools, a geometric grid refined by bisection for large ones, skipping counts whose upper
@@ -19,267 +10,32 @@ cluster, minimising the estimated time of the slowest cluster under every provid
 limit; the count with the best estimated throughput, ring all-reduce included, wins. Within a
 cluster, providers are ordered by link speed (both ways are tried) and a vectorised dynamic
 program finds the contiguous split that minimises the slowest stage's time while respecting each
-provider's RAM. `estimate` scores any grouping and split with the same cost model.
+provider's RAM. `estimate` scores any grouping and split with the same cost model (`costs`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from ravnest.errors import PlanError
+from ravnest.plan.costs import REF_FLOPS, Costs, Workload
 from ravnest.plan.partitioning import Profile
-
-GB = 2**30
-REF_FLOPS = 20e9
-"""FLOP/s of a provider with compute 1.0."""
-DEFAULT_BANDWIDTH_MBPS = 1000.0
-OPTIMIZER_SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1,
-                   "RMSprop": 2, "SGD": 1, "Adadelta": 2, "ASGD": 2, "Rprop": 2, "LBFGS": 2}
+from ravnest.plan.plans import GB, ClusterPlan, NodePlan, Plan, ProviderInfo, RingPlan, fingerprint
 
 
-@dataclass(frozen=True)
-class ProviderInfo:
-    ram_gb: float
-    bandwidth_mbps: float | None = None
-    compute: float = 1.0
-
-    @property
-    def bytes_per_second(self) -> float:
-        return (self.bandwidth_mbps or DEFAULT_BANDWIDTH_MBPS) * 1e6 / 8
-
-
-@dataclass(frozen=True)
-class Workload:
-    """How the model is trained: what the cost model needs beyond the profile."""
-
-    batch_size: int = 64
-    microbatches: int = 1
-    max_in_flight: int = 4
-    optimizer: str = "Adam"
-    reduce_factor: int = 1
-
-
-@dataclass(frozen=True)
-class NodePlan:
-    name: str
-    provider: int
-    cluster: int
-    stage: int
-    role: str
-    start: int
-    end: int
-    first_layer: str
-    last_layer: str
-    state: tuple[str, ...]
-    params: int
-    memory_bytes: int
-    ram_gb: float
-    seconds_per_microbatch: float
-
-    @property
-    def is_root(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_leaf(self) -> bool:
-        return self.role in ("leaf", "root-leaf")
-
-
-@dataclass(frozen=True)
-class ClusterPlan:
-    id: int
-    nodes: tuple[str, ...]
-    seconds_per_batch: float
-
-
-@dataclass(frozen=True)
-class RingPlan:
-    id: str
-    members: tuple[str, ...]
-    """One node per cluster, in cluster order; a node's rank is its index here."""
-    state: tuple[str, ...]
-    """Parameter and buffer names the ring averages, in state_dict order."""
-
-    def successor(self, name: str) -> str:
-        """The member `name` sends its pieces to (itself in a ring of one)."""
-        return self.members[(self.members.index(name) + 1) % len(self.members)]
-
-
-@dataclass(frozen=True)
-class Plan:
-    clusters: tuple[ClusterPlan, ...]
-    nodes: tuple[NodePlan, ...]
-    rings: tuple[RingPlan, ...]
-    model_bytes: int
-    memory_bytes: int
-    samples_per_second: float
-    fingerprint: str = field(default="")
-
-    def node(self, name: str) -> NodePlan:
-        for n in self.nodes:
-            if n.name == name:
-                return n
-        raise KeyError(f"no node {name!r} in the plan (nodes: {', '.join(self.names())})")
-
-    def names(self) -> list[str]:
-        return [n.name for n in self.nodes]
-
-    def cluster_nodes(self, cluster: int) -> list[NodePlan]:
-        return [self.node(n) for n in self.clusters[cluster].nodes]
-
-    def neighbours(self, name: str) -> tuple[str | None, str | None]:
-        """(upstream, downstream) node names of a node inside its cluster."""
-        node = self.node(name)
-        chain = self.clusters[node.cluster].nodes
-        return (chain[node.stage - 1] if node.stage > 0 else None,
-                chain[node.stage + 1] if node.stage + 1 < len(chain) else None)
-
-    def rings_of(self, name: str) -> list[RingPlan]:
-        return [r for r in self.rings if name in r.members]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Plan:
-        return cls(
-            clusters=tuple(ClusterPlan(c["id"], tuple(c["nodes"]), c["seconds_per_batch"])
-                           for c in d["clusters"]),
-            nodes=tuple(NodePlan(**{**n, "state": tuple(n["state"])}) for n in d["nodes"]),
-            rings=tuple(RingPlan(r["id"], tuple(r["members"]), tuple(r["state"]))
-                        for r in d["rings"]),
-            model_bytes=d["model_bytes"], memory_bytes=d["memory_bytes"],
-            samples_per_second=d["samples_per_second"], fingerprint=d.get("fingerprint", ""),
-        )
-
-    def summary(self) -> str:
-        """One line: clusters x stages."""
-        stages = sorted({len(c.nodes) for c in self.clusters})
-        return f"{len(self.clusters)}x{'/'.join(map(str, stages))}"
-
-    def table(self) -> str:
-        """The plan as a readable table, one row per node."""
-        head = ("CLUSTER", "NODE", "ROLE", "STAGE LAYERS", "PARAMS", "MEMORY", "RAM",
-                "RINGS")
-        rows = []
-        for c in self.clusters:
-            for name in c.nodes:
-                n = self.node(name)
-                layers = (f"{n.first_layer}..{n.last_layer} ({n.end - n.start})"
-                          if n.end - n.start > 1 else n.first_layer)
-                rings = ",".join(r.id for r in self.rings_of(name)) or "-"
-                rows.append((str(c.id), n.name, n.role, layers, f"{n.params:,}",
-                             _human(n.memory_bytes), f"{n.ram_gb:g} GB", rings))
-        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
-                 for row in [head, *rows]]
-        lines.append(
-            f"{len(self.clusters)} cluster(s), {len(self.nodes)} node(s), "
-            f"{len(self.rings)} ring(s); "
-            f"model {_human(self.model_bytes)} parameters, {_human(self.memory_bytes)} to train; "
-            f"estimated {self.samples_per_second:,.0f} samples/s; plan {self.fingerprint}")
-        return "\n".join(lines)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
-class _Costs:
-    """Prefix sums over a profile, scaled to one microbatch, and the same figures as matrices over
-    the allowed cuts (`allowed`), for the vectorised split."""
-
-    def __init__(self, profile: Profile, work: Workload) -> None:
-        self.profile = profile
-        self.n = len(profile.layers)
-        mb = max(1, math.ceil(work.batch_size / work.microbatches))
-        scale = mb / profile.example_batch
-        slots = OPTIMIZER_SLOTS.get(work.optimizer, 2)
-        in_flight = min(work.max_in_flight, work.microbatches)
-        self.flops = _prefix(3 * layer.flops * scale for layer in profile.layers)
-        self.mem = _prefix(layer.param_bytes * (2 + slots) + layer.buffer_bytes
-                           + layer.out_bytes * scale * in_flight for layer in profile.layers)
-        self.cut = [b * scale for b in profile.cut_bytes]
-        self.params = _prefix(layer.param_bytes for layer in profile.layers)
-        self.microbatches = work.microbatches
-        self.batch_size = work.batch_size
-        self.reduce_factor = work.reduce_factor
-        self.mb = mb
-        self.allowed = sorted({0, self.n} | {i + 1 for i, ok in enumerate(profile.cut_ok) if ok})
-        at = np.array(self.allowed)
-        flops, mem = np.array(self.flops)[at], np.array(self.mem)[at]
-        ahead = np.triu(np.ones((len(at), len(at)), dtype=bool), 1)
-        self.d_seconds = np.where(ahead, (flops[None, :] - flops[:, None]) / REF_FLOPS, math.inf)
-        """d_seconds[a, b]: seconds at compute 1.0 of the stage from allowed[a] to allowed[b]
-        (infinite unless a < b)."""
-        self.d_mem = mem[None, :] - mem[:, None]
-        self.cut_at = np.array([self.cut[j - 1] if 0 < j < self.n else 0.0 for j in self.allowed])
-        self._stage: dict[tuple[float, float], Any] = {}
-
-    def compute_matrix(self, p: ProviderInfo) -> Any:
-        """Compute seconds of every possible stage on provider p, infinite where it does not fit
-        p's RAM (cached per compute and RAM)."""
-        key = (p.compute, p.ram_gb)
-        m = self._stage.get(key)
-        if m is None:
-            m = self._stage[key] = np.where(self.d_mem <= p.ram_gb * GB,
-                                            self.d_seconds / p.compute, math.inf)
-        return m
-
-    def stage_memory(self, i: int, j: int) -> float:
-        return self.mem[j] - self.mem[i]
-
-    def stage_time(self, i: int, j: int, p: ProviderInfo, nxt: ProviderInfo | None) -> float:
-        t = (self.flops[j] - self.flops[i]) / REF_FLOPS / p.compute
-        if nxt is not None:
-            t += self.cut[j - 1] * (2 / min(p.bytes_per_second, nxt.bytes_per_second))
-        return t
-
-    def cluster_seconds(self, stages: int, slowest: float) -> float:
-        """Seconds per batch of a pipeline: (m + S - 1) x its slowest stage."""
-        return (self.microbatches + stages - 1) * slowest
-
-    def ring_seconds(self, clusters: int, slowest: float) -> float:
-        """Ring all-reduce of all parameters per step over `clusters` replicas, at `slowest`
-        bytes/s, divided by the reduce factor."""
-        if clusters < 2:
-            return 0.0
-        return 2 * (clusters - 1) / clusters * self.params[-1] / slowest / self.reduce_factor
-
-    @property
-    def total_memory(self) -> float:
-        return self.mem[-1]
-
-
-def _prefix(values: Any) -> list[float]:
-    out = [0.0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
-
-
-def _too_many_stages(costs: _Costs, s: int) -> PlanError:
+def _too_many_stages(costs: Costs, s: int) -> PlanError:
     return PlanError(f"a cluster of {s} providers needs {s} stages but the model can be cut "
                      f"into at most {len(costs.allowed) - 1} (more stages than layers); use fewer "
                      "providers per cluster or more clusters")
 
 
-def _min_max_split(costs: _Costs, providers: Sequence[ProviderInfo],
+def _min_max_split(costs: Costs, providers: Sequence[ProviderInfo],
                    backtrack: bool) -> tuple[float, list[Any]]:
     """The dynamic program over allowed cuts, one stage (provider) at a time, vectorised.
 
@@ -307,7 +63,7 @@ def _min_max_split(costs: _Costs, providers: Sequence[ProviderInfo],
     return float(best[-1]), back
 
 
-def split_cluster(costs: _Costs, providers: Sequence[ProviderInfo]) -> tuple[list[int], float]:
+def split_cluster(costs: Costs, providers: Sequence[ProviderInfo]) -> tuple[list[int], float]:
     """Best contiguous split of the layers over ordered providers.
 
     Returns the stage boundaries (len(providers)+1 indices into the layers) and the slowest
@@ -330,7 +86,7 @@ def split_cluster(costs: _Costs, providers: Sequence[ProviderInfo]) -> tuple[lis
     return bounds[::-1], slowest
 
 
-def _ring_seconds(costs: _Costs, groups: Sequence[Sequence[int]],
+def _ring_seconds(costs: Costs, groups: Sequence[Sequence[int]],
                   pool: Sequence[ProviderInfo]) -> float:
     """Ring all-reduce per step: 2 (k-1)/k x parameter bytes over the slowest provider used."""
     return costs.ring_seconds(len(groups), min(pool[i].bytes_per_second for g in groups for i in g))
@@ -353,7 +109,7 @@ class _Search:
     search mostly looks up what it has seen.
     """
 
-    def __init__(self, costs: _Costs, pool: Sequence[ProviderInfo]) -> None:
+    def __init__(self, costs: Costs, pool: Sequence[ProviderInfo]) -> None:
         self.costs, self.pool = costs, pool
         self.cache: dict[tuple[int, ...], tuple[float, tuple[int, ...]]] = {}
         self.evaluations = 0
@@ -445,6 +201,38 @@ class _Search:
         seconds = max(times) + _ring_seconds(self.costs, groups, self.pool)
         return (k * self.costs.batch_size / seconds if seconds > 0 else math.inf), groups
 
+    def finalists(self, lo: int, hi: int, budget: int) -> list[int]:
+        """Up to three cluster counts from lo to hi, best first, by a short search of each.
+
+        Counts are tried in the order of their upper bounds, skipping those whose bound cannot
+        beat the best so far; then the gaps next to the best count are bisected.
+        """
+        costs, pool = self.costs, self.pool
+        scored: dict[int, float] = {}
+        tried: set[int] = set()
+
+        def consider(k: int) -> None:
+            tried.add(k)
+            if _upper_bound(costs, pool, k) > max(scored.values(), default=0.0):
+                scored[k] = self.plan(k, budget)[0]
+
+        def ranking() -> list[int]:
+            """Counts tried, best first (ties: fewer clusters)."""
+            return sorted(scored, key=lambda k: (-round(scored[k], 9), k))
+
+        for k in sorted(_cluster_counts(lo, hi), key=lambda k: (-_upper_bound(costs, pool, k), k)):
+            consider(k)
+        while True:  # bisect the gaps next to the best count
+            ks, top = sorted(tried), ranking()[0]
+            pos = ks.index(top)
+            gaps = [(ks[p] + top) // 2 for p in (pos - 1, pos + 1)
+                    if 0 <= p < len(ks) and abs(ks[p] - top) > 1]
+            if not gaps:
+                break
+            for k in gaps:
+                consider(k)
+        return [k for k in ranking()[:3] if scored[k] > 0]
+
 
 def _cluster_counts(lo: int, hi: int) -> list[int]:
     """Cluster counts to try first: all of them when few, else a geometric grid from lo to hi."""
@@ -459,7 +247,7 @@ def _cluster_counts(lo: int, hi: int) -> list[int]:
     return sorted(g for g in grid if lo <= g <= hi)
 
 
-def _upper_bound(costs: _Costs, pool: Sequence[ProviderInfo], k: int) -> float:
+def _upper_bound(costs: Costs, pool: Sequence[ProviderInfo], k: int) -> float:
     """Samples/s that no plan of k clusters (every provider used) can beat.
 
     The largest cluster has at least ceil(n/k) stages; its slowest stage takes at least the
@@ -491,7 +279,28 @@ def make_plan(profile: Profile, pool: Sequence[ProviderInfo], work: Workload,
     """
     if not pool:
         raise PlanError("spec.providers: at least one provider is needed")
-    costs = _Costs(profile, work)
+    costs = Costs(profile, work)
+    lo, hi = _cluster_range(costs, pool, clusters, max_clusters)
+    n = len(pool)
+    search = _Search(costs, pool)
+    finalists = search.finalists(lo, hi, budget=4 * n + 100)
+    if not finalists:
+        for g in search.deal(lo):
+            split_cluster(costs, [pool[i] for i in g])
+        raise PlanError(f"no way to form {lo} cluster(s) that each hold the model")
+    throughput, groups = max((search.plan(k, 20 * n + 200) for k in finalists),
+                             key=lambda r: (round(r[0], 9), -len(r[1])))
+    ordered = sorted((search.cluster(g)[1] for g in groups), key=min)
+    return _build(profile, costs, pool, ordered, throughput, identity or {})
+
+
+def _cluster_range(costs: Costs, pool: Sequence[ProviderInfo], clusters: int | None,
+                   max_clusters: int | None) -> tuple[int, int]:
+    """The fewest and the most clusters to search: `clusters` when it is set, else from as few as
+    the model's cuts allow to as many as the pool's RAM and `max_clusters` allow.
+
+    Raises PlanError when the pool cannot hold the model or `clusters` exceeds the providers.
+    """
     total_ram = sum(p.ram_gb for p in pool)
     if total_ram * GB < costs.total_memory:
         raise PlanError(
@@ -501,47 +310,11 @@ def make_plan(profile: Profile, pool: Sequence[ProviderInfo], work: Workload,
     if clusters is not None and clusters > len(pool):
         raise PlanError(f"spec.plan.clusters: {clusters} clusters need at least {clusters} "
                         f"providers, got {len(pool)}")
-    n = len(pool)
-    search = _Search(costs, pool)
-    quick, full = 4 * n + 100, 20 * n + 200
     if clusters:
-        lo = hi = clusters
-    else:
-        hi = min(n, max_clusters or n, max(1, int(total_ram * GB // costs.total_memory)))
-        lo = min(hi, math.ceil(n / (len(costs.allowed) - 1)))
-    scored: dict[int, float] = {}
-    tried: set[int] = set()
-
-    def consider(k: int) -> None:
-        tried.add(k)
-        if _upper_bound(costs, pool, k) > max(scored.values(), default=0.0):
-            scored[k] = search.plan(k, quick)[0]
-
-    def ranking() -> list[int]:
-        """Counts tried, best first (ties: fewer clusters)."""
-        return sorted(scored, key=lambda k: (-round(scored[k], 9), k))
-
-    for k in sorted(_cluster_counts(lo, hi), key=lambda k: (-_upper_bound(costs, pool, k), k)):
-        consider(k)
-    while True:  # bisect the gaps next to the best count
-        ks, top = sorted(tried), ranking()[0]
-        pos = ks.index(top)
-        gaps = [(ks[p] + top) // 2 for p in (pos - 1, pos + 1)
-                if 0 <= p < len(ks) and abs(ks[p] - top) > 1]
-        if not gaps:
-            break
-        for k in gaps:
-            consider(k)
-    finalists = [k for k in ranking()[:3] if scored[k] > 0]
-    if not finalists:
-        k = lo
-        for g in search.deal(k):
-            split_cluster(costs, [pool[i] for i in g])
-        raise PlanError(f"no way to form {k} cluster(s) that each hold the model")
-    throughput, groups = max((search.plan(k, full) for k in finalists),
-                             key=lambda r: (round(r[0], 9), -len(r[1])))
-    ordered = sorted((search.cluster(g)[1] for g in groups), key=min)
-    return _build(profile, costs, pool, ordered, throughput, identity or {})
+        return clusters, clusters
+    n = len(pool)
+    hi = min(n, max_clusters or n, max(1, int(total_ram * GB // costs.total_memory)))
+    return min(hi, math.ceil(n / (len(costs.allowed) - 1))), hi
 
 
 @dataclass(frozen=True)
@@ -573,7 +346,7 @@ def estimate(profile: Profile, pool: Sequence[ProviderInfo], work: Workload,
     providers, cutting only where the model may be cut. Without `bounds`, each cluster gets the
     planner's split of its providers in the order given. Providers may be left out.
     """
-    costs = _Costs(profile, work)
+    costs = Costs(profile, work)
     seen: set[int] = set()
     for c, members in enumerate(clusters):
         if not members:
@@ -614,7 +387,7 @@ def estimate(profile: Profile, pool: Sequence[ProviderInfo], work: Workload,
                     tuple(overflows))
 
 
-def _build(profile: Profile, costs: _Costs, pool: Sequence[ProviderInfo],
+def _build(profile: Profile, costs: Costs, pool: Sequence[ProviderInfo],
            groups: Sequence[Sequence[int]], throughput: float, identity: dict[str, Any]) -> Plan:
     nodes: list[NodePlan] = []
     cluster_plans = []
@@ -645,12 +418,6 @@ def _build(profile: Profile, costs: _Costs, pool: Sequence[ProviderInfo],
                 model_bytes=int(costs.params[-1]), memory_bytes=int(costs.total_memory),
                 samples_per_second=round(throughput, 3))
     return replace(plan, fingerprint=fingerprint(plan, identity))
-
-
-def fingerprint(plan: Plan, identity: dict[str, Any]) -> str:
-    """Hash of the plan's content and of what defines the model and data (`identity`)."""
-    body = {"plan": replace(plan, fingerprint="").to_dict(), "identity": identity}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _rings(profile: Profile, nodes: list[NodePlan], k: int) -> list[RingPlan]:

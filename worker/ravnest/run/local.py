@@ -41,7 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ravnest.comm.tls import identity, issue, make_authority
 from ravnest.errors import RavnestError, WorkerFailed
 from ravnest.plan import building
-from ravnest.plan.planning import Plan
+from ravnest.plan.plans import Plan
 from ravnest.run.progress import progress
 from ravnest.run.worker import NodeMetadata
 from ravnest.spec import Job

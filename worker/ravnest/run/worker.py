@@ -25,7 +25,7 @@ from ravnest.comm.transport import Credentials, Peer, Server
 from ravnest.errors import PlanError, RavnestError, SpecError
 from ravnest.plan import building
 from ravnest.plan.partitioning import Stage, build_stage, profile
-from ravnest.plan.planning import Plan, fingerprint
+from ravnest.plan.plans import Plan, fingerprint
 from ravnest.spec import Job, JobSpec, parse_job
 from ravnest.train.metrics import Identity, WorkerMetrics
 from ravnest.train.runtime import Batch, Batches, NodeRuntime

@@ -20,8 +20,10 @@ import torch
 from torch import nn
 
 from ravnest.errors import PlanError, SpecError
+from ravnest.plan.costs import Workload
 from ravnest.plan.partitioning import build_stage, profile
-from ravnest.plan.planning import Plan, ProviderInfo, Workload, make_plan
+from ravnest.plan.planning import make_plan
+from ravnest.plan.plans import Plan, ProviderInfo
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from ravnest.comm.inboxes import Inbox
 from ravnest.comm.transport import Credentials, Peer, Server
 from ravnest.errors import PlanError, RavnestError, SpecError
 from ravnest.plan.partitioning import Stage, build_stage, profile
-from ravnest.plan.planning import Plan
+from ravnest.plan.plans import Plan
 from ravnest.train import heap
 from ravnest.train.metrics import Identity, WorkerMetrics
 

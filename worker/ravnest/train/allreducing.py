@@ -19,7 +19,7 @@ from ravnest.comm.framing import COMPRESSIONS, Frame
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.transport import Peer
 from ravnest.errors import TransportError
-from ravnest.plan.planning import RingPlan
+from ravnest.plan.plans import RingPlan
 
 log = logging.getLogger(__name__)
 

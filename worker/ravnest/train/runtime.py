@@ -37,7 +37,7 @@ from ravnest.comm.inboxes import Inbox
 from ravnest.comm.transport import Peer
 from ravnest.errors import PeerTimeout, RavnestError
 from ravnest.plan.partitioning import OUTPUT, Stage
-from ravnest.plan.planning import NodePlan, Plan
+from ravnest.plan.plans import NodePlan, Plan
 from ravnest.train import checkpointing
 from ravnest.train.allreducing import FINAL_ROUND, RingReducer, reduce_all
 from ravnest.train.heap import HeapTrimmer
