@@ -20,7 +20,14 @@ A run feeds `warmup + updates` batches; the root's optimizer steps are timed, an
 microbatches over the steady window after the warmup updates. Every configuration is repeated,
 repeats alternate between configurations, and the median is printed.
 
-    python bench/pipeline.py [--micro 1 2 4 8] [--repeats 3] [--cost-ms 10 20] [-v]
+The baseline, in the same run: torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B over
+gloo on 127.0.0.1, one process per stage, running the same stage modules (same trace, cut, seed
+and sleeps), the same Adam, batches, microbatches per update, warmup and updates, timed the same
+way at stage 0. Both flush every update (torch has no asynchronous schedule), so they are the
+same work as `sync`; beside `async` they say what not flushing buys. The baseline and ours
+alternate repeat by repeat; `--no-torch` skips it.
+
+    python bench/pipeline.py [--micro 1 2 4 8] [--repeats 3] [--cost-ms 10 20] [--no-torch] [-v]
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ import argparse
 import logging
 import multiprocessing as mp
 import os
+import queue
 import resource
 import statistics
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -333,6 +342,38 @@ def node_main(node: str, addresses: dict[str, str], runs: list[RunConfig], resul
         server.stop()
 
 
+def _collect(procs: list[Any], results: Any, expected: int, timeout: float, what: str,
+             on_result: Any) -> None:
+    """Take `expected` (k, report) results from the processes' queue and always end the
+    processes: a process that reports an error (k < 0) or dies without one, or results that do
+    not all come within `timeout` seconds, raise RuntimeError."""
+    deadline = time.monotonic() + timeout
+    got = 0
+    try:
+        while got < expected:
+            try:
+                k, rep = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"{what}: a process exited with code {dead[0]} after "
+                                       f"{got} of {expected} results") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{what}: {got} of {expected} results after "
+                                       f"{timeout:.0f} s") from None
+                continue
+            if k < 0:
+                raise RuntimeError(f"{what}: {rep}")
+            on_result(k, rep)
+            got += 1
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
 def run_nodes(runs: list[RunConfig], stages: int, verbose: bool = False,
               timeout: float = 600) -> list[dict[str, NodeReport]]:
     """Spawn one process per stage, run `runs` in order; one {node: report} per run."""
@@ -348,21 +389,13 @@ def run_nodes(runs: list[RunConfig], stages: int, verbose: bool = False,
     for p in procs:
         p.start()
     out: list[dict[str, NodeReport]] = [{} for _ in runs]
-    deadline = time.monotonic() + timeout
-    try:
-        for _ in range(len(runs) * stages):
-            k, rep = results.get(timeout=max(1.0, deadline - time.monotonic()))
-            if k < 0:
-                raise RuntimeError(rep)
-            out[k][rep.node] = rep
-            if verbose and rep.node == names[0]:
-                log.info("%s done", runs[k].name)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+
+    def take(k: int, rep: NodeReport) -> None:
+        out[k][rep.node] = rep
+        if verbose and rep.node == names[0]:
+            log.info("%s done", runs[k].name)
+
+    _collect(procs, results, len(runs) * stages, timeout, "our pipeline", take)
     return out
 
 
@@ -374,6 +407,141 @@ def throughput(cfg: RunConfig, root: NodeReport) -> float:
                            f"{cfg.warmup + cfg.updates}")
     window = t[cfg.warmup:]
     return (len(window) - 1) * cfg.microbatches / (window[-1] - window[0])
+
+
+# ----------------------------------------------------------------------------- the baseline
+
+TORCH_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+"""torch.distributed.pipelining schedules timed as the baseline, by RunConfig.schedule."""
+
+
+class BaselineError(RuntimeError):
+    """The torch.distributed.pipelining baseline could not run: gloo did not start, a rank
+    failed, or the runs did not finish in time."""
+
+
+def torch_runs(ours: list[RunConfig]) -> dict[str, dict[str, RunConfig]]:
+    """For each of our configurations (by name), the baseline's runs of the same work: the same
+    stages, microbatches per update, updates and warmup, one per torch schedule. Ours that differ
+    only in schedule or maxInFlight share runs; 1F1B needs at least one microbatch per stage."""
+    shared: dict[tuple[Any, ...], dict[str, RunConfig]] = {}
+    out = {}
+    for c in ours:
+        key = (c.costs, c.microbatches, c.updates, c.warmup, c.mb_rows)
+        if key not in shared:
+            shared[key] = {s: replace(c, name=f"{s} as {c.name}", schedule=s)
+                           for s in TORCH_SCHEDULES if s != "1f1b" or c.microbatches >= c.stages}
+        out[c.name] = shared[key]
+    return out
+
+
+def _loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """The leaf's criterion; a stage's module returns its output in a tuple of one."""
+    loss: torch.Tensor = nn.functional.cross_entropy(
+        out[0] if isinstance(out, tuple) else out, target)
+    return loss
+
+
+def _torch_once(cfg: RunConfig, rank: int) -> NodeReport:
+    """Train `cfg`'s batches through this rank's stage with a torch schedule; time its updates.
+
+    The stage is the module our runtime runs (the same trace, cut and seed), the optimizer the
+    same Adam, the batches the same tensors, split by the schedule into `cfg.microbatches`."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from ravnest.plan.partitioning import build_stage, profile
+
+    torch.manual_seed(SEED)
+    model = StagedNet(cfg.costs)
+    width = cfg.costs[0].width
+    gm, prof = profile(model, (torch.zeros(cfg.mb_rows, width),))
+    me = _plan(prof, cfg.costs).nodes[rank]
+    module = build_stage(gm, me.start, me.end).graph_module
+    del model, gm
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=1e-3) if params else None
+    stage = PipelineStage(module, rank, cfg.stages, torch.device("cpu"))
+    schedule_cls = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
+    schedule = schedule_cls(stage, cfg.microbatches, loss_fn=_loss)
+    n_batches = cfg.warmup + cfg.updates
+    bsz = cfg.microbatches * cfg.mb_rows
+    gen = torch.Generator().manual_seed(SEED)
+    xs = torch.randn(n_batches, bsz, width, generator=gen)
+    ys = torch.randint(0, width, (n_batches, bsz), generator=gen)
+    report = NodeReport(node=f"rank_{rank}")
+    for x, y in zip(xs, ys, strict=True):
+        if me.is_root:
+            schedule.step(x)
+        elif me.is_leaf:
+            schedule.step(target=y)
+        else:
+            schedule.step()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        report.step_times.append(time.perf_counter())
+    report.updates = n_batches
+    return report
+
+
+def torch_main(rank: int, world: int, port: int, runs: list[RunConfig], results: Any,
+               verbose: bool) -> None:
+    """One gloo rank: join the process group, then run every baseline run in order."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format=f"%(asctime)s rank_{rank} %(levelname)s %(message)s")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    store = f"tcp://127.0.0.1:{port}"
+    try:
+        try:
+            dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=120))
+        except Exception as e:
+            raise BaselineError(
+                f"gloo did not start ({store}, GLOO_SOCKET_IFNAME="
+                f"{os.environ.get('GLOO_SOCKET_IFNAME')}): {type(e).__name__}: {e}") from e
+        for k, cfg in enumerate(runs):
+            dist.barrier()
+            results.put((k, _torch_once(cfg, rank)))
+    except BaselineError as e:
+        results.put((-1, f"rank {rank}: {e}"))
+        raise SystemExit(1) from None
+    except BaseException as e:
+        results.put((-1, f"rank {rank}: {type(e).__name__}: {e}"))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_torch(runs: list[RunConfig], stages: int, verbose: bool = False) -> list[NodeReport]:
+    """Spawn one gloo rank per stage, run `runs` in order; rank 0's report per run.
+
+    Bounded: every process ends when the runs are done or fail, or after two minutes to start
+    plus four times the runs' bounds."""
+    from ravnest.run.local import free_ports
+
+    port = free_ports(1)[0]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=torch_main, args=(r, stages, port, runs, results, verbose),
+                         daemon=True) for r in range(stages)]
+    for p in procs:
+        p.start()
+    out: list[NodeReport] = [NodeReport(node="rank_0") for _ in runs]
+
+    def take(k: int, rep: NodeReport) -> None:
+        if rep.node == "rank_0":
+            out[k] = rep
+
+    timeout = 120 + 4 * sum((c.warmup + c.updates) * c.microbatches / c.bound() for c in runs)
+    try:
+        _collect(procs, results, len(runs) * stages, timeout,
+                 "the torch.distributed.pipelining baseline failed", take)
+    except RuntimeError as e:
+        raise BaselineError(str(e)) from e
+    return out
 
 
 # ----------------------------------------------------------------------------- main
@@ -409,6 +577,47 @@ def configs(micro: list[int], fwd: float, bwd: float, mb_total: int, in_flight: 
     return out
 
 
+def _time_torch(runs: list[RunConfig], verbose: bool) -> list[float]:
+    """One repeat of the baseline: microbatches/s of each run."""
+    try:
+        roots = run_torch(runs, 3, verbose)
+    except BaselineError as e:
+        raise SystemExit(f"bench/pipeline.py: {e}\n(--no-torch times ours alone)") from e
+    rates = [throughput(c, r) for c, r in zip(runs, roots, strict=True)]
+    for c, rate in zip(runs, rates, strict=True):
+        log.info("%s: %.2f mb/s", c.name, rate)
+    return rates
+
+
+def _cell(value: float | None, width: int, digits: int) -> str:
+    return f" {'-':>{width}}" if value is None else f" {value:>{width}.{digits}f}"
+
+
+def _emit_baseline(base: list[RunConfig], per: dict[str, list[float]],
+                   baseline: dict[str, dict[str, RunConfig]],
+                   per_torch: dict[str, list[float]]) -> None:
+    """Ours next to torch's schedules on the same work: medians, ratios, theirs / bound."""
+    names = list(TORCH_SCHEDULES.values())
+    _emit()
+    _emit(f"{'schedule':<24} {'m':>3} {'ours mb/s':>10}"
+          + "".join(f" {n + ' mb/s':>10}" for n in names)
+          + "".join(f" {'ours/' + n:>10}" for n in names)
+          + "".join(f" {n + '/bound':>11}" for n in names))
+    for c in base:
+        ours = statistics.median(per[c.name])
+        runs = baseline[c.name]
+        theirs = {s: statistics.median(per_torch[r.name]) for s, r in runs.items()}
+        ratio = {s: ours / v for s, v in theirs.items()}
+        of_bound = {s: v / runs[s].bound() for s, v in theirs.items()}
+        _emit(f"{c.name:<24} {c.microbatches:>3} {ours:>10.2f}"
+              + "".join(_cell(theirs.get(s), 10, 2) for s in TORCH_SCHEDULES)
+              + "".join(_cell(ratio.get(s), 10, 3) for s in TORCH_SCHEDULES)
+              + "".join(_cell(of_bound.get(s), 11, 3) for s in TORCH_SCHEDULES))
+    _emit("GPipe and 1F1B flush every update (torch has no async schedule): their bound is "
+          "sync's with the same m (1F1B can beat it with a slower middle stage: it overlaps the "
+          "fill and drain there); 1F1B needs m >= 3 stages ('-')")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8],
@@ -423,8 +632,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="extra async m=4 runs with these maxInFlight")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2, help="untimed updates per run")
+    parser.add_argument("--no-torch", action="store_true",
+                        help="skip the torch.distributed.pipelining baseline (GPipe, 1F1B)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the baseline's gloo, on 127.0.0.1
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     fwd, bwd = args.cost_ms[0] / 1000, args.cost_ms[1] / 1000
@@ -440,7 +652,20 @@ def main(argv: list[str] | None = None) -> None:
     _emit(f"time.sleep(10 ms) overshoots by {overshoot * 1e3:.2f} ms here (median of 50): the "
           "scheduler's share of every stage's cost")
     started = time.monotonic()
-    reports = run_nodes(runs, 3, args.verbose)
+    baseline = {} if args.no_torch else torch_runs(base)
+    theirs = list({r.name: r for rs in baseline.values() for r in rs.values()}.values())
+    per_torch: dict[str, list[float]] = {c.name: [] for c in theirs}
+    if theirs:
+        _emit("Baseline: torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B) over gloo, "
+              "3 processes, the same stage modules, sleeps, microbatches and updates; the "
+              "baseline and ours alternate repeat by repeat")
+        reports: list[dict[str, NodeReport]] = []
+        for _ in range(args.repeats):
+            for cfg, rate in zip(theirs, _time_torch(theirs, args.verbose), strict=True):
+                per_torch[cfg.name].append(rate)
+            reports += run_nodes(base, 3, args.verbose)
+    else:
+        reports = run_nodes(runs, 3, args.verbose)
     per: dict[str, list[float]] = {c.name: [] for c in base}
     for cfg, rep in zip(runs, reports, strict=True):
         per[cfg.name].append(throughput(cfg, rep["node_0"]))
@@ -461,6 +686,8 @@ def main(argv: list[str] | None = None) -> None:
     _emit()
     _emit("bound: sync m/(sum(f+b) + (m-1) max(f+b)) = m/((m+S-1) c) for equal stages; "
           "async 1/max(f+b)")
+    if baseline:
+        _emit_baseline(base, per, baseline, per_torch)
     _emit(f"({time.monotonic() - started:.0f} s)")
 
 
