@@ -32,9 +32,11 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -45,14 +47,15 @@ from ravnest.comm.buffers import BufferPool
 from ravnest.comm.framing import (
     CHUNK_BYTES,
     Frame,
-    decode,
     decode_wire,
-    encode,
     encode_wire,
 )
 from ravnest.comm.proto import ravnest_pb2 as pb
 from ravnest.comm.transport import Credentials, Peer, Server
 from ravnest.train import heap
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the protobuf path:
+from framing_helpers import decode, encode  # tests/framing_helpers.py
 
 log = logging.getLogger("bench.transfer")
 

@@ -11,9 +11,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
+from framing_helpers import encode
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ravnest.comm.framing import Frame, encode
+from ravnest.comm.framing import Frame
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.proto import ravnest_pb2 as pb
 from ravnest.comm.proto import ravnest_pb2_grpc as pb_grpc

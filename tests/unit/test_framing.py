@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from framing_helpers import decode, encode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,12 +22,10 @@ from ravnest.comm.framing import (
     DTYPES,
     Frame,
     FrameError,
-    _parse_chunk,
-    decode,
     decode_wire,
-    encode,
     encode_one,
     encode_wire,
+    parse_chunk,
 )
 from ravnest.comm.proto import ravnest_pb2 as pb
 
@@ -533,7 +532,7 @@ def test_one_message_frames_are_one_protobuf_chunk(frame: Frame, compression: st
 def test_a_one_message_frame_is_read_without_copying_its_payload() -> None:
     x = torch.arange(1000, dtype=torch.float32)
     message = encode_one(Frame("forward", {"x": x}, microbatch=3))
-    header, data = _parse_chunk(message)
+    header, data = parse_chunk(message)
     assert header is not None and header.microbatch == 3
     assert isinstance(data, memoryview) and data.obj is message  # a slice of the message
     assert bytes(data) == x.numpy().tobytes() + bytes(len(data) - 4000)  # aligned: padded

@@ -108,9 +108,10 @@ def check_sendable(frame: Frame) -> None:
             raise FrameError(f"tensor {name!r}: dtype {tensor.dtype} cannot be sent")
 
 
-def _prepare(frame: Frame, compression: str) -> tuple[pb.FrameHeader,
-                                                     list[tuple[int, torch.Tensor]], int]:
-    """The frame's header and its tensors' raw bytes at their payload offsets."""
+def layout(frame: Frame, compression: str) -> tuple[pb.FrameHeader,
+                                                   list[tuple[int, torch.Tensor]], int]:
+    """The frame's header, its tensors' raw bytes at their payload offsets and the payload's
+    size: what every encoding writes out."""
     check_sendable(frame)
     wire_dtype = COMPRESSIONS[compression]
     metas, views, offset = [], [], 0
@@ -133,13 +134,6 @@ def _prepare(frame: Frame, compression: str) -> tuple[pb.FrameHeader,
     return header, views, offset
 
 
-def encode(frame: Frame, compression: str = "none",
-           chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Chunk]:
-    """Yield the chunks of a frame; the first carries the header."""
-    header, views, total = _prepare(frame, compression)
-    yield from _chunks(header, views, total, chunk_bytes)
-
-
 def encode_wire(frame: Frame, compression: str = "none",
                 chunk_bytes: int = CHUNK_BYTES) -> list[bytes]:
     """The frame as serialized `Chunk` messages, what gRPC sends: the header alone, then the
@@ -152,7 +146,7 @@ def encode_one(frame: Frame, compression: str = "none") -> bytes:
     """The whole frame as one serialized `Chunk` holding both its header and its payload, for
     frames small enough to go as one message: the payload is copied once, straight from the
     tensors' memory."""
-    header, views, total = _prepare(frame, compression)
+    header, views, total = layout(frame, compression)
     parts: list[bytes | memoryview] = [pb.Chunk(header=header).SerializeToString()]
     if total:
         parts += [_DATA_TAG, _varint(total), *_segments(views, total)]
@@ -163,9 +157,9 @@ def iter_wire(frame: Frame, compression: str = "none",
               chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
     """`encode_wire` one message at a time, so that sending starts before the whole frame is
     copied (the tensors must not change until the last message is taken)."""
-    header, views, total = _prepare(frame, compression)
+    header, views, total = layout(frame, compression)
     yield pb.Chunk(header=header).SerializeToString()
-    for pieces in _pieces(views, total, chunk_bytes):
+    for pieces in payload_pieces(views, total, chunk_bytes):
         yield b"".join([_DATA_TAG, _varint(sum(map(len, pieces))), *pieces])
 
 
@@ -206,7 +200,7 @@ def _data_after(message: bytes, i: int) -> memoryview | None:
     return memoryview(message)[length[1]:]
 
 
-def _parse_chunk(message: bytes) -> tuple[pb.FrameHeader | None, memoryview | bytes]:
+def parse_chunk(message: bytes) -> tuple[pb.FrameHeader | None, memoryview | bytes]:
     """One serialized `Chunk`. A data-only message, and a header followed by data (what
     `encode_one` writes), are sliced without copying the data; anything else goes through
     protobuf."""
@@ -242,10 +236,10 @@ def _segments(views: list[tuple[int, torch.Tensor]], total: int) -> Iterator[mem
         yield memoryview(bytes(total - position))
 
 
-def _pieces(views: list[tuple[int, torch.Tensor]], total: int,
-            chunk_bytes: int) -> Iterator[list[memoryview]]:
-    """The payload cut into chunks of `chunk_bytes` (the last one shorter), each given as the
-    zero-copy views that make it up."""
+def payload_pieces(views: list[tuple[int, torch.Tensor]], total: int,
+                   chunk_bytes: int) -> Iterator[list[memoryview]]:
+    """The payload (as `layout` gives it) cut into chunks of `chunk_bytes` (the last one
+    shorter), each given as the zero-copy views that make it up."""
     pending: list[memoryview] = []
     pending_len = 0
     for data in _segments(views, total):
@@ -260,16 +254,6 @@ def _pieces(views: list[tuple[int, torch.Tensor]], total: int,
                 pending, pending_len = [], 0
     if pending:
         yield pending
-
-
-def _chunks(header: pb.FrameHeader, views: list[tuple[int, torch.Tensor]], total: int,
-            chunk_bytes: int) -> Iterator[pb.Chunk]:
-    first: pb.FrameHeader | None = header
-    for pieces in _pieces(views, total, chunk_bytes):
-        yield pb.Chunk(header=first, data=b"".join(pieces))
-        first = None
-    if first is not None:
-        yield pb.Chunk(header=first)
 
 
 def _check_header(header: pb.FrameHeader, max_frame_bytes: int) -> None:
@@ -297,22 +281,19 @@ def _check_header(header: pb.FrameHeader, max_frame_bytes: int) -> None:
                              f"do not fit a {total}-byte payload")
 
 
-def decode(chunks: Iterator[pb.Chunk], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame:
-    """Rebuild a frame from its chunks, validating everything before and while it is read."""
-    return _assemble(((c.header if c.HasField("header") else None, c.data) for c in chunks),
-                     max_frame_bytes)
-
-
 def decode_wire(messages: Iterator[bytes],
                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
                 pool: BufferPool | None = None) -> Frame:
     """Rebuild a frame from serialized `Chunk` messages (what the gRPC server receives), into a
     buffer from `pool` if given."""
-    return _assemble(map(_parse_chunk, messages), max_frame_bytes, pool)
+    return assemble(map(parse_chunk, messages), max_frame_bytes, pool)
 
 
-def _assemble(chunks: Iterator[tuple[pb.FrameHeader | None, memoryview | bytes]],
-              max_frame_bytes: int, pool: BufferPool | None = None) -> Frame:
+def assemble(chunks: Iterator[tuple[pb.FrameHeader | None, memoryview | bytes]],
+             max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+             pool: BufferPool | None = None) -> Frame:
+    """Rebuild a frame from its chunks as (header or None, data), the header first, validating
+    everything before and while it is read, into a buffer from `pool` if given."""
     first = next(chunks, None)
     if first is None or first[0] is None:
         raise FrameError("frame has no header")
