@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -429,13 +429,22 @@ def _message(err: dict[str, Any]) -> str:
     return f"{expected}, got {shown(value)}"
 
 
+_M = TypeVar("_M", bound=BaseModel)
+
+
 def parse_job(document: Any) -> Job:
     """Validate a parsed YAML/JSON document; raise SpecError listing every problem by path."""
     if not isinstance(document, dict):
         got = "an empty document" if document is None else f"a {type(document).__name__}"
         raise SpecError([f"<document>: must be a mapping (a RavnestJob), got {got}"])
+    return parse_section(Job, document)
+
+
+def parse_section(model: type[_M], document: dict[str, Any]) -> _M:
+    """Validate one part of a job (e.g. the seed API's arguments as a `TrainingSpec`); raise
+    SpecError listing every problem by its path, as `parse_job` does."""
     try:
-        return Job.model_validate(document)
+        return model.model_validate(document)
     except ValidationError as e:
         problems = []
         for err in e.errors():

@@ -1,30 +1,78 @@
-"""A node's training settings: what the runtime reads from the job spec or the seed API."""
+"""A node's training settings: the runtime's flat view of a job's training, data and checkpoint.
+
+The spec models (`ravnest.spec`) own every option's meaning, validation and default; `Settings.of`
+is the one mapping from them, used by the worker (through `from_spec`) and by the seed API (which
+builds a `TrainingSpec` from its arguments). The defaults below are read from those models, so a
+`Settings()` is that of a default job.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ravnest.spec import CheckpointSpec, DataSpec, JobSpec, SchedulerSpec, TrainingSpec
+
+_TRAINING = TrainingSpec()
+_CHECKPOINT = CheckpointSpec()
+
+
+def _default(model: Any, field: str) -> Any:
+    """A field's default as the spec model declares it."""
+    return model.model_fields[field].default
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Training settings of a node (from the job spec, or from the seed API's arguments)."""
+    """Training settings of a node (see `TrainingSpec` for each option's meaning)."""
 
-    epochs: int = 1
-    batch_size: int = 64
-    microbatches: int = 1
-    update_frequency: int = 1
-    reduce_factor: int = 1
-    average_optimizer: bool = False
-    schedule: str = "sync"
-    max_in_flight: int = 4
-    validation_frequency: int = 1
-    validation_smoothing: float = 1.0
+    epochs: int = _TRAINING.epochs
+    batch_size: int = _default(DataSpec, "batch_size")
+    microbatches: int = _default(DataSpec, "microbatches")
+    update_frequency: int = _TRAINING.update_frequency
+    reduce_factor: int = _TRAINING.reduce_factor
+    average_optimizer: bool = _TRAINING.average_optimizer
+    schedule: str = _TRAINING.schedule
+    max_in_flight: int = _TRAINING.max_in_flight
+    validation_frequency: int = _TRAINING.validation_frequency
+    validation_smoothing: float = _TRAINING.validation_smoothing
     clip_norm: float | None = None
-    reduce_timeout: float = 30.0
+    """training.gradientClipping.maxNorm; None: no clipping."""
+    reduce_timeout: float = _TRAINING.reduce_timeout_seconds
     peer_timeout: float = 300.0
-    metric: str = "accuracy"
-    compression: str = "none"
-    scheduler_step_on: str = "epoch"
+    """Seconds to wait for a peer to come up or to answer (not a job option)."""
+    metric: str = _TRAINING.metric
+    compression: str = _TRAINING.compression
+    scheduler_step_on: str = _default(SchedulerSpec, "step_on")
     checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    checkpoint_keep: int = 2
+    """Where checkpoints go (spec.checkpoint.path resolved by the caller); None: no checkpoints."""
+    checkpoint_every: int = _CHECKPOINT.every_steps
+    checkpoint_keep: int = _CHECKPOINT.keep
+
+    @classmethod
+    def of(cls, training: TrainingSpec, batch_size: int, microbatches: int,
+           checkpoint: CheckpointSpec = _CHECKPOINT, checkpoint_dir: str | None = None,
+           **extra: Any) -> Settings:
+        """The settings of `training` with batches of `batch_size` samples in `microbatches`;
+        `extra` sets what no spec model holds (`peer_timeout`, or the seed API's
+        `scheduler_step_on`, whose scheduler is a Python object rather than a spec)."""
+        t = training
+        settings = cls(
+            epochs=t.epochs, batch_size=batch_size, microbatches=microbatches,
+            update_frequency=t.update_frequency, reduce_factor=t.reduce_factor,
+            average_optimizer=t.average_optimizer, schedule=t.schedule,
+            max_in_flight=t.max_in_flight, validation_frequency=t.validation_frequency,
+            validation_smoothing=t.validation_smoothing,
+            clip_norm=t.gradient_clipping.max_norm if t.gradient_clipping else None,
+            reduce_timeout=t.reduce_timeout_seconds, metric=t.metric, compression=t.compression,
+            scheduler_step_on=(t.lr_scheduler.step_on if t.lr_scheduler
+                               else _default(SchedulerSpec, "step_on")),
+            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint.every_steps,
+            checkpoint_keep=checkpoint.keep)
+        return replace(settings, **extra)
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec, checkpoint_dir: str | None) -> Settings:
+        """A job's settings; `checkpoint_dir` is its checkpoint.path resolved for this node."""
+        return cls.of(spec.training, spec.data.batch_size, spec.data.microbatches,
+                      spec.checkpoint, checkpoint_dir)
