@@ -17,14 +17,21 @@ from typing import Any
 
 from ravnest.comm.tls import CA_FILE, CERT_FILE, KEY_FILE, TlsMaterial
 from ravnest.plan.plans import NodePlan, Plan
+from ravnest.run.metadata import (
+    FINAL_SCRAPE_ENV,
+    GRPC_PORT,
+    METRICS_PORT,
+    RING_PORT,
+    TOKEN_ENV,
+    TORCH_THREADS_ENV,
+    NodeMetadata,
+    endpoint,
+    listen_all,
+)
 from ravnest.spec import Job, Provider
 
 from .crds import GROUP, KIND, VERSION
 
-GRPC_PORT = 50051
-RING_PORT = 50052
-"""The ring data plane's port (training.ringTransport: tcp)."""
-METRICS_PORT = 9400
 DATA_DIR = "/ravnest"
 METADATA_DIR = "/etc/ravnest"
 TLS_DIR = "/etc/ravnest-tls"
@@ -74,7 +81,7 @@ def network_policy_name(job: str) -> str:
 
 
 def address(owner: Owner, node: str, port: int = GRPC_PORT) -> str:
-    return f"{dns_label(node)}.{service_name(owner.name)}.{owner.namespace}.svc:{port}"
+    return endpoint(f"{dns_label(node)}.{service_name(owner.name)}.{owner.namespace}.svc", port)
 
 
 def _tcp_ring(job: Job) -> bool:
@@ -170,18 +177,14 @@ def plan_configmap(owner: Owner, plan: Plan) -> dict[str, Any]:
 
 
 def node_metadata(owner: Owner, job: Job, plan: Plan, node: str) -> dict[str, Any]:
-    """What `ravnest worker --metadata` reads (see ravnest.run.worker.NodeMetadata)."""
-    meta = {"apiVersion": "ravnest.io/v1alpha1", "kind": "RavnestNodeMetadata", "node": node,
-            "job": job.to_dict(), "plan": plan.to_dict(),
-            "addresses": {n: address(owner, n) for n in plan.names()},
-            "outputDir": DATA_DIR, "listen": f"0.0.0.0:{GRPC_PORT}",
-            "metricsPort": METRICS_PORT, "namespace": owner.namespace}
-    if job.spec.security.tls:
-        meta["tlsDir"] = TLS_DIR
-    if _tcp_ring(job):
-        meta["ringAddresses"] = {n: address(owner, n, RING_PORT) for n in plan.names()}
-        meta["ringListen"] = f"0.0.0.0:{RING_PORT}"
-    return meta
+    """What `ravnest worker --metadata` reads (`ravnest.run.metadata.NodeMetadata`)."""
+    return NodeMetadata(
+        job=job, plan=plan, node=node, addresses={n: address(owner, n) for n in plan.names()},
+        output_dir=DATA_DIR, listen=listen_all(GRPC_PORT), metrics_port=METRICS_PORT,
+        namespace=owner.namespace, tls_dir=TLS_DIR if job.spec.security.tls else None,
+        ring_addresses=({n: address(owner, n, RING_PORT) for n in plan.names()}
+                        if _tcp_ring(job) else None),
+        ring_listen=listen_all(RING_PORT)).to_dict()
 
 
 def node_configmap(owner: Owner, job: Job, plan: Plan, node: NodePlan) -> dict[str, Any]:
@@ -229,11 +232,11 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
             "image": provider.image or job.spec.image or image,
             "command": ["ravnest"],
             "args": ["worker", "--metadata", f"{METADATA_DIR}/node.json"],
-            "env": [{"name": "RAVNEST_TOKEN", "valueFrom": {"secretKeyRef": {
+            "env": [{"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {
                         "name": token_secret_name(owner.name), "key": "token"}}},
-                    {"name": "RAVNEST_TORCH_THREADS",
+                    {"name": TORCH_THREADS_ENV,
                      "value": str(max(1, round(provider.compute)))},
-                    *([{"name": "RAVNEST_FINAL_SCRAPE_SECONDS",
+                    *([{"name": FINAL_SCRAPE_ENV,
                         "value": f"{final_scrape_seconds:g}"}] if final_scrape_seconds > 0
                       else [])],
             "ports": [{"name": "grpc", "containerPort": GRPC_PORT},

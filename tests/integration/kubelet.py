@@ -18,12 +18,15 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import kubernetes
 from kubernetes.client.rest import ApiException
+
+from ravnest.run.metadata import TERMINATION_LOG_ENV, NodeMetadata
+from ravnest_operator.resources import METADATA_DIR, dns_label
 
 
 @dataclass
@@ -117,28 +120,23 @@ class FakeKubelet(threading.Thread):
         container = p.spec.containers[0]
         cm_name = next(v.config_map.name for v in p.spec.volumes if v.config_map)
         cm = self.api.read_namespaced_config_map(cm_name, p.metadata.namespace)
-        meta = json.loads(cm.data["node.json"])
+        meta = NodeMetadata.from_dict(json.loads(cm.data["node.json"]))
         ip = self.ip(job, p.spec.hostname)
         # the gRPC addresses, and the ring data plane's (training.ringTransport: tcp)
-        for addresses, listen in (("addresses", "listen"), ("ringAddresses", "ringListen")):
-            if meta.get(addresses) is None:
-                continue
-            meta[addresses] = {n: f"{self.ip(job, n.replace('_', '-'))}:{a.rsplit(':', 1)[1]}"
-                               for n, a in meta[addresses].items()}
-            meta[listen] = f"{ip}:{meta[listen].rsplit(':', 1)[1]}"
+        meta = meta.rehosted({n: self.ip(job, dns_label(n)) for n in meta.addresses}, ip)
         data = self.workdir / p.metadata.namespace / job
         data.mkdir(parents=True, exist_ok=True)
-        meta["outputDir"] = str(data)
+        meta = replace(meta, output_dir=str(data))
         pod_dir = self.workdir / "pods" / p.metadata.name / p.metadata.uid
         pod_dir.mkdir(parents=True, exist_ok=True)
         mounts = {m.name: m.mount_path for m in container.volume_mounts or []}
         for v in p.spec.volumes:
             if v.secret and v.name in mounts:  # a Secret volume: its items as files
                 folder = self._secret_volume(v.secret, p.metadata.namespace, pod_dir / v.name)
-                if meta.get("tlsDir") == mounts[v.name]:
-                    meta["tlsDir"] = str(folder)
-        (pod_dir / "node.json").write_text(json.dumps(meta))
-        env = {**os.environ, "RAVNEST_TERMINATION_LOG": str(pod_dir / "termination-log")}
+                if meta.tls_dir == mounts[v.name]:
+                    meta = replace(meta, tls_dir=str(folder))
+        meta.save(pod_dir / "node.json")
+        env = {**os.environ, TERMINATION_LOG_ENV: str(pod_dir / "termination-log")}
         for e in container.env or []:
             if e.value_from and e.value_from.secret_key_ref:
                 ref = e.value_from.secret_key_ref
@@ -146,7 +144,7 @@ class FakeKubelet(threading.Thread):
                 env[e.name] = base64.b64decode(secret.data[ref.key]).decode()
             elif e.value is not None:
                 env[e.name] = e.value
-        args = [a.replace("/etc/ravnest/node.json", str(pod_dir / "node.json"))
+        args = [a.replace(f"{METADATA_DIR}/node.json", str(pod_dir / "node.json"))
                 for a in container.args]
         log = open(pod_dir / "worker.log", "ab")
         proc = subprocess.Popen([sys.executable, "-m", "ravnest", *args], stdout=log,

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from ravnest import parse_job, plan_job
-from ravnest.run.worker import NodeMetadata
+from ravnest.run.metadata import NodeMetadata
 from ravnest_operator import crds, resources, statuses
 
 ROOT = Path(__file__).resolve().parents[2]

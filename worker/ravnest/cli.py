@@ -15,6 +15,7 @@ from typing import Any
 
 from ravnest._version import __version__
 from ravnest.errors import RavnestError, SpecError
+from ravnest.run.metadata import TOKEN_ENV, TORCH_THREADS_ENV, NodeMetadata
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -94,13 +95,13 @@ def _status(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     import torch
 
-    from ravnest.run.worker import NodeMetadata, Worker
+    from ravnest.run.worker import Worker
     from ravnest.train import heap
 
-    threads = os.environ.get("RAVNEST_TORCH_THREADS")
+    threads = os.environ.get(TORCH_THREADS_ENV)
     if threads:
         torch.set_num_threads(int(threads))
-    token = os.environ.get("RAVNEST_TOKEN", "")
+    token = os.environ.get(TOKEN_ENV, "")
     if not token and args.token_file:
         token = Path(args.token_file).read_text().strip()
     # In a container the worker is PID 1, for which an unhandled SIGTERM is ignored: without this,
@@ -141,7 +142,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_status)
     w = sub.add_parser("worker", help="run one worker from its node metadata")
     w.add_argument("--metadata", required=True, help="node metadata JSON file")
-    w.add_argument("--token-file", help="file with the job token (default: $RAVNEST_TOKEN)")
+    w.add_argument("--token-file", help=f"file with the job token (default: ${TOKEN_ENV})")
     w.set_defaults(func=_worker)
     return p
 

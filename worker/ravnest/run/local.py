@@ -42,8 +42,8 @@ from ravnest.comm.tls import identity, issue, make_authority
 from ravnest.errors import RavnestError, WorkerFailed
 from ravnest.plan import building
 from ravnest.plan.plans import Plan
+from ravnest.run.metadata import TOKEN_ENV, TORCH_THREADS_ENV, NodeMetadata, endpoint
 from ravnest.run.progress import progress
-from ravnest.run.worker import NodeMetadata
 from ravnest.spec import Job
 from ravnest.train import checkpointing
 from ravnest.train.fusing import fuse_stage_files, ordered_like
@@ -71,9 +71,9 @@ def node_endpoints(names: Sequence[str], hosts: Mapping[str, str], tcp_ring: boo
     """Free ports for each node on its host: its gRPC address, its metrics port, and with a TCP
     ring (training.ringTransport: tcp) its ring data address, else None."""
     ports = iter(free_ports((3 if tcp_ring else 2) * len(names)))
-    addresses = {n: f"{hosts[n]}:{next(ports)}" for n in names}
+    addresses = {n: endpoint(hosts[n], next(ports)) for n in names}
     metrics_ports = {n: next(ports) for n in names}
-    ring_addresses = {n: f"{hosts[n]}:{next(ports)}" for n in names} if tcp_ring else None
+    ring_addresses = {n: endpoint(hosts[n], next(ports)) for n in names} if tcp_ring else None
     return addresses, metrics_ports, ring_addresses
 
 
@@ -140,8 +140,8 @@ class LocalRun:
 
     def start(self, metas: list[NodeMetadata]) -> None:
         token = secrets.token_hex(16)
-        env = {**os.environ, "RAVNEST_TOKEN": token, "OMP_NUM_THREADS": str(self.worker_threads),
-               "RAVNEST_TORCH_THREADS": str(self.worker_threads)}
+        env = {**os.environ, TOKEN_ENV: token, "OMP_NUM_THREADS": str(self.worker_threads),
+               TORCH_THREADS_ENV: str(self.worker_threads)}
         for m in metas:
             logfile = self.out / "logs" / f"{m.node}.log"
             with open(logfile, "ab") as fh:

@@ -4,11 +4,15 @@ It reads the providers the way Ravnest does (``{"0": {"IP": "host:port", "benchm
 "bandwidth": 20}}}``), plans clusters and stages, and writes one metadata file per provider into
 ``node_data/nodes/`` plus each provider's stage module, so that a provider script only needs
 ``Node(name='node_3', ...)``. It also writes a random job token (mode 0600) that every provider
-of the plan presents to its peers.
+of the plan presents to its peers. The metadata is the workers' (`ravnest.run.metadata`): with the
+ring data plane (`ring_transport='tcp'`, the jobs' default) each provider's ring server listens one
+port above its gRPC port; with `tls=True` a CA made for this plan alone issues every provider a
+certificate into ``node_data/tls/<node>/`` (the CA's own key is never written).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -19,11 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ravnest.comm.tls import identity, issue, make_authority
 from ravnest.errors import PlanError, SpecError
 from ravnest.plan.costs import Workload
 from ravnest.plan.partitioning import build_stage, profile
 from ravnest.plan.planning import make_plan
 from ravnest.plan.plans import Plan, ProviderInfo
+from ravnest.run.metadata import NodeMetadata, listen_all, port_of, ring_address
+from ravnest.spec import SecuritySpec, TrainingSpec, parse_section
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +71,16 @@ def clusterize(model: nn.Module | None = None, example_args: tuple[Any, ...] = (
                example_kwargs: dict[str, Any] | None = None, pass_data: bool = False,
                node_data: str | Path = "node_data", clusters: int | None = None,
                batch_size: int | None = None, microbatches: int = 1,
-               optimizer: str = "Adam") -> Plan:
+               optimizer: str = "Adam",
+               ring_transport: str = TrainingSpec().ring_transport,
+               tls: bool = SecuritySpec().tls) -> Plan:
     """Form clusters, split the model and write node metadata into ``node_data/nodes/``.
 
     `pass_data` is accepted for compatibility: the model is always run once on the example input
-    (to trace it and size activations). Returns the plan (also printed as a table).
+    (to trace it and size activations). `ring_transport` and `tls` mean what a job's
+    training.ringTransport and security.tls do. Returns the plan (also printed as a table).
     """
+    training = parse_section(TrainingSpec, {"ringTransport": ring_transport})
     if model is None:
         raise PlanError("clusterize: pass the model to split")
     if example_kwargs:
@@ -90,15 +101,37 @@ def clusterize(model: nn.Module | None = None, example_args: tuple[Any, ...] = (
         token_file.write_text(secrets.token_hex(16))
         os.chmod(token_file, 0o600)
     address_map = {f"node_{i}": a for i, a in enumerate(addresses)}
+    ring_map = ({n: ring_address(a) for n, a in address_map.items()}
+                if training.ring_transport == "tcp" else None)
+    tls_dirs = _certificates(root / "tls", address_map) if tls else {}
     for n in plan.nodes:
         stage = build_stage(gm, n.start, n.end)
         torch.save(stage, nodes_dir / f"{n.name}.submodel.pt")
-        meta = {"node": n.name, "plan": plan.to_dict(), "addresses": address_map,
-                "microbatches": microbatches}
-        (nodes_dir / f"{n.name}.json").write_text(json.dumps(meta, indent=1))
+        mine = address_map[n.name]
+        NodeMetadata(plan=plan, node=n.name, addresses=address_map,
+                     listen=listen_all(port_of(mine)), tls_dir=tls_dirs.get(n.name),
+                     ring_addresses=ring_map, ring_listen=listen_all(port_of(ring_address(mine))),
+                     microbatches=microbatches).save(nodes_dir / f"{n.name}.json")
         up, down = plan.neighbours(n.name)
         log.info("Node(%s, Cluster(%d)) role=%s self.IP(%s) forward->%s backward->%s rings=%s",
                  n.provider, n.cluster, n.role, address_map[n.name], down, up,
                  {r.id: r.state[0] for r in plan.rings_of(n.name)})
     log.info("plan:\n%s", plan.table())
     return plan
+
+
+def _certificates(folder: Path, addresses: dict[str, str]) -> dict[str, str]:
+    """A fresh CA issues each node a certificate naming its identity and its host; node -> the
+    folder that holds its CA certificate, certificate and key."""
+    ca = make_authority("seed")
+    dirs = {}
+    for node, address in addresses.items():
+        host = address.rsplit(":", 1)[0]
+        try:
+            ipaddress.ip_address(host)
+            names, ips = [], [host]
+        except ValueError:
+            names, ips = [host], []
+        issue(ca, node, names, ips).save(folder / identity(node))
+        dirs[node] = str(folder / identity(node))
+    return dirs

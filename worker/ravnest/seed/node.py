@@ -8,20 +8,20 @@ RavnestJob run.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ravnest.comm.inboxes import Inbox
-from ravnest.comm.transport import Credentials, Peer, Server
 from ravnest.errors import PlanError, RavnestError, SpecError
-from ravnest.plan.partitioning import Stage, build_stage, profile
-from ravnest.plan.plans import Plan
+from ravnest.plan.partitioning import Stage, profile
+from ravnest.run.assembling import connect, cut_stage
+from ravnest.run.metadata import TOKEN_ENV, NodeMetadata, with_host
+from ravnest.spec import TrainingSpec, parse_section
 from ravnest.train import heap
 from ravnest.train.metrics import Identity, WorkerMetrics
 
@@ -45,16 +45,12 @@ class Node:
         if torch.device(device).type != "cpu":
             raise RavnestError(f"device {device!r}: this build trains on the CPU only")
         root = Path(node_data)
-        meta_path = root / "nodes" / f"{name}.json"
-        try:
-            meta = json.loads(meta_path.read_text())
-        except (OSError, ValueError) as e:
-            raise SpecError([f"{meta_path}: no node metadata; run clusterize() first ({e})"]) from e
+        self.meta = _metadata(root, name, kwargs.get("listen_host"))
         self.name = name
-        self.plan = Plan.from_dict(meta["plan"])
+        self.plan = self.meta.plan
         self.me = self.plan.node(name)
-        self.addresses: dict[str, str] = meta["addresses"]
-        self.microbatches = int(meta.get("microbatches", 1))
+        self.addresses: dict[str, str] = self.meta.addresses
+        self.microbatches = self.meta.microbatches or 1
         self.stage = self._stage(root, model, example_args)
         params = [p for p in self.stage.parameters() if p.requires_grad]
         opt_cls = optimizer or torch.optim.Adam
@@ -63,28 +59,24 @@ class Node:
                              if lr_scheduler is not None and self.optimizer is not None else None)
         self.lr_step_on_epoch_change = lr_step_on_epoch_change
         self.criterion = criterion
-        self.update_frequency = update_frequency
-        self.reduce_factor = reduce_factor
         self.labels, self.test_labels = labels, test_labels
         self.loss_filename = loss_filename
-        self.compression = compression if isinstance(compression, str) else (
-            "bf16" if compression else "none")
-        self.average_optim = average_optim
-        self.token = token or os.environ.get("RAVNEST_TOKEN") or _read_token(root)
+        wire = compression if isinstance(compression, str) else ("bf16" if compression else "none")
+        # the training options given here, validated as a job's are; `Trainer` adds its own
+        self.training = parse_section(TrainingSpec, {
+            "update_frequency": update_frequency, "reduce_factor": reduce_factor or 2**62,
+            "average_optimizer": average_optim, "compression": wire})
+        self.token = token or os.environ.get(TOKEN_ENV) or _read_token(root)
         heap.tune(os.environ)  # this process is the provider's worker, as `ravnest worker` is
         self.metrics = WorkerMetrics(Identity("seed", "local", name, self.me.role,
                                               self.me.cluster, self.me.stage))
-        creds = Credentials(self.token, self.plan.fingerprint)
-        self.inbox = Inbox(capacity=256)
-        port = self.addresses[name].rsplit(":", 1)[1]
-        self.server = Server(f"{kwargs.get('listen_host', '0.0.0.0')}:{port}", creds,
-                             self.inbox.deliver, on_bytes=self.metrics.received)
-        up, down = self.plan.neighbours(name)
-        wanted = {n for n in (up, down) if n} | {m for r in self.plan.rings_of(name)
-                                                 for m in r.members if m != name}
-        self.peers = {n: Peer(self.addresses[n], creds, self.compression,
-                              on_bytes=self.metrics.sent) for n in sorted(wanted)}
-        self.server.start()
+        t = self.training
+        self.wiring = connect(self.meta, self.token, self.metrics,
+                              tls=self.meta.tls_dir is not None,
+                              tcp_ring=self.meta.ring_addresses is not None,
+                              compression=t.compression, reduce_timeout=t.reduce_timeout_seconds,
+                              inbox_capacity=256)
+        self.wiring.start()
 
     def _stage(self, root: Path, model: nn.Module | None,
                example_args: tuple[torch.Tensor, ...]) -> Stage:
@@ -98,20 +90,26 @@ class Node:
         if not example_args:
             raise PlanError("Node(model=...): also pass example_args to split the model")
         gm, prof = profile(model, list(example_args))
-        me = self.me
-        if prof.layers[me.start].name != me.first_layer or \
-                prof.layers[me.end - 1].name != me.last_layer:
-            raise PlanError(f"{self.name}: the model does not match the plan from clusterize()")
-        return build_stage(gm, me.start, me.end)
+        return cut_stage(gm, prof, self.plan, self.name, "pass the model given to clusterize()")
 
     def close(self) -> None:
-        for peer in self.peers.values():
-            peer.close()
-        self.server.stop()
+        self.wiring.close()
+
+
+def _metadata(root: Path, name: str, listen_host: str | None) -> NodeMetadata:
+    """This node's metadata as clusterize() wrote it, listening on `listen_host` if given."""
+    path = root / "nodes" / f"{name}.json"
+    if not path.exists():
+        raise SpecError([f"{path}: no node metadata; run clusterize() first"])
+    meta = NodeMetadata.load(path)
+    if not listen_host:
+        return meta
+    return replace(meta, listen=with_host(meta.listen, listen_host),
+                   ring_listen=with_host(meta.ring_listen, listen_host))
 
 
 def _read_token(root: Path) -> str:
     try:
         return (root / "token").read_text().strip()
     except OSError as e:
-        raise RavnestError(f"no job token: {root / 'token'} missing and RAVNEST_TOKEN unset") from e
+        raise RavnestError(f"no job token: {root / 'token'} missing and {TOKEN_ENV} unset") from e

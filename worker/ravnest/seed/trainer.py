@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from ravnest.run.assembling import assemble, save_stage
+from ravnest.spec import TrainingSpec, parse_section
 from ravnest.train.runtime import Batch, Batches, NodeRuntime
 from ravnest.train.settings import Settings
 
@@ -47,8 +47,8 @@ class Trainer:
         if self.train_loader is None:
             raise ValueError(f"{node.name} is a root: pass train_loader to Trainer")
         full = len(self.train_loader.dataset) // self.batch_size
-        per_epoch = min(len(self.train_loader), full) // node.update_frequency * \
-            node.update_frequency
+        per_epoch = min(len(self.train_loader), full) // node.training.update_frequency * \
+            node.training.update_frequency
 
         def cast(b: Batch) -> Batch:
             xs, y = b
@@ -66,35 +66,34 @@ class Trainer:
 
         return Batches(train=train, per_epoch=per_epoch, validation=validation)
 
+    def _settings(self) -> Settings:
+        """The node's training options and this trainer's, through the job spec's models. A root
+        without a val_loader never validates."""
+        node = self.node
+        validates = self.val_loader is not None or not node.me.is_root
+        training = parse_section(TrainingSpec, {
+            **node.training.model_dump(exclude_unset=True), "epochs": self.epochs,
+            "validation_frequency": self.val_freq if validates else 2**62,
+            "metric": "accuracy" if validates else "none"})
+        return Settings.of(training, self.batch_size, node.microbatches,
+                           scheduler_step_on="epoch" if node.lr_step_on_epoch_change else "step")
+
     def train(self) -> None:
         node = self.node
-        settings = Settings(
-            epochs=self.epochs, batch_size=self.batch_size, microbatches=node.microbatches,
-            update_frequency=node.update_frequency, reduce_factor=node.reduce_factor or 2**62,
-            average_optimizer=node.average_optim, validation_frequency=self.val_freq,
-            compression=node.compression,
-            scheduler_step_on="epoch" if node.lr_step_on_epoch_change else "step",
-            metric="accuracy" if self.val_loader is not None or not node.me.is_root else "none")
-        rt = NodeRuntime(node.name, node.plan, node.stage, settings, node.optimizer,
-                         node.lr_scheduler, node.criterion, node.inbox, node.peers, node.metrics,
-                         self._batches())
+        settings = self._settings()
+        rt = assemble(node.wiring, node.meta, node.stage, settings, node.metrics, node.optimizer,
+                      node.lr_scheduler, node.criterion, self._batches())
         self.runtime = rt
         try:
-            for peer in node.peers.values():
-                peer.wait_ready(settings.peer_timeout)
+            node.wiring.wait_ready(settings.peer_timeout)
             if node.me.is_root:
-                if self.val_loader is None:
-                    rt.s = Settings(**{**settings.__dict__, "validation_frequency": 2**62})
                 rt.drive()
                 Path(node.loss_filename).write_text("".join(
                     f"{r['train_loss']}\n" for r in rt.curve.rows if "train_loss" in r))
             else:
                 rt.serve()
             if self.save:
-                self.save_dir.mkdir(parents=True, exist_ok=True)
-                torch.save({"cluster": node.me.cluster, "stage": node.me.stage,
-                            "state": rt.stage.stage_state_dict(), "best": rt.best_state},
-                           self.save_dir / f"{node.name}.pt")
+                save_stage(rt, self.save_dir / f"{node.name}.pt")
         finally:
             node.close()
 

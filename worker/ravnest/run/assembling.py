@@ -1,0 +1,146 @@
+"""Assembling a node: one path from node metadata to a node that trains, for `ravnest worker` and
+for the seed API's `Node` and `Trainer`.
+
+Both get the same peer set (pipeline neighbours and ring members), the same check of the stage
+against the plan, mutual TLS when the metadata names the node's certificates, the ring data plane
+when it names ring addresses, the same runtime and the same stage file. The steps are separate
+because the seed API spreads them over two calls: `Node(...)` connects (its server must be up for
+its neighbours), `Trainer.train()` builds the runtime once the loaders are known.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ravnest.comm.dataplane import RingLink, RingServer
+from ravnest.comm.inboxes import Inbox
+from ravnest.comm.tls import TlsMaterial, identity
+from ravnest.comm.transport import Credentials, Peer, Server
+from ravnest.errors import PlanError, RavnestError
+from ravnest.plan.partitioning import Profile, Stage, build_stage
+from ravnest.plan.plans import Plan
+from ravnest.run.metadata import NodeMetadata
+from ravnest.train.metrics import WorkerMetrics
+from ravnest.train.runtime import Batches, NodeRuntime
+from ravnest.train.settings import Settings
+
+
+def peer_names(plan: Plan, node: str) -> list[str]:
+    """The nodes `node` sends to: its pipeline neighbours and the other members of its rings."""
+    up, down = plan.neighbours(node)
+    wanted = {n for n in (up, down) if n} | {m for r in plan.rings_of(node)
+                                             for m in r.members if m != node}
+    return sorted(wanted)
+
+
+def cut_stage(gm: nn.Module, prof: Profile, plan: Plan, node: str,
+              hint: str) -> Stage:
+    """This node's stage of a traced model, once the model is checked to match the plan (`hint`
+    says what to check when it does not)."""
+    me = plan.node(node)
+    if me.end > len(prof.layers) or prof.layers[me.start].name != me.first_layer or \
+            prof.layers[me.end - 1].name != me.last_layer:
+        raise PlanError(f"{node}: the model built here does not match the plan (stage "
+                        f"{me.first_layer}..{me.last_layer}); {hint}")
+    return build_stage(gm, me.start, me.end)
+
+
+@dataclass
+class Wiring:
+    """A node's side of the network: its gRPC server and inbox, its peers, and with the ring data
+    plane its ring server and the links to its ring successors."""
+
+    inbox: Inbox
+    server: Server
+    peers: dict[str, Peer]
+    ring_server: RingServer | None
+    ring_links: dict[str, RingLink]
+
+    def start(self) -> None:
+        self.server.start()
+        if self.ring_server is not None:
+            self.ring_server.start()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until every peer's server answers."""
+        for peer in self.peers.values():
+            peer.wait_ready(timeout)
+
+    def close(self) -> None:
+        for peer in self.peers.values():
+            peer.close()
+        for link in self.ring_links.values():
+            link.close()
+        if self.ring_server is not None:
+            self.ring_server.stop()
+        self.server.stop()
+
+
+def connect(meta: NodeMetadata, token: str, metrics: WorkerMetrics, *, tls: bool,
+            tcp_ring: bool, compression: str, reduce_timeout: float,
+            inbox_capacity: int) -> Wiring:
+    """The wiring of `meta.node` (nothing started yet). With `tls`, the metadata's tlsDir must
+    hold the node's certificate; with `tcp_ring`, ring pieces go on the data plane to the
+    metadata's ringAddresses, else over gRPC to the peers."""
+    node, plan = meta.node, meta.plan
+    material = _tls(meta) if tls else None
+    data_plane = tcp_ring and bool(plan.rings_of(node))
+    ring_addresses = _ring_addresses(meta) if data_plane else {}
+    creds = Credentials(token, plan.fingerprint)
+    inbox = Inbox(capacity=inbox_capacity)
+    server = Server(meta.listen, creds, inbox.deliver, on_bytes=metrics.received, tls=material)
+    peers = {n: Peer(meta.addresses[n], creds, compression, on_bytes=metrics.sent, tls=material,
+                     server_name=identity(n)) for n in peer_names(plan, node)}
+    ring_server = None
+    if data_plane:
+        ring_server = RingServer(meta.ring_listen, token, plan.fingerprint, inbox.deliver,
+                                 on_bytes=metrics.received, tls=material, inbox=inbox)
+    links = {n: RingLink(a, token, plan.fingerprint, node, compression, timeout=reduce_timeout,
+                         on_bytes=metrics.sent, tls=material, server_name=identity(n))
+             for n, a in ring_addresses.items()}
+    return Wiring(inbox, server, peers, ring_server, links)
+
+
+def _tls(meta: NodeMetadata) -> TlsMaterial:
+    if not meta.tls_dir:
+        raise RavnestError(f"{meta.node}: spec.security.tls is on but the node metadata "
+                           f"names no tlsDir with the node's certificate")
+    return TlsMaterial.load(meta.tls_dir)
+
+
+def _ring_addresses(meta: NodeMetadata) -> dict[str, str]:
+    """Where this node's ring successors' data planes listen (rings of two or more nodes)."""
+    if meta.ring_addresses is None:
+        raise RavnestError(f"{meta.node}: spec.training.ringTransport is tcp but the node "
+                           f"metadata names no ringAddresses")
+    successors = sorted({r.successor(meta.node) for r in meta.plan.rings_of(meta.node)
+                         if len(r.members) > 1})
+    for n in successors:
+        if n not in meta.ring_addresses:
+            raise RavnestError(f"{meta.node}: ringAddresses has no address for {n}")
+    return {n: meta.ring_addresses[n] for n in successors}
+
+
+def assemble(wiring: Wiring, meta: NodeMetadata, stage: Stage, settings: Settings,
+             metrics: WorkerMetrics, optimizer: torch.optim.Optimizer | None, scheduler: Any,
+             criterion: Callable[..., torch.Tensor] | None,
+             batches: Batches | None) -> NodeRuntime:
+    """The runtime of `meta.node` over its wiring: ring pieces on the data plane where the
+    wiring has ring links, else over gRPC."""
+    return NodeRuntime(meta.node, meta.plan, stage, settings, optimizer, scheduler, criterion,
+                       wiring.inbox, wiring.peers, metrics, batches,
+                       ring_peers=wiring.ring_links or None)
+
+
+def save_stage(runtime: NodeRuntime, path: Path) -> None:
+    """The stage file the fusing step reads: this node's cluster and stage, its trained state and
+    its best (lowest smoothed validation loss) state."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"cluster": runtime.me.cluster, "stage": runtime.me.stage,
+                "state": runtime.stage.stage_state_dict(), "best": runtime.best_state}, path)

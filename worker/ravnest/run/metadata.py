@@ -1,0 +1,140 @@
+"""Node metadata: the one description of a worker that everything which starts one shares.
+
+The operator writes it into a node's ConfigMap, the local runner into `nodes/<node>.json`, the
+seed API's `clusterize` into `node_data/nodes/<node>.json`; `ravnest worker` and the seed API's
+`Node` read it back. Its JSON form, the workers' default ports, the environment variables a
+worker reads and the address helpers live here so that writers and readers cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ravnest.errors import SpecError
+from ravnest.plan.plans import Plan
+from ravnest.spec import Job, parse_job
+
+API_VERSION = "ravnest.io/v1alpha1"
+KIND = "RavnestNodeMetadata"
+
+GRPC_PORT = 50051
+"""A worker's gRPC port in a pod: pipeline frames, health, ring pieces over gRPC."""
+RING_PORT = GRPC_PORT + 1
+"""The ring data plane's port (training.ringTransport: tcp): one above the gRPC port."""
+METRICS_PORT = 9400
+"""A worker's Prometheus /metrics port in a pod."""
+
+TOKEN_ENV = "RAVNEST_TOKEN"
+"""The job's shared token (a Secret on Kubernetes); every peer presents it."""
+TORCH_THREADS_ENV = "RAVNEST_TORCH_THREADS"
+"""torch's intra-op threads for a worker (the provider's compute, rounded, on Kubernetes)."""
+FINAL_SCRAPE_ENV = "RAVNEST_FINAL_SCRAPE_SECONDS"
+"""Seconds a finished worker waits for one Prometheus scrape of its final metrics (0: none)."""
+TERMINATION_LOG_ENV = "RAVNEST_TERMINATION_LOG"
+"""Where a worker leaves its final figures (default: Kubernetes' /dev/termination-log)."""
+
+
+def endpoint(host: str, port: int) -> str:
+    """`host:port`, as node metadata writes every address."""
+    return f"{host}:{port}"
+
+
+def listen_all(port: int) -> str:
+    """The address that listens on every interface at `port`."""
+    return endpoint("0.0.0.0", port)
+
+
+def port_of(address: str) -> int:
+    """The port of a `host:port` address."""
+    return int(address.rsplit(":", 1)[1])
+
+
+def with_host(address: str, host: str) -> str:
+    """The same port on another host: `with_host('node-3.svc:50051', '127.1.1.13')`."""
+    return endpoint(host, port_of(address))
+
+
+def ring_address(address: str) -> str:
+    """Where a node's ring data plane listens, given its gRPC address: one port above it, as in
+    pods (50051 / 50052)."""
+    return endpoint(address.rsplit(":", 1)[0], port_of(address) + 1)
+
+
+@dataclass(frozen=True)
+class NodeMetadata:
+    """Everything one worker needs, except the job's secret token."""
+
+    plan: Plan
+    node: str
+    addresses: dict[str, str]
+    """Node name -> host:port of its gRPC server."""
+    job: Job | None = None
+    """The job; None for the seed API's nodes, whose provider scripts bring model and data."""
+    output_dir: str = "."
+    """Folder of the node's outputs (stages/, clusters/, relative checkpoint paths)."""
+    listen: str = listen_all(GRPC_PORT)
+    metrics_port: int = METRICS_PORT
+    namespace: str = "default"
+    tls_dir: str | None = None
+    """Folder with this node's `ca.crt`, `tls.crt` and `tls.key` when the job uses TLS."""
+    ring_addresses: dict[str, str] | None = None
+    """Node name -> host:port of its ring data server (training.ringTransport: tcp)."""
+    ring_listen: str = listen_all(RING_PORT)
+    microbatches: int | None = None
+    """The seed API's microbatches per batch (a job's are its spec.data.microbatches)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "apiVersion": API_VERSION, "kind": KIND, "node": self.node,
+            "plan": self.plan.to_dict(), "addresses": self.addresses,
+            "outputDir": self.output_dir, "listen": self.listen,
+            "metricsPort": self.metrics_port, "namespace": self.namespace}
+        if self.job is not None:
+            d["job"] = self.job.to_dict()
+        if self.tls_dir is not None:
+            d["tlsDir"] = self.tls_dir
+        if self.ring_addresses is not None:
+            d["ringAddresses"] = self.ring_addresses
+            d["ringListen"] = self.ring_listen
+        if self.microbatches is not None:
+            d["microbatches"] = self.microbatches
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> NodeMetadata:
+        if d.get("kind") != KIND:
+            raise SpecError([f"kind: expected {KIND!r}, got {d.get('kind')!r}"])
+        return cls(job=parse_job(d["job"]) if "job" in d else None,
+                   plan=Plan.from_dict(d["plan"]), node=d["node"],
+                   addresses=dict(d["addresses"]), output_dir=d["outputDir"],
+                   listen=d.get("listen", cls.listen),
+                   metrics_port=int(d.get("metricsPort", cls.metrics_port)),
+                   namespace=d.get("namespace", cls.namespace), tls_dir=d.get("tlsDir"),
+                   ring_addresses=(dict(d["ringAddresses"]) if d.get("ringAddresses") is not None
+                                   else None),
+                   ring_listen=d.get("ringListen", cls.ring_listen),
+                   microbatches=int(d["microbatches"]) if "microbatches" in d else None)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True))
+
+    @classmethod
+    def load(cls, path: str | Path) -> NodeMetadata:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, KeyError) as e:
+            raise SpecError([f"{path}: not valid node metadata ({e})"]) from e
+
+    def rehosted(self, hosts: Mapping[str, str], listen_host: str) -> NodeMetadata:
+        """The same ports on other hosts: each peer's addresses on `hosts[node]`, this node's
+        listen addresses on `listen_host` (a test kubelet's pod IPs in place of DNS names)."""
+        moved = replace(self, listen=with_host(self.listen, listen_host), addresses={
+            n: with_host(a, hosts[n]) for n, a in self.addresses.items()})
+        if self.ring_addresses is None:
+            return moved
+        return replace(moved, ring_listen=with_host(self.ring_listen, listen_host), ring_addresses={
+            n: with_host(a, hosts[n]) for n, a in self.ring_addresses.items()})
