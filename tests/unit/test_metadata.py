@@ -67,6 +67,9 @@ def test_the_seed_apis_metadata_names_no_job_but_its_microbatches(job_and_plan, 
 def test_metadata_that_is_not_node_metadata_is_a_spec_error(tmp_path):
     with pytest.raises(SpecError, match="kind: expected 'RavnestNodeMetadata'"):
         NodeMetadata.from_dict({"kind": "RavnestJob"})
+    (tmp_path / "job.json").write_text(json.dumps({"kind": "RavnestJob"}))
+    with pytest.raises(SpecError, match=r"job\.json: kind: expected 'RavnestNodeMetadata'"):
+        NodeMetadata.load(tmp_path / "job.json")
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(SpecError, match=r"broken\.json: not valid node metadata"):
         NodeMetadata.load(tmp_path / "broken.json")

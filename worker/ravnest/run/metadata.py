@@ -126,6 +126,8 @@ class NodeMetadata:
     def load(cls, path: str | Path) -> NodeMetadata:
         try:
             return cls.from_dict(json.loads(Path(path).read_text()))
+        except SpecError as e:
+            raise SpecError([f"{path}: {p}" for p in e.problems]) from e
         except (OSError, ValueError, KeyError) as e:
             raise SpecError([f"{path}: not valid node metadata ({e})"]) from e
 

@@ -101,7 +101,10 @@ def _metadata(root: Path, name: str, listen_host: str | None) -> NodeMetadata:
     path = root / "nodes" / f"{name}.json"
     if not path.exists():
         raise SpecError([f"{path}: no node metadata; run clusterize() first"])
-    meta = NodeMetadata.load(path)
+    try:
+        meta = NodeMetadata.load(path)
+    except SpecError as e:
+        raise SpecError([*e.problems, "run clusterize() again to write it"]) from e
     if not listen_host:
         return meta
     return replace(meta, listen=with_host(meta.listen, listen_host),
