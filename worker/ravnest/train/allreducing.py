@@ -17,7 +17,7 @@ import torch
 from ravnest.comm.dataplane import RingLink
 from ravnest.comm.framing import COMPRESSIONS, Frame
 from ravnest.comm.inboxes import Inbox
-from ravnest.comm.transport import Peer
+from ravnest.comm.sending import RingSender
 from ravnest.errors import TransportError
 from ravnest.plan.plans import RingPlan
 
@@ -101,7 +101,7 @@ def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor], offset: int 
 class RingReducer:
     """One node's part in one ring."""
 
-    def __init__(self, ring: RingPlan, me: str, peers: Mapping[str, Peer | RingLink], inbox: Inbox,
+    def __init__(self, ring: RingPlan, me: str, peers: Mapping[str, RingSender], inbox: Inbox,
                  timeout: float, sender: str = "", compression: str = "none",
                  piece_bytes: int = PIECE_BYTES) -> None:
         self.ring = ring
