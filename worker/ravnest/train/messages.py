@@ -1,0 +1,43 @@
+"""Messages: the vocabulary of the frames a cluster's nodes exchange along the pipeline.
+
+Frame kinds and control operations are string enums, so that they compare equal to the plain
+strings a decoded frame carries (`Kind(frame.kind)`, `Op(control["op"])` refuse any other) and
+encode as those strings.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+LABELS = "__labels__"
+"""Name of the labels tensor in forward and eval frames, carried down to the leaf."""
+
+
+class Kind(StrEnum):
+    """What a pipeline frame carries."""
+
+    FORWARD = "forward"
+    """Downstream: a training microbatch's activations (and the labels)."""
+    BACKWARD = "backward"
+    """Upstream: the gradients of a stage's inputs, and the leaf's loss in `control`."""
+    EVAL = "eval"
+    """Downstream: a validation batch's activations (and the labels)."""
+    CONTROL = "control"
+    """Either way: an operation (`Op`) in `control`, at a point where the pipeline is drained."""
+
+
+class Op(StrEnum):
+    """The operation of a control frame (its `control["op"]`)."""
+
+    EVAL_END = "eval_end"
+    """Down: the validation batches were all sent; keep a snapshot of the weights."""
+    VAL_RESULT = "val_result"
+    """Up from the leaf: the validation's loss and metric, and whether its weights are best."""
+    EPOCH_END = "epoch_end"
+    """Down: `epoch` is over (schedulers that step per epoch step)."""
+    CHECKPOINT = "checkpoint"
+    """Down: save the node's state as `step`, resuming at `epoch`, `next_batch`."""
+    FINAL_REDUCE = "final_reduce"
+    """Down: the ring round every node joins after training."""
+    FINISH = "finish"
+    """Down: training is over."""

@@ -1,0 +1,136 @@
+"""Pipelining: one stage's forward and backward passes of the microbatches in flight.
+
+A forward keeps what its microbatch's backward needs (inputs, outputs, the weights it ran on, the
+leaf's labels) until that backward comes back; the leaf starts it at once from the loss, scaled
+so that the gradients an update accumulates are those of the mean loss over its samples. Where
+the activations and gradients go is the runtime's business: these passes only compute.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+from ravnest.errors import RavnestError
+from ravnest.plan.partitioning import OUTPUT, Stage
+from ravnest.train.messages import LABELS
+from ravnest.train.metrics import WorkerMetrics
+from ravnest.train.schedules import WeightStash
+
+
+@dataclass
+class Pending:
+    """A microbatch between its forward and its backward."""
+
+    inputs: dict[str, torch.Tensor]
+    outputs: dict[str, torch.Tensor]
+    stash: dict[str, torch.Tensor] | None
+    """The weights its forward ran on (None: the live ones)."""
+    labels: torch.Tensor | None
+    control: dict[str, Any]
+
+
+class StagePasses:
+    """The forward and backward passes of one node's stage."""
+
+    def __init__(self, name: str, stage: Stage, is_root: bool,
+                 criterion: Callable[..., torch.Tensor] | None, stash: WeightStash,
+                 samples_per_update: int, metrics: WorkerMetrics) -> None:
+        """`samples_per_update`: batch size x update frequency, what the leaf's loss is scaled by
+        (times the microbatch's samples)."""
+        self.name = name
+        self.stage = stage
+        self.is_root = is_root
+        self.criterion = criterion
+        self.stash = stash
+        self.samples_per_update = samples_per_update
+        self.metrics = metrics
+        self.pending: dict[int, Pending] = {}
+
+    def forward(self, mb: int, tensors: dict[str, torch.Tensor], control: dict[str, Any]) -> None:
+        """Run microbatch `mb` (inputs and labels by name) forward and keep it for its backward."""
+        labels = tensors.pop(LABELS, None)
+        inputs = {k: (v.requires_grad_() if v.dtype.is_floating_point and not self.is_root
+                      else v) for k, v in tensors.items()}
+        missing = set(self.stage.input_names) - set(inputs)
+        if missing:
+            raise RavnestError(f"{self.name}: forward frame lacks {sorted(missing)}")
+        self.stage.train()
+        with self.metrics.timed("compute"):
+            weights = self.stash.weights()
+            t0 = time.perf_counter()
+            outputs = self._run_stage({k: inputs[k] for k in self.stage.input_names}, weights)
+            self.metrics.forward_seconds.observe(time.perf_counter() - t0)
+        self.pending[mb] = Pending(inputs, outputs, weights, labels, control)
+
+    def _run_stage(self, inputs: dict[str, torch.Tensor],
+                   weights: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        if weights is None:
+            return self.stage(**inputs)
+        out: dict[str, torch.Tensor] = functional_call(self.stage, weights, args=(),
+                                                       kwargs=inputs, strict=False)
+        return out
+
+    def downstream(self, mb: int) -> dict[str, torch.Tensor]:
+        """What microbatch `mb`'s forward sends to the next stage: its outputs and labels."""
+        p = self.pending[mb]
+        send = {k: v.detach() for k, v in p.outputs.items()}
+        if p.labels is not None:
+            send[LABELS] = p.labels
+        return send
+
+    def leaf_backward(self, mb: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Run microbatch `mb` backward from its loss; return the gradients of the stage's inputs
+        and the control its backward frame carries (the loss and the samples it is over)."""
+        p = self.pending[mb]
+        if p.labels is None or self.criterion is None:
+            raise RavnestError(f"{self.name}: leaf got microbatch {mb} without labels")
+        with self.metrics.timed("compute"):
+            loss = self.criterion(p.outputs[OUTPUT], p.labels)
+        n = int(p.labels.shape[0])
+        scale = n / self.samples_per_update
+        info = {**p.control, "loss": float(loss.detach()), "n": n}
+        return self._run_backward(mb, [loss * scale], [None]), info
+
+    def backward(self, mb: int, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run microbatch `mb` backward from the gradients of its outputs (by name); return the
+        gradients of the stage's inputs."""
+        p = self.pending[mb]
+        outs, gs = [], []
+        for k, g in grads.items():
+            t = p.outputs.get(k)
+            if t is None:
+                raise RavnestError(f"{self.name}: gradient for unknown output {k!r}")
+            if t.requires_grad:
+                outs.append(t)
+                gs.append(g)
+        return self._run_backward(mb, outs, gs)
+
+    def _run_backward(self, mb: int, outs: list[torch.Tensor],
+                      grads: list[Any]) -> dict[str, torch.Tensor]:
+        p = self.pending.pop(mb)
+        with self.metrics.timed("compute"):
+            t0 = time.perf_counter()
+            if outs:
+                torch.autograd.backward(outs, grads)
+            self.metrics.backward_seconds.observe(time.perf_counter() - t0)
+            if p.stash is not None:
+                self.stash.land(p.stash)
+        if self.is_root:
+            return {}
+        return {k: (v.grad if v.grad is not None else torch.zeros_like(v))
+                for k, v in p.inputs.items() if v.requires_grad}
+
+    @torch.no_grad()
+    def evaluate(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run a validation batch (inputs by name) forward; return the stage's outputs."""
+        self.stage.eval()
+        with self.metrics.timed("compute"):
+            out: dict[str, torch.Tensor] = self.stage(
+                **{k: tensors[k] for k in self.stage.input_names})
+        return out

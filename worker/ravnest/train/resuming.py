@@ -1,0 +1,46 @@
+"""Resuming: where a node saves its state at the root's checkpoint controls, and which saved
+state it resumes from.
+
+What the state holds is the runtime's (each part gives its own); the files are `checkpointing`'s.
+A node saves under the root's step, then prunes to the newest `keep` steps complete for every node;
+it resumes from the newest step complete for every node, so all nodes resume from the same one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ravnest.train import checkpointing
+from ravnest.train.metrics import WorkerMetrics
+from ravnest.train.settings import Settings
+
+
+class Checkpoints:
+    """One node's checkpoints (none without a checkpoint directory)."""
+
+    def __init__(self, settings: Settings, node: str, nodes: list[str],
+                 metrics: WorkerMetrics) -> None:
+        """`nodes`: every node of the plan."""
+        self.directory = settings.checkpoint_dir
+        self.keep = settings.checkpoint_keep
+        self.node = node
+        self.nodes = nodes
+        self._metrics = metrics
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        if not self.directory:
+            return
+        checkpointing.save(self.directory, step, self.node, state)
+        checkpointing.prune(self.directory, self.nodes, self.keep)
+        self._metrics.checkpoint_step.set(step)
+
+    def newest(self) -> tuple[int, dict[str, Any]] | None:
+        """The newest step complete for every node, and this node's state saved at it."""
+        if not self.directory:
+            return None
+        step = checkpointing.latest(self.directory, self.nodes)
+        if step is None:
+            return None
+        state = checkpointing.load(self.directory, step, self.node)
+        self._metrics.checkpoint_step.set(step)
+        return step, state
