@@ -26,7 +26,7 @@ from ravnest.comm.tls import TlsMaterial, issue, make_authority
 from ravnest.errors import PlanError, SpecError
 from ravnest.plan.building import plan_job
 from ravnest.plan.plans import Plan
-from ravnest.run.local import scrape
+from ravnest.run.progress import scrape
 from ravnest.spec import parse_job
 
 from . import monitoring, resources

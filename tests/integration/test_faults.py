@@ -32,8 +32,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ravnest import parse_job
 from ravnest.plan import building
-from ravnest.run.local import LocalRun, node_endpoints, scrape
+from ravnest.run.local import LocalRun, node_endpoints
 from ravnest.run.metadata import NodeMetadata
+from ravnest.run.progress import scrape
 from ravnest.train import checkpointing
 from ravnest.train.fusing import fuse_stage_files
 

@@ -29,21 +29,19 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from ravnest.comm.tls import identity, issue, make_authority
 from ravnest.errors import RavnestError, WorkerFailed
 from ravnest.plan import building
 from ravnest.plan.plans import Plan
 from ravnest.run.metadata import TOKEN_ENV, TORCH_THREADS_ENV, NodeMetadata, endpoint
-from ravnest.run.progress import progress
+from ravnest.run.progress import progress, scrape
 from ravnest.spec import Job
 from ravnest.train import checkpointing
 from ravnest.train.fusing import fuse_stage_files, ordered_like
@@ -83,17 +81,6 @@ class _Proc:
     popen: subprocess.Popen[bytes]
     log: Path
     metrics_port: int
-
-
-def scrape(port: int, host: str = "127.0.0.1", timeout: float = 1.0) -> dict[str, float]:
-    """Unlabelled view of a worker's metrics: sample name -> value (first sample wins)."""
-    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, sample.value)
-    return out
 
 
 class LocalRun:

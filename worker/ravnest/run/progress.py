@@ -1,12 +1,26 @@
 """Job progress from the cluster roots' metrics, and its one-line rendering.
 
-The local runner, `ravnest status` and the Kubernetes operator all compute progress here, so the
-numbers in a terminal and in `kubectl get rj` are the same numbers.
+The local runner, `ravnest status` and the Kubernetes operator all read the workers' metrics and
+compute progress here, so the numbers in a terminal and in `kubectl get rj` are the same numbers.
 """
 
 from __future__ import annotations
 
+import urllib.request
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def scrape(port: int, host: str = "127.0.0.1", timeout: float = 1.0) -> dict[str, float]:
+    """Unlabelled view of a worker's metrics: sample name -> value (first sample wins)."""
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, sample.value)
+    return out
 
 
 def progress(samples: list[dict[str, float]], elapsed: float | None) -> dict[str, Any]:
