@@ -1,21 +1,21 @@
-"""kopf handlers: one idempotent reconcile of a RavnestJob, run on every change and on a timer.
+"""kopf handlers: the glue between Kubernetes and the operator's decisions (`deciding`).
 
-Each pass reads what exists (plan ConfigMap, pods) and moves the job one step towards its goal, so
-an operator restarted at any point adopts what is there and creates no duplicates:
-validate -> plan (in a worker thread, never on the event loop) -> Service, Secret, ConfigMaps ->
-pods -> watch pods and worker metrics -> restart from checkpoint on failure (up to backoffLimit),
-suspend/resume, deadline, cleanup and TTL. Objects are owned by the job, so deleting it
+Each pass over a RavnestJob, run on every change and on a timer, reads what exists (the job's plan
+ConfigMap and pods), lets `deciding.decide` choose the next step and carries its actions out, so an
+operator restarted at any point adopts what is there and creates no duplicates. Planning runs in
+kopf's handler thread, never on the event loop. Objects are owned by the job, so deleting it
 garbage-collects them.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import os
 import secrets
 import threading
-import time
+from dataclasses import replace
 from typing import Any
 
 import kopf
@@ -23,24 +23,32 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 
 from ravnest.comm.tls import TlsMaterial, issue, make_authority
-from ravnest.errors import PlanError, SpecError
-from ravnest.plan.building import plan_job
+from ravnest.errors import SpecError
 from ravnest.plan.plans import Plan
 from ravnest.run.progress import scrape
 from ravnest.spec import parse_job
 
 from . import monitoring, resources
+from .actions import (
+    Action,
+    CountFinished,
+    CountRestart,
+    CountRunning,
+    Create,
+    CreateJobObjects,
+    DeleteJob,
+    DeletePod,
+    Event,
+    ScrapeProgress,
+    SetStatus,
+)
 from .crds import GROUP, PLURAL, VERSION
-from .statuses import now, observe, parse_time, progress, set_condition
+from .deciding import FINISHED, Observed, decide
+from .settings import Settings
+from .statuses import progress
 
-log = logging.getLogger(__name__)
-
-IMAGE = os.environ.get("RAVNEST_WORKER_IMAGE", "ravnest:latest")
-INTERVAL = float(os.environ.get("RAVNEST_RECONCILE_INTERVAL", "2"))
-NETWORK_POLICIES = os.environ.get("RAVNEST_NETWORK_POLICIES", "false") == "true"
-FINAL_SCRAPE_SECONDS = float(os.environ.get("RAVNEST_FINAL_SCRAPE_SECONDS", "0") or 0)
-"""Set by the chart when its PodMonitor is on: how long a finished worker waits for Prometheus
-to scrape its final metrics."""
+SETTINGS = Settings.from_env(os.environ)
+"""The operator's settings, read from its environment once, when kopf imports this module."""
 
 
 @kopf.on.startup()
@@ -53,7 +61,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # A job deleted while its timer is mid-reconcile keeps kopf's finalizer until the timer has
     # exited; kopf re-checks only every 60 s by default, so `kubectl delete` would hang that long.
     settings.background.cancellation_polling = 1.0
-    monitoring.serve(int(os.environ.get("RAVNEST_OPERATOR_METRICS_PORT", "8080")))
+    monitoring.serve(SETTINGS.metrics_port)
 
 
 @kopf.on.probe(id="apiserver")
@@ -111,50 +119,13 @@ def _load_plan(job: str, namespace: str) -> Plan | None:
     return Plan.from_dict(json.loads((cm.data or {})["plan.json"]))
 
 
-def _fail(patch: kopf.Patch, status: dict[str, Any], reason: str, message: str,
-          body: kopf.Body) -> None:
-    patch.status["phase"] = "Failed"
-    patch.status["completionTime"] = now()
-    conds = set_condition(status.get("conditions") or [], "Failed", True, reason, message)
-    patch.status["conditions"] = set_condition(conds, "Running", False, reason, "")
-    kopf.warn(body, reason=reason, message=message)
-    monitoring.finished(status.get("phase"), "Failed", status.get("startTime"))
-
-
-def _finished(body: kopf.Body, status: dict[str, Any], name: str, namespace: str,
-              spec: dict[str, Any]) -> None:
-    ttl = (spec.get("runPolicy") or {}).get("ttlSecondsAfterFinished")
-    done = status.get("completionTime")
-    if ttl is not None and done and time.time() - parse_time(done).timestamp() >= ttl:
-        try:
-            kubernetes.client.CustomObjectsApi().delete_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, name)
-        except ApiException as e:
-            if e.status != 404:
-                raise
-
-
-def _clean_pods(policy: str, pods: list[dict[str, Any]], namespace: str) -> None:
-    for p in pods:
-        phase = (p.get("status") or {}).get("phase")
-        if policy == "All" or (policy == "Running" and phase in ("Running", "Pending")):
-            _delete_pod(p["metadata"]["name"], namespace)
-
-
-def _result(pods: list[dict[str, Any]], plan: Plan, job: str) -> dict[str, Any]:
-    """The final figures the cluster-0 root wrote as its termination message."""
-    root = resources.pod_name(job, plan.clusters[0].nodes[0])
-    for p in pods:
-        if p["metadata"]["name"] != root:
-            continue
-        for cs in (p.get("status") or {}).get("containerStatuses") or []:
-            msg = ((cs.get("state") or {}).get("terminated") or {}).get("message")
-            if msg:
-                try:
-                    return dict(json.loads(msg))
-                except ValueError:
-                    return {}
-    return {}
+def _delete_job(name: str, namespace: str) -> None:
+    try:
+        kubernetes.client.CustomObjectsApi().delete_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name)
+    except ApiException as e:
+        if e.status != 404:
+            raise
 
 
 def _certificates(owner: resources.Owner, plan: Plan,
@@ -166,156 +137,71 @@ def _certificates(owner: resources.Owner, plan: Plan,
     return {n: issue(ca, n, resources.tls_dns_names(owner, n)) for n in plan.names()}
 
 
-def reconcile(body: kopf.Body, spec: dict[str, Any], status: dict[str, Any], name: str,
-              namespace: str, uid: str, patch: kopf.Patch) -> None:
-    """Move one job one step towards its goal."""
-    status = dict(status or {})
-    phase = status.get("phase")
-    if phase in ("Succeeded", "Failed"):
-        _finished(body, status, name, namespace, spec)
-        return
+def _scraped(hosts: tuple[str, ...], started: str | None) -> dict[str, Any]:
+    """Progress from the cluster roots' metrics; nothing when any of them cannot be read."""
+    try:
+        samples = [scrape(resources.METRICS_PORT, host=h, timeout=1.0) for h in hosts]
+    except OSError:
+        return {}
+    return progress(samples, started)
+
+
+def _observe(body: kopf.Body, spec: dict[str, Any], status: dict[str, Any], name: str,
+            namespace: str, uid: str) -> Observed:
+    """What a pass needs to know of a job: nothing more for a finished one, the reasons for an
+    invalid one, else its plan ConfigMap's plan and its pods."""
+    seen = Observed(name, namespace, uid, dict(spec), dict(status or {}),
+                    created=body["metadata"].get("creationTimestamp"))
+    if seen.status.get("phase") in FINISHED:
+        return seen
     try:
         job = parse_job({"apiVersion": body["apiVersion"], "kind": body["kind"],
                          "metadata": {"name": name, "namespace": namespace},
                          "spec": dict(spec)})
     except SpecError as e:
-        _fail(patch, status, "InvalidSpec", "; ".join(e.problems), body)
-        return
-    owner = resources.Owner(name, namespace, uid)
-    if not status.get("conditions"):
-        patch.status["phase"] = phase = "Created"
-        patch.status["conditions"] = set_condition([], "Created", True, "Accepted",
-                                                   "spec is valid")
-        status["conditions"] = patch.status["conditions"]
-    plan = _load_plan(name, namespace)
-    if plan is None:
-        try:
-            plan, _, _ = plan_job(job)
-        except (PlanError, SpecError) as e:
-            _fail(patch, status, "PlanFailed", str(e), body)
-            return
-        objects = resources.static_objects(owner, job, plan, secrets.token_hex(16),
-                                           _certificates(owner, plan, job.spec.security.tls),
-                                           NETWORK_POLICIES)
-        for obj in objects:  # the plan ConfigMap last: it marks "planned"
+        return replace(seen, problems=tuple(e.problems))
+    return replace(seen, job=job, plan=_load_plan(name, namespace),
+                   pods=tuple(_pods(name, namespace)))
+
+
+def _carry_out(action: Action, body: kopf.Body, patch: kopf.Patch,
+               owner: resources.Owner) -> None:
+    """Do one step of a decision."""
+    if isinstance(action, SetStatus):
+        patch.status.update(action.fields)
+    elif isinstance(action, CreateJobObjects):
+        tls = _certificates(owner, action.plan, action.job.spec.security.tls)
+        for obj in resources.static_objects(owner, action.job, action.plan,
+                                            secrets.token_hex(16), tls,
+                                            SETTINGS.network_policies):
             _create(obj)
-        kopf.info(body, reason="Planned", message=f"{plan.summary()} plan {plan.fingerprint}")
-    if phase in (None, "Created"):
-        patch.status["phase"] = phase = "Planned"
-        patch.status["plan"] = {"fingerprint": plan.fingerprint, "summary": plan.summary(),
-                                "clusters": [{"id": c.id, "nodes": list(c.nodes)}
-                                             for c in plan.clusters],
-                                "stages": {n.name: f"{n.first_layer}..{n.last_layer}"
-                                           for n in plan.nodes}}
-        patch.status["conditions"] = set_condition(status["conditions"], "Planned", True,
-                                                   "Planned", plan.summary())
-        return
-    pods = _pods(name, namespace)
-    run_policy = spec.get("runPolicy") or {}
-    conditions = status.get("conditions") or []
-    if run_policy.get("suspend"):
-        for p in pods:
-            _delete_pod(p["metadata"]["name"], namespace)
-        if phase != "Suspended":
-            patch.status["phase"] = "Suspended"
-            patch.status["conditions"] = set_condition(conditions, "Suspended", True,
-                                                       "Suspended", "pods deleted; resumes "
-                                                       "from the last checkpoint")
-            kopf.info(body, reason="Suspended", message="pods deleted")
-        return
-    if phase == "Suspended":
-        conditions = set_condition(conditions, "Suspended", False, "Resumed", "")
-        patch.status["conditions"] = conditions
-    restarts = int(status.get("restarts", 0))
-    obs = observe(name, plan, pods)
-    patch.status["nodes"] = {n: s.to_status() for n, s in obs.nodes.items()}
-    stale = [s for s in obs.nodes.values() if s.phase != "Missing" and s.attempt != restarts]
-    for s in stale:
-        if not s.deleting:
-            _delete_pod(s.pod, namespace)
-    if stale:
-        return
-    # A worker pod that vanishes (or is being deleted) from a running job, by `kubectl delete pod`,
-    # an eviction or a node drain, is lost like a failed one: its peers would wait for it forever.
-    lost = [s for s in obs.nodes.values() if s.phase == "Missing" or s.deleting] \
-        if phase == "Running" else []
-    if obs.failed or lost:
-        message = "; ".join(filter(None, [obs.failure_message(),
-                                          *(f"pod {s.pod} was deleted" for s in lost)]))
-        if restarts < int(run_policy.get("backoffLimit", 3)):
-            for s in obs.nodes.values():
-                if s.phase != "Missing" and not s.deleting:
-                    _delete_pod(s.pod, namespace)
-            patch.status["restarts"] = restarts + 1
-            patch.status["phase"] = "Restarting"
-            patch.status["conditions"] = set_condition(
-                conditions, "Restarting", True, "WorkerFailed",
-                f"{message}; restart {restarts + 1} resumes from the last checkpoint")
-            kopf.warn(body, reason="Restarting", message=message)
-            monitoring.restarted()
-            return
-        _fail(patch, status, "BackoffLimitExceeded", message, body)
-        _clean_pods(run_policy.get("cleanPodPolicy", "Running"), pods, namespace)
-        return
-    if obs.all_succeeded:
-        patch.status["phase"] = "Succeeded"
-        patch.status["completionTime"] = now()
-        result = _result(pods, plan, name)
-        final = {**(status.get("progress") or {})}
-        if result:
-            patch.status["result"] = result
-            final.update({k: v for k, v in {
-                "step": result.get("updates"), "loss": result.get("train_loss"),
-                "validationLoss": result.get("val_loss"),
-                "validationMetric": result.get("val_metric")}.items() if v is not None})
-            final["display"] = f"{final.get('step', 0)}/{final.get('totalSteps', 0)}"
-        patch.status["progress"] = final
-        conds = set_condition(conditions, "Succeeded", True, "Completed",
-                              f"validation metric {result.get('val_metric')}")
-        patch.status["conditions"] = set_condition(conds, "Running", False, "Completed", "")
-        kopf.info(body, reason="Succeeded", message=json.dumps(result))
-        monitoring.finished(phase, "Succeeded", status.get("startTime"))
-        _clean_pods("All" if run_policy.get("cleanPodPolicy") == "All" else "None", pods,
-                    namespace)
-        return
-    for node in plan.nodes:
-        if obs.nodes[node.name].phase == "Missing":
-            _create(resources.pod(owner, job, plan, node, IMAGE, attempt=restarts,
-                                  final_scrape_seconds=FINAL_SCRAPE_SECONDS))
-    started = status.get("startTime")
-    if obs.all_running:
-        if phase != "Running":
-            patch.status["phase"] = "Running"
-            conds = set_condition(conditions, "Running", True, "PodsRunning",
-                                  f"{len(obs.nodes)} worker pods running")
-            restarting = next((c for c in conds if c["type"] == "Restarting"), None)
-            if restarting and restarting["status"] == "True":  # keep what it recovered from
-                conds = set_condition(conds, "Restarting", False, "Recovered",
-                                      f"running again after: {restarting['message']}")
-            patch.status["conditions"] = conds
-            if not started:
-                patch.status["startTime"] = started = now()
-                monitoring.running(body["metadata"].get("creationTimestamp"))
-        patch.status["progress"] = {**(status.get("progress") or {}),
-                                    **_progress(plan, obs, name, started)}
-    deadline = run_policy.get("activeDeadlineSeconds")
-    if deadline and started and time.time() - parse_time(started).timestamp() > deadline:
-        _fail(patch, status, "DeadlineExceeded",
-              f"job ran longer than activeDeadlineSeconds={deadline}", body)
-        _clean_pods("All", pods, namespace)
+    elif isinstance(action, Create):
+        _create(dict(action.manifest))
+    elif isinstance(action, DeletePod):
+        _delete_pod(action.name, owner.namespace)
+    elif isinstance(action, DeleteJob):
+        _delete_job(owner.name, owner.namespace)
+    elif isinstance(action, Event):
+        post = kopf.warn if action.warning else kopf.info
+        post(body, reason=action.reason, message=action.message)
+    elif isinstance(action, ScrapeProgress):
+        patch.status["progress"] = {**action.base, **_scraped(action.hosts, action.started)}
+    elif isinstance(action, CountRestart):
+        monitoring.restarted()
+    elif isinstance(action, CountRunning):
+        monitoring.running(action.created)
+    elif isinstance(action, CountFinished):
+        monitoring.finished(action.previous, action.phase, action.started)
 
 
-def _progress(plan: Plan, obs: Any, job: str, started: str | None) -> dict[str, Any]:
-    samples = []
-    for c in plan.clusters:
-        ip = obs.nodes[c.nodes[0]].ip
-        if not ip:
-            return {}
-        try:
-            samples.append(scrape(resources.METRICS_PORT, host=ip, timeout=1.0))
-        except OSError:
-            return {}
-    return progress(samples, started)
+def reconcile(body: kopf.Body, spec: dict[str, Any], status: dict[str, Any], name: str,
+              namespace: str, uid: str, patch: kopf.Patch) -> None:
+    """Move one job one step towards its goal: observe, decide, carry out."""
+    observed = _observe(body, spec, status, name, namespace, uid)
+    decision = decide(observed, dt.datetime.now(dt.UTC), SETTINGS)
+    owner = resources.Owner(name, namespace, uid)
+    for action in decision.steps:
+        _carry_out(action, body, patch, owner)
 
 
 _locks: dict[str, threading.Lock] = {}
@@ -349,7 +235,7 @@ def on_change(**kwargs: Any) -> None:
     _reconcile_once(kwargs, wait=True)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=INTERVAL, sharp=False)
+@kopf.timer(GROUP, VERSION, PLURAL, interval=SETTINGS.reconcile_interval, sharp=False)
 def on_timer(**kwargs: Any) -> None:
     _reconcile_once(kwargs, wait=False)
 

@@ -15,7 +15,12 @@ PHASES = ("Created", "Planned", "Running", "Restarting", "Succeeded", "Failed", 
 
 
 def now() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return timestamp(dt.datetime.now(dt.UTC))
+
+
+def timestamp(at: dt.datetime) -> str:
+    """A time as the job's status writes it (UTC, whole seconds)."""
+    return at.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def parse_time(value: str) -> dt.datetime:
@@ -98,9 +103,11 @@ def observe(job: str, plan: Plan, pods: list[dict[str, Any]]) -> Observation:
 
 
 def set_condition(conditions: list[dict[str, Any]], type_: str, status: bool, reason: str,
-                  message: str = "") -> list[dict[str, Any]]:
-    """Conditions with `type_` set; lastTransitionTime only moves when the status changes."""
+                  message: str = "", at: str | None = None) -> list[dict[str, Any]]:
+    """Conditions with `type_` set; lastTransitionTime (`at`, or now) only moves when the status
+    changes."""
     value = "True" if status else "False"
+    at = at or now()
     out = []
     found = False
     for c in conditions:
@@ -109,11 +116,11 @@ def set_condition(conditions: list[dict[str, Any]], type_: str, status: bool, re
             changed = c.get("status") != value
             c = {**c, "status": value, "reason": reason, "message": message}
             if changed:
-                c["lastTransitionTime"] = now()
+                c["lastTransitionTime"] = at
         out.append(c)
     if not found:
         out.append({"type": type_, "status": value, "reason": reason, "message": message,
-                    "lastTransitionTime": now()})
+                    "lastTransitionTime": at})
     return out
 
 

@@ -1,0 +1,114 @@
+"""What a reconcile pass does, as data: `deciding.decide` returns it, `handling` carries it out.
+
+A `Decision` keeps the status fields it sets and its actions in one ordered list, because the order
+is part of the behaviour: kopf applies a handler's status patch even when the handler then fails,
+so what the status records when an API call fails half-way depends on what came before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ravnest.plan.plans import Plan
+from ravnest.spec import Job
+
+
+@dataclass(frozen=True)
+class SetStatus:
+    """Status fields to patch (a later SetStatus of the same field wins)."""
+    fields: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class CreateJobObjects:
+    """Everything of a planned job but its pods (`resources.static_objects`), with a fresh token
+    and, under security.tls, a fresh CA and certificates: the glue mints those."""
+    job: Job
+    plan: Plan
+
+
+@dataclass(frozen=True)
+class Create:
+    """Create one object (a worker pod); one that already exists is left as it is."""
+    manifest: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class DeletePod:
+    """Delete a worker pod (grace period 5 s); one already gone is not an error."""
+    name: str
+
+
+@dataclass(frozen=True)
+class DeleteJob:
+    """Delete the RavnestJob itself (its ttlSecondsAfterFinished ran out)."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """A Kubernetes Event on the job: Normal (kopf.info) or, with `warning`, Warning (kopf.warn)."""
+    reason: str
+    message: str
+    warning: bool = False
+
+
+@dataclass(frozen=True)
+class ScrapeProgress:
+    """Set status.progress to `base` updated with the progress the cluster roots' metrics give
+    (scraped from `hosts`, cluster 0 first; `base` alone when any scrape fails)."""
+    hosts: tuple[str, ...]
+    started: str | None
+    """status.startTime, for samples/s and the ETA."""
+    base: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class CountRestart:
+    """The operator's metric of job restarts goes up by one."""
+
+
+@dataclass(frozen=True)
+class CountRunning:
+    """The operator's metric of time to running observes this job (created at `created`)."""
+    created: str | None
+
+
+@dataclass(frozen=True)
+class CountFinished:
+    """The operator's metric of job durations observes this job, unless `previous` was already a
+    finished phase."""
+    previous: str | None
+    phase: str
+    started: str | None
+
+
+Action = (SetStatus | CreateJobObjects | Create | DeletePod | DeleteJob | Event | ScrapeProgress
+          | CountRestart | CountRunning | CountFinished)
+
+
+@dataclass
+class Decision:
+    """One pass's decision: its steps in the order they are carried out."""
+    steps: list[Action] = field(default_factory=list)
+
+    def set(self, fields: Mapping[str, Any]) -> None:
+        self.steps.append(SetStatus(dict(fields)))
+
+    def do(self, *actions: Action) -> None:
+        self.steps.extend(actions)
+
+    @property
+    def status(self) -> dict[str, Any]:
+        """The status patch the pass makes (ScrapeProgress's progress not included)."""
+        out: dict[str, Any] = {}
+        for step in self.steps:
+            if isinstance(step, SetStatus):
+                out.update(step.fields)
+        return out
+
+    @property
+    def actions(self) -> list[Action]:
+        """What the pass does beyond patching the status."""
+        return [s for s in self.steps if not isinstance(s, SetStatus)]

@@ -1,0 +1,288 @@
+"""The operator's decisions, pure: what one reconcile pass does to a RavnestJob.
+
+`decide` takes what the pass observed (the job, its plan ConfigMap's plan, its pods) and the time,
+and returns the status fields to set and the actions to take, in order (see `actions`). It calls no
+API, reads no clock and draws no random number, so every branch is tested without a cluster
+(tests/unit/test_operator_decide.py); `handling` reads the cluster, calls it and carries the
+actions out. Each pass moves the job one step: validate -> plan -> Service, Secrets, ConfigMaps ->
+pods -> watch pods and worker metrics -> restart from checkpoint on failure (up to backoffLimit),
+suspend/resume, deadline, cleanup and TTL.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ravnest.errors import PlanError, SpecError
+from ravnest.plan.building import plan_job
+from ravnest.plan.plans import Plan
+from ravnest.spec import Job
+
+from . import resources
+from .actions import (
+    CountFinished,
+    CountRestart,
+    CountRunning,
+    Create,
+    CreateJobObjects,
+    Decision,
+    DeleteJob,
+    DeletePod,
+    Event,
+    ScrapeProgress,
+)
+from .settings import Settings
+from .statuses import Observation, observe, parse_time, set_condition, timestamp
+
+FINISHED = ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What one pass knows of a job. A finished job needs nothing read; an invalid one is not
+    read for (its name may not even make a label selector)."""
+    name: str
+    namespace: str
+    uid: str
+    spec: Mapping[str, Any]
+    """The job's .spec as the API holds it."""
+    status: Mapping[str, Any]
+    """The job's .status as the API holds it."""
+    created: str | None = None
+    """metadata.creationTimestamp."""
+    job: Job | None = None
+    """The validated job; None when finished or invalid."""
+    problems: tuple[str, ...] = ()
+    """What makes the spec invalid."""
+    plan: Plan | None = None
+    """The plan its plan ConfigMap holds; None when that does not exist (yet)."""
+    pods: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+    """The job's pods, as the API returns them."""
+
+
+@dataclass
+class _Pass:
+    """One pass in progress: what it observed, its clock, and the status as it stands."""
+    observed: Observed
+    now: dt.datetime
+    settings: Settings
+    status: dict[str, Any]
+    out: Decision = field(default_factory=Decision)
+
+    @property
+    def at(self) -> str:
+        return timestamp(self.now)
+
+    @property
+    def run_policy(self) -> dict[str, Any]:
+        return dict(self.observed.spec.get("runPolicy") or {})
+
+    def fail(self, reason: str, message: str) -> None:
+        """Phase Failed, with a Warning Event."""
+        conds = set_condition(self.status.get("conditions") or [], "Failed", True, reason,
+                              message, self.at)
+        self.out.set({"phase": "Failed", "completionTime": self.at,
+                      "conditions": set_condition(conds, "Running", False, reason, "", self.at)})
+        self.out.do(Event(reason, message, warning=True),
+                    CountFinished(self.status.get("phase"), "Failed",
+                                  self.status.get("startTime")))
+
+    def clean(self, policy: str) -> None:
+        """Delete the pods runPolicy.cleanPodPolicy names: All, Running (and Pending), None."""
+        for p in self.observed.pods:
+            phase = (p.get("status") or {}).get("phase")
+            if policy == "All" or (policy == "Running" and phase in ("Running", "Pending")):
+                self.out.do(DeletePod(p["metadata"]["name"]))
+
+
+def decide(observed: Observed, now: dt.datetime, settings: Settings) -> Decision:
+    """Move one job one step towards its goal: the status fields and actions, in order."""
+    run = _Pass(observed, now, settings, dict(observed.status))
+    phase = run.status.get("phase")
+    if phase in FINISHED:
+        _expire(run)
+        return run.out
+    if observed.job is None:
+        run.fail("InvalidSpec", "; ".join(observed.problems))
+        return run.out
+    if not run.status.get("conditions"):
+        phase = "Created"
+        run.status["conditions"] = set_condition([], "Created", True, "Accepted",
+                                                 "spec is valid", run.at)
+        run.out.set({"phase": phase, "conditions": run.status["conditions"]})
+    plan = observed.plan if observed.plan is not None else _plan(run, observed.job)
+    if plan is None:
+        return run.out
+    if phase in (None, "Created"):
+        run.out.set({"phase": "Planned", "plan": _plan_status(plan),
+                     "conditions": set_condition(run.status["conditions"], "Planned", True,
+                                                 "Planned", plan.summary(), run.at)})
+        return run.out
+    _run(run, observed.job, plan, phase)
+    return run.out
+
+
+def _expire(run: _Pass) -> None:
+    """A finished job is deleted once ttlSecondsAfterFinished has passed since it finished."""
+    ttl = run.run_policy.get("ttlSecondsAfterFinished")
+    done = run.status.get("completionTime")
+    if ttl is not None and done and (run.now - parse_time(done)).total_seconds() >= ttl:
+        run.out.do(DeleteJob())
+
+
+def _plan(run: _Pass, job: Job) -> Plan | None:
+    """Plan the job and create its objects (the plan ConfigMap last: it marks "planned");
+    None when it cannot be planned, which fails the job."""
+    try:
+        plan, _, _ = plan_job(job)
+    except (PlanError, SpecError) as e:
+        run.fail("PlanFailed", str(e))
+        return None
+    run.out.do(CreateJobObjects(job, plan),
+               Event("Planned", f"{plan.summary()} plan {plan.fingerprint}"))
+    return plan
+
+
+def _plan_status(plan: Plan) -> dict[str, Any]:
+    return {"fingerprint": plan.fingerprint, "summary": plan.summary(),
+            "clusters": [{"id": c.id, "nodes": list(c.nodes)} for c in plan.clusters],
+            "stages": {n.name: f"{n.first_layer}..{n.last_layer}" for n in plan.nodes}}
+
+
+def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
+    """A planned job: suspend, clear pods of an earlier attempt, restart or fail on a failure,
+    finish, or create the missing pods and watch the running ones."""
+    conditions = run.status.get("conditions") or []
+    if run.run_policy.get("suspend"):
+        _suspend(run, phase, conditions)
+        return
+    if phase == "Suspended":
+        conditions = set_condition(conditions, "Suspended", False, "Resumed", "", run.at)
+        run.out.set({"conditions": conditions})
+    restarts = int(run.status.get("restarts", 0))
+    obs = observe(run.observed.name, plan, list(run.observed.pods))
+    run.out.set({"nodes": {n: s.to_status() for n, s in obs.nodes.items()}})
+    stale = [s for s in obs.nodes.values() if s.phase != "Missing" and s.attempt != restarts]
+    run.out.do(*(DeletePod(s.pod) for s in stale if not s.deleting))
+    if stale:
+        return
+    # A worker pod that vanishes (or is being deleted) from a running job, by `kubectl delete pod`,
+    # an eviction or a node drain, is lost like a failed one: its peers would wait for it forever.
+    lost = [s for s in obs.nodes.values() if s.phase == "Missing" or s.deleting] \
+        if phase == "Running" else []
+    if obs.failed or lost:
+        message = "; ".join(filter(None, [obs.failure_message(),
+                                          *(f"pod {s.pod} was deleted" for s in lost)]))
+        _failed(run, obs, restarts, conditions, message)
+        return
+    if obs.all_succeeded:
+        _succeeded(run, plan, phase, conditions)
+        return
+    owner = resources.Owner(run.observed.name, run.observed.namespace, run.observed.uid)
+    for node in plan.nodes:
+        if obs.nodes[node.name].phase == "Missing":
+            run.out.do(Create(resources.pod(
+                owner, job, plan, node, run.settings.worker_image, attempt=restarts,
+                final_scrape_seconds=run.settings.final_scrape_seconds)))
+    _watch(run, plan, obs, phase, conditions)
+
+
+def _suspend(run: _Pass, phase: str, conditions: list[dict[str, Any]]) -> None:
+    run.out.do(*(DeletePod(p["metadata"]["name"]) for p in run.observed.pods))
+    if phase != "Suspended":
+        run.out.set({"phase": "Suspended",
+                     "conditions": set_condition(conditions, "Suspended", True, "Suspended",
+                                                 "pods deleted; resumes from the last "
+                                                 "checkpoint", run.at)})
+        run.out.do(Event("Suspended", "pods deleted"))
+
+
+def _failed(run: _Pass, obs: Observation, restarts: int, conditions: list[dict[str, Any]],
+            message: str) -> None:
+    """Restart every pod from the last checkpoint, or past backoffLimit fail the job."""
+    if restarts < int(run.run_policy.get("backoffLimit", 3)):
+        run.out.do(*(DeletePod(s.pod) for s in obs.nodes.values()
+                     if s.phase != "Missing" and not s.deleting))
+        run.out.set({"restarts": restarts + 1, "phase": "Restarting",
+                     "conditions": set_condition(
+                         conditions, "Restarting", True, "WorkerFailed",
+                         f"{message}; restart {restarts + 1} resumes from the last checkpoint",
+                         run.at)})
+        run.out.do(Event("Restarting", message, warning=True), CountRestart())
+        return
+    run.fail("BackoffLimitExceeded", message)
+    run.clean(run.run_policy.get("cleanPodPolicy", "Running"))
+
+
+def _succeeded(run: _Pass, plan: Plan, phase: str, conditions: list[dict[str, Any]]) -> None:
+    """Every pod succeeded: the job's result and final figures from the cluster-0 root."""
+    result = _result(run.observed, plan)
+    final = {**(run.status.get("progress") or {})}
+    if result:
+        run.out.set({"result": result})
+        final.update({k: v for k, v in {
+            "step": result.get("updates"), "loss": result.get("train_loss"),
+            "validationLoss": result.get("val_loss"),
+            "validationMetric": result.get("val_metric")}.items() if v is not None})
+        final["display"] = f"{final.get('step', 0)}/{final.get('totalSteps', 0)}"
+    conds = set_condition(conditions, "Succeeded", True, "Completed",
+                          f"validation metric {result.get('val_metric')}", run.at)
+    run.out.set({"phase": "Succeeded", "completionTime": run.at, "progress": final,
+                 "conditions": set_condition(conds, "Running", False, "Completed", "", run.at)})
+    run.out.do(Event("Succeeded", json.dumps(result)),
+               CountFinished(phase, "Succeeded", run.status.get("startTime")))
+    run.clean("All" if run.run_policy.get("cleanPodPolicy") == "All" else "None")
+
+
+def _result(observed: Observed, plan: Plan) -> dict[str, Any]:
+    """The final figures the cluster-0 root wrote as its termination message."""
+    root = resources.pod_name(observed.name, plan.clusters[0].nodes[0])
+    for p in observed.pods:
+        if p["metadata"]["name"] != root:
+            continue
+        for cs in (p.get("status") or {}).get("containerStatuses") or []:
+            msg = ((cs.get("state") or {}).get("terminated") or {}).get("message")
+            if msg:
+                try:
+                    return dict(json.loads(msg))
+                except ValueError:
+                    return {}
+    return {}
+
+
+def _watch(run: _Pass, plan: Plan, obs: Observation, phase: str,
+           conditions: list[dict[str, Any]]) -> None:
+    """Running once every pod runs, progress from the roots' metrics, and the deadline."""
+    started = run.status.get("startTime")
+    if obs.all_running:
+        if phase != "Running":
+            conds = set_condition(conditions, "Running", True, "PodsRunning",
+                                  f"{len(obs.nodes)} worker pods running", run.at)
+            restarting = next((c for c in conds if c["type"] == "Restarting"), None)
+            if restarting and restarting["status"] == "True":  # keep what it recovered from
+                conds = set_condition(conds, "Restarting", False, "Recovered",
+                                      f"running again after: {restarting['message']}", run.at)
+            run.out.set({"phase": "Running", "conditions": conds})
+            if not started:
+                started = run.at
+                run.out.set({"startTime": started})
+                run.out.do(CountRunning(run.observed.created))
+        _progress(run, plan, obs, started)
+    deadline = run.run_policy.get("activeDeadlineSeconds")
+    if deadline and started and (run.now - parse_time(started)).total_seconds() > deadline:
+        run.fail("DeadlineExceeded", f"job ran longer than activeDeadlineSeconds={deadline}")
+        run.clean("All")
+
+
+def _progress(run: _Pass, plan: Plan, obs: Observation, started: str | None) -> None:
+    """status.progress from the cluster roots' metrics, once every root has an address."""
+    base = dict(run.status.get("progress") or {})
+    hosts = [obs.nodes[c.nodes[0]].ip for c in plan.clusters]
+    if not all(hosts):
+        run.out.set({"progress": base})
+        return
+    run.out.do(ScrapeProgress(tuple(h for h in hosts if h), started, base))

@@ -1,0 +1,38 @@
+"""The operator's settings: one frozen dataclass, read from the environment in one place.
+
+The chart sets these variables on the operator's Deployment; `Settings.from_env` is the only code
+of the operator that reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Settings:
+    worker_image: str = "ravnest:latest"
+    """The worker pods' image (RAVNEST_WORKER_IMAGE); default ravnest:latest."""
+    reconcile_interval: float = 2.0
+    """Seconds between the timer's passes over each job (RAVNEST_RECONCILE_INTERVAL); default 2."""
+    network_policies: bool = False
+    """Whether each job gets a NetworkPolicy (RAVNEST_NETWORK_POLICIES=true); default off."""
+    metrics_port: int = 8080
+    """TCP port of the operator's own Prometheus metrics (RAVNEST_OPERATOR_METRICS_PORT);
+    default 8080."""
+    final_scrape_seconds: float = 0.0
+    """Seconds a finished worker waits for Prometheus to scrape its final metrics
+    (RAVNEST_FINAL_SCRAPE_SECONDS, set by the chart when its PodMonitor is on); default 0, no
+    wait."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> Settings:
+        """The settings the environment gives; an unset variable keeps its default."""
+        return cls(
+            worker_image=environ.get("RAVNEST_WORKER_IMAGE", cls.worker_image),
+            reconcile_interval=float(environ.get("RAVNEST_RECONCILE_INTERVAL",
+                                                 cls.reconcile_interval)),
+            network_policies=environ.get("RAVNEST_NETWORK_POLICIES", "false") == "true",
+            metrics_port=int(environ.get("RAVNEST_OPERATOR_METRICS_PORT", cls.metrics_port)),
+            final_scrape_seconds=float(environ.get("RAVNEST_FINAL_SCRAPE_SECONDS") or 0))

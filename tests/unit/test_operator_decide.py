@@ -1,0 +1,413 @@
+"""The operator's decisions without a cluster: `deciding.decide` on observed jobs, branch by
+branch (plan, create pods, run, restart or fail, deadline, suspend and resume, succeed, TTL), and
+the operator's settings read from the environment."""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ravnest import parse_job, plan_job
+from ravnest_operator import resources
+from ravnest_operator.actions import (
+    CountFinished,
+    CountRestart,
+    CountRunning,
+    Create,
+    CreateJobObjects,
+    Decision,
+    DeleteJob,
+    DeletePod,
+    Event,
+    ScrapeProgress,
+    SetStatus,
+)
+from ravnest_operator.deciding import Observed, decide
+from ravnest_operator.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+NOW = dt.datetime(2026, 1, 2, 3, 4, 5, 250_000, tzinfo=dt.UTC)
+AT = "2026-01-02T03:04:05Z"
+SETTINGS = Settings(worker_image="ravnest:test", final_scrape_seconds=30)
+EARLIER = "2000-01-01T00:00:00Z"
+
+
+def _ago(seconds: float) -> str:
+    return (NOW - dt.timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@pytest.fixture(scope="module")
+def digits():
+    doc = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
+    job = parse_job(doc)
+    plan, _, _ = plan_job(job)
+    return doc, job, plan
+
+
+def _cond(type_: str, status: str = "True", reason: str = "", message: str = "") -> dict:
+    return {"type": type_, "status": status, "reason": reason, "message": message,
+            "lastTransitionTime": EARLIER}
+
+
+def _pod(plan, i: int, phase: str, code: int | None = None, attempt: int = 0, ip: bool = True,
+         message: str | None = None, deleting: bool = False):
+    """Node i's pod, at 10.0.0.<i + 1> unless it has no address yet."""
+    node = plan.names()[i]
+    status: dict[str, Any] = {"phase": phase}
+    if ip:
+        status["podIP"] = f"10.0.0.{i + 1}"
+    if code is not None or message:
+        status["containerStatuses"] = [{"state": {"terminated": {
+            "exitCode": code if code is not None else 0, "reason": "Error" if code else None,
+            "message": message}}}]
+    meta: dict[str, Any] = {"name": resources.pod_name("digits", node),
+                            "annotations": {"ravnest.io/attempt": str(attempt)}}
+    if deleting:
+        meta["deletionTimestamp"] = AT
+    return {"metadata": meta, "status": status}
+
+
+def _pods(plan, phase: str, **kw: Any) -> list[dict]:
+    return [_pod(plan, i, phase, **kw) for i in range(len(plan.nodes))]
+
+
+def _observed(digits, status: dict, pods=(), plan: bool = True, **spec_changes: Any) -> Observed:
+    doc, job, stored = digits
+    spec = copy.deepcopy(doc["spec"])
+    spec.update(spec_changes)
+    if spec_changes:
+        job = parse_job({**doc, "spec": spec})
+    return Observed("digits", "team-a", "uid-1", spec, status, created=_ago(60), job=job,
+                    plan=stored if plan else None, pods=tuple(pods))
+
+
+def _running(**extra: Any) -> dict:
+    return {"phase": "Running", "startTime": _ago(100),
+            "conditions": [_cond("Created"), _cond("Planned"), _cond("Running")], **extra}
+
+
+def _conditions(decision: Decision) -> dict[str, dict]:
+    return {c["type"]: c for c in decision.status["conditions"]}
+
+
+# --- settings ----------------------------------------------------------------------------------
+
+def test_settings_defaults_and_environment():
+    assert Settings.from_env({}) == Settings(
+        worker_image="ravnest:latest", reconcile_interval=2.0, network_policies=False,
+        metrics_port=8080, final_scrape_seconds=0.0)
+    got = Settings.from_env({"RAVNEST_WORKER_IMAGE": "reg/ravnest:1", "RAVNEST_RECONCILE_INTERVAL":
+                             "0.5", "RAVNEST_NETWORK_POLICIES": "true",
+                             "RAVNEST_OPERATOR_METRICS_PORT": "9090",
+                             "RAVNEST_FINAL_SCRAPE_SECONDS": "30"})
+    assert got == Settings("reg/ravnest:1", 0.5, True, 9090, 30.0)
+    assert Settings.from_env({"RAVNEST_NETWORK_POLICIES": "yes",
+                              "RAVNEST_FINAL_SCRAPE_SECONDS": ""}) == Settings()
+
+
+def test_decision_separates_the_status_patch_from_the_actions():
+    d = Decision()
+    d.set({"phase": "Running", "nodes": {}})
+    d.do(DeletePod("a"))
+    d.set({"phase": "Failed"})
+    assert d.status == {"phase": "Failed", "nodes": {}}
+    assert d.actions == [DeletePod("a")]
+    assert isinstance(d.steps[0], SetStatus) and len(d.steps) == 3
+
+
+# --- validate and plan -------------------------------------------------------------------------
+
+def test_an_invalid_spec_fails_with_its_problems(digits):
+    seen = Observed("digits", "team-a", "uid-1", {}, {}, problems=("spec.a: bad", "spec.b: worse"))
+    d = decide(seen, NOW, SETTINGS)
+    assert d.status["phase"] == "Failed" and d.status["completionTime"] == AT
+    failed = _conditions(d)["Failed"]
+    assert failed == {"type": "Failed", "status": "True", "reason": "InvalidSpec",
+                      "message": "spec.a: bad; spec.b: worse", "lastTransitionTime": AT}
+    assert _conditions(d)["Running"]["status"] == "False"
+    assert d.actions == [Event("InvalidSpec", "spec.a: bad; spec.b: worse", warning=True),
+                         CountFinished(None, "Failed", None)]
+
+
+def test_a_new_job_is_accepted_planned_and_its_objects_created(digits):
+    _, job, plan = digits
+    d = decide(_observed(digits, {}, plan=False), NOW, SETTINGS)
+    assert d.status["phase"] == "Planned"
+    assert d.status["plan"] == {
+        "fingerprint": plan.fingerprint, "summary": plan.summary(),
+        "clusters": [{"id": c.id, "nodes": list(c.nodes)} for c in plan.clusters],
+        "stages": {n.name: f"{n.first_layer}..{n.last_layer}" for n in plan.nodes}}
+    conds = _conditions(d)
+    assert conds["Created"] == {"type": "Created", "status": "True", "reason": "Accepted",
+                                "message": "spec is valid", "lastTransitionTime": AT}
+    assert conds["Planned"]["message"] == plan.summary()
+    assert d.actions == [CreateJobObjects(job, plan),
+                         Event("Planned", f"{plan.summary()} plan {plan.fingerprint}")]
+    assert d.steps[0] == SetStatus({"phase": "Created", "conditions": [conds["Created"]]})
+
+
+def test_a_stored_plan_is_not_made_again(digits):
+    status = {"phase": "Created", "conditions": [_cond("Created")]}
+    d = decide(_observed(digits, status), NOW, SETTINGS)
+    assert d.status["phase"] == "Planned" and d.actions == []
+
+
+def test_a_job_that_cannot_be_planned_fails(digits):
+    seen = _observed(digits, {}, plan=False, providers=[{"ram": "1Ki", "replicas": 2}])
+    d = decide(seen, NOW, SETTINGS)
+    assert d.status["phase"] == "Failed"
+    failed = _conditions(d)["Failed"]
+    assert failed["reason"] == "PlanFailed" and "total RAM" in failed["message"]
+    assert "Created" in _conditions(d)  # accepted first, in the same pass
+    assert [type(a) for a in d.actions] == [Event, CountFinished]
+
+
+# --- pods --------------------------------------------------------------------------------------
+
+def test_a_planned_job_gets_its_pods(digits):
+    _, job, plan = digits
+    status = {"phase": "Planned", "conditions": [_cond("Created"), _cond("Planned")]}
+    d = decide(_observed(digits, status), NOW, SETTINGS)
+    owner = resources.Owner("digits", "team-a", "uid-1")
+    assert d.actions == [Create(resources.pod(owner, job, plan, n, "ravnest:test", attempt=0,
+                                              final_scrape_seconds=30)) for n in plan.nodes]
+    assert d.status["nodes"] == {n: {"pod": resources.pod_name("digits", n), "phase": "Missing"}
+                                 for n in plan.names()}
+    assert "phase" not in d.status
+
+
+def test_only_missing_pods_are_created_with_the_current_attempt(digits):
+    _, _, plan = digits
+    status = {"phase": "Restarting", "restarts": 2, "conditions": [_cond("Created")]}
+    pods = [_pod(plan, 0, "Pending", attempt=2)]
+    d = decide(_observed(digits, status, pods), NOW, SETTINGS)
+    created = [a.manifest for a in d.actions if isinstance(a, Create)]
+    assert [m["metadata"]["name"] for m in created] == [
+        resources.pod_name("digits", n) for n in plan.names()[1:]]
+    assert {m["metadata"]["annotations"]["ravnest.io/attempt"] for m in created} == {"2"}
+
+
+def test_all_pods_running_makes_the_job_running(digits):
+    _, _, plan = digits
+    status = {"phase": "Planned", "conditions": [_cond("Created"), _cond("Planned")]}
+    d = decide(_observed(digits, status, _pods(plan, "Running")), NOW, SETTINGS)
+    assert d.status["phase"] == "Running" and d.status["startTime"] == AT
+    assert _conditions(d)["Running"]["message"] == f"{len(plan.nodes)} worker pods running"
+    roots = [plan.names().index(c.nodes[0]) for c in plan.clusters]
+    assert d.actions == [CountRunning(_ago(60)),
+                         ScrapeProgress(tuple(f"10.0.0.{i + 1}" for i in roots), AT, {})]
+
+
+def test_a_running_job_reports_progress_from_its_roots(digits):
+    _, _, plan = digits
+    status = _running(progress={"step": 3, "totalSteps": 66})
+    d = decide(_observed(digits, status, _pods(plan, "Running")), NOW, SETTINGS)
+    assert "phase" not in d.status and "conditions" not in d.status
+    (scrape,) = d.actions
+    assert isinstance(scrape, ScrapeProgress)
+    assert scrape.started == _ago(100) and scrape.base == status["progress"]
+    assert scrape.hosts[0] == f"10.0.0.{plan.names().index(plan.clusters[0].nodes[0]) + 1}"
+
+
+def test_progress_stays_as_it_was_while_a_root_has_no_address(digits):
+    _, _, plan = digits
+    pods = _pods(plan, "Running", ip=False)
+    status = _running(progress={"step": 3})
+    d = decide(_observed(digits, status, pods), NOW, SETTINGS)
+    assert d.actions == [] and d.status["progress"] == {"step": 3}
+
+
+def test_pods_of_an_earlier_attempt_are_deleted_first(digits):
+    _, _, plan = digits
+    pods = _pods(plan, "Running", attempt=0)
+    pods[1] = _pod(plan, 1, "Running", attempt=0, deleting=True)
+    pods[2] = _pod(plan, 2, "Running", attempt=1)
+    status = {**_running(), "phase": "Restarting", "restarts": 1}
+    d = decide(_observed(digits, status, pods), NOW, SETTINGS)
+    assert d.actions == [DeletePod(p["metadata"]["name"]) for i, p in enumerate(pods)
+                         if i not in (1, 2)]
+    assert set(d.status) == {"nodes"}
+
+
+# --- failures ----------------------------------------------------------------------------------
+
+def test_a_failed_pod_restarts_the_job_within_backoff_limit(digits):
+    _, _, plan = digits
+    pods = _pods(plan, "Running", attempt=1)
+    pods[2] = _pod(plan, 2, "Failed", code=137, attempt=1)
+    failed = pods[2]["metadata"]["name"]
+    d = decide(_observed(digits, _running(restarts=1), pods), NOW, SETTINGS)
+    message = f"pod {failed} failed with exit code 137 (Error)"
+    assert d.status["phase"] == "Restarting" and d.status["restarts"] == 2
+    assert _conditions(d)["Restarting"]["message"] == (
+        f"{message}; restart 2 resumes from the last checkpoint")
+    assert d.status["nodes"][plan.names()[2]] == {"pod": failed, "phase": "Failed",
+                                                 "exitCode": 137, "reason": "Error"}
+    assert d.actions == [*(DeletePod(p["metadata"]["name"]) for p in pods),
+                         Event("Restarting", message, warning=True), CountRestart()]
+
+
+def test_a_pod_lost_from_a_running_job_restarts_it(digits):
+    _, _, plan = digits
+    pods = _pods(plan, "Running")
+    gone = pods.pop(4)["metadata"]["name"]
+    pods[0] = _pod(plan, 0, "Running", deleting=True)
+    d = decide(_observed(digits, _running(), pods), NOW, SETTINGS)
+    assert d.status["phase"] == "Restarting"
+    deleting = pods[0]["metadata"]["name"]
+    assert _conditions(d)["Restarting"]["message"] == (
+        f"pod {deleting} was deleted; pod {gone} was deleted; restart 1 resumes from the last "
+        f"checkpoint")
+    assert d.actions[:-2] == [DeletePod(p["metadata"]["name"]) for p in pods[1:]]
+
+
+def test_missing_pods_of_a_job_not_yet_running_are_created_not_lost(digits):
+    _, _, plan = digits
+    pods = _pods(plan, "Pending")[1:]
+    status = {"phase": "Planned", "conditions": [_cond("Planned")]}
+    d = decide(_observed(digits, status, pods), NOW, SETTINGS)
+    assert [type(a) for a in d.actions] == [Create]
+
+
+def test_beyond_backoff_limit_the_job_fails_naming_pod_and_exit_code(digits):
+    _, _, plan = digits
+    pods = _pods(plan, "Running", attempt=3)
+    pods[3] = _pod(plan, 3, "Failed", code=3, attempt=3)
+    pods[5] = _pod(plan, 5, "Succeeded", code=0, attempt=3)
+    pods[0] = _pod(plan, 0, "Pending", attempt=3)
+    d = decide(_observed(digits, _running(restarts=3, startTime=_ago(10)), pods), NOW, SETTINGS)
+    message = f"pod {pods[3]['metadata']['name']} failed with exit code 3 (Error)"
+    assert d.status["phase"] == "Failed" and d.status["completionTime"] == AT
+    conds = _conditions(d)
+    assert conds["Failed"]["reason"] == "BackoffLimitExceeded"
+    assert conds["Failed"]["message"] == message
+    assert conds["Running"] == {"type": "Running", "status": "False",
+                                "reason": "BackoffLimitExceeded", "message": "",
+                                "lastTransitionTime": AT}
+    # cleanPodPolicy Running (the default): the running and pending pods go, finished ones stay
+    assert d.actions == [Event("BackoffLimitExceeded", message, warning=True),
+                         CountFinished("Running", "Failed", _ago(10)),
+                         *(DeletePod(p["metadata"]["name"]) for i, p in enumerate(pods)
+                           if i not in (3, 5))]
+
+
+def test_backoff_limit_zero_and_clean_pod_policy_all(digits):
+    _, _, plan = digits
+    pods = _pods(plan, "Running")
+    pods[1] = _pod(plan, 1, "Failed", code=1)
+    seen = _observed(digits, _running(), pods,
+                     runPolicy={"backoffLimit": 0, "cleanPodPolicy": "All"})
+    d = decide(seen, NOW, SETTINGS)
+    assert d.status["phase"] == "Failed"
+    assert [a for a in d.actions if isinstance(a, DeletePod)] == [
+        DeletePod(p["metadata"]["name"]) for p in pods]
+
+
+def test_active_deadline_fails_the_job_and_deletes_its_pods(digits):
+    _, _, plan = digits
+    pods = _pods(plan, "Running")
+    seen = _observed(digits, _running(), pods, runPolicy={"activeDeadlineSeconds": 99})
+    d = decide(seen, NOW, SETTINGS)
+    assert d.status["phase"] == "Failed"
+    message = "job ran longer than activeDeadlineSeconds=99"
+    assert _conditions(d)["Failed"]["reason"] == "DeadlineExceeded"
+    assert _conditions(d)["Failed"]["message"] == message
+    assert d.actions[1:] == [Event("DeadlineExceeded", message, warning=True),
+                             CountFinished("Running", "Failed", _ago(100)),
+                             *(DeletePod(p["metadata"]["name"]) for p in pods)]
+    within = _observed(digits, _running(), pods, runPolicy={"activeDeadlineSeconds": 101})
+    assert "phase" not in decide(within, NOW, SETTINGS).status
+
+
+# --- suspend and resume ------------------------------------------------------------------------
+
+def test_suspend_deletes_the_pods_once_and_says_so(digits):
+    _, _, plan = digits
+    pods = _pods(plan, "Running")
+    d = decide(_observed(digits, _running(), pods, runPolicy={"suspend": True}), NOW, SETTINGS)
+    assert d.status == {"phase": "Suspended", "conditions": [
+        *_running()["conditions"],
+        {"type": "Suspended", "status": "True", "reason": "Suspended",
+         "message": "pods deleted; resumes from the last checkpoint", "lastTransitionTime": AT}]}
+    assert d.actions == [*(DeletePod(p["metadata"]["name"]) for p in pods),
+                         Event("Suspended", "pods deleted")]
+    suspended = {**_running(), "phase": "Suspended"}
+    again = decide(_observed(digits, suspended, pods[:2], runPolicy={"suspend": True}), NOW,
+                   SETTINGS)
+    assert again.status == {} and again.actions == [DeletePod(p["metadata"]["name"])
+                                                    for p in pods[:2]]
+
+
+def test_resume_recreates_the_pods(digits):
+    _, _, plan = digits
+    status = {**_running(), "phase": "Suspended",
+              "conditions": [_cond("Running"), _cond("Suspended", reason="Suspended")]}
+    d = decide(_observed(digits, status), NOW, SETTINGS)
+    assert _conditions(d)["Suspended"] == {"type": "Suspended", "status": "False",
+                                           "reason": "Resumed", "message": "",
+                                           "lastTransitionTime": AT}
+    assert len([a for a in d.actions if isinstance(a, Create)]) == len(plan.nodes)
+
+
+def test_running_again_after_a_restart_keeps_what_it_recovered_from(digits):
+    _, _, plan = digits
+    status = {"phase": "Restarting", "restarts": 1, "startTime": _ago(100),
+              "conditions": [_cond("Running", "False"),
+                             _cond("Restarting", reason="WorkerFailed", message="pod x failed")]}
+    d = decide(_observed(digits, status, _pods(plan, "Running", attempt=1)), NOW, SETTINGS)
+    assert d.status["phase"] == "Running" and "startTime" not in d.status
+    assert _conditions(d)["Restarting"] == {
+        "type": "Restarting", "status": "False", "reason": "Recovered",
+        "message": "running again after: pod x failed", "lastTransitionTime": AT}
+    assert not [a for a in d.actions if isinstance(a, CountRunning)]
+
+
+# --- success and TTL ---------------------------------------------------------------------------
+
+def test_success_records_the_roots_result(digits):
+    _, _, plan = digits
+    root = plan.names().index(plan.clusters[0].nodes[0])
+    result = {"updates": 66, "train_loss": 0.1, "val_loss": 0.2, "val_metric": 0.97}
+    pods = _pods(plan, "Succeeded", code=0)
+    pods[root] = _pod(plan, root, "Succeeded", code=0, message=json.dumps(result))
+    status = _running(progress={"step": 64, "totalSteps": 66, "epoch": 3})
+    d = decide(_observed(digits, status, pods), NOW, SETTINGS)
+    assert d.status["phase"] == "Succeeded" and d.status["completionTime"] == AT
+    assert d.status["result"] == result
+    assert d.status["progress"] == {"step": 66, "totalSteps": 66, "epoch": 3, "loss": 0.1,
+                                    "validationLoss": 0.2, "validationMetric": 0.97,
+                                    "display": "66/66"}
+    conds = _conditions(d)
+    assert conds["Succeeded"]["message"] == "validation metric 0.97"
+    assert conds["Running"]["status"] == "False" and conds["Running"]["reason"] == "Completed"
+    assert d.actions == [Event("Succeeded", json.dumps(result)),
+                         CountFinished("Running", "Succeeded", _ago(100))]
+
+
+def test_success_without_a_result_and_clean_pod_policy_all(digits):
+    _, _, plan = digits
+    pods = _pods(plan, "Succeeded", code=0)
+    seen = _observed(digits, _running(progress={"step": 5}), pods,
+                     runPolicy={"cleanPodPolicy": "All"})
+    d = decide(seen, NOW, SETTINGS)
+    assert "result" not in d.status and d.status["progress"] == {"step": 5}
+    assert _conditions(d)["Succeeded"]["message"] == "validation metric None"
+    assert d.actions[0] == Event("Succeeded", "{}")
+    assert d.actions[2:] == [DeletePod(p["metadata"]["name"]) for p in pods]
+
+
+@pytest.mark.parametrize("phase", ["Succeeded", "Failed"])
+def test_a_finished_job_is_deleted_once_its_ttl_has_passed(digits, phase):
+    status = {"phase": phase, "completionTime": _ago(30)}
+    ttl = {"runPolicy": {"ttlSecondsAfterFinished": 30}}
+    assert decide(Observed("digits", "team-a", "u", ttl, status), NOW, SETTINGS).steps == [
+        DeleteJob()]
+    later = {"runPolicy": {"ttlSecondsAfterFinished": 31}}
+    assert decide(Observed("digits", "team-a", "u", later, status), NOW, SETTINGS).steps == []
+    assert decide(Observed("digits", "team-a", "u", {}, status), NOW, SETTINGS).steps == []
