@@ -1,6 +1,7 @@
 """The seed API is assembled as a worker is: with `clusterize(tls=True)` its providers talk mutual
-TLS with certificates of a CA made for the plan, and with the ring data plane (the default) ring
-pieces go on it, one port above each provider's gRPC port. The trained model is the same as with
+TLS with certificates of a CA made for the plan, and with `ring_transport="tcp"` ring pieces go on
+the ring data plane, one port above each provider's gRPC port (the seed API's default is gRPC: one
+port per provider, as in Ravnest). The trained model is the same as with
 the ring over gRPC and no TLS (providers in threads of one process: a model without dropout, whose
 random draws would interleave)."""
 

@@ -4,10 +4,13 @@ It reads the providers the way Ravnest does (``{"0": {"IP": "host:port", "benchm
 "bandwidth": 20}}}``), plans clusters and stages, and writes one metadata file per provider into
 ``node_data/nodes/`` plus each provider's stage module, so that a provider script only needs
 ``Node(name='node_3', ...)``. It also writes a random job token (mode 0600) that every provider
-of the plan presents to its peers. The metadata is the workers' (`ravnest.run.metadata`): with the
-ring data plane (`ring_transport='tcp'`, the jobs' default) each provider's ring server listens one
-port above its gRPC port; with `tls=True` a CA made for this plan alone issues every provider a
-certificate into ``node_data/tls/<node>/`` (the CA's own key is never written).
+of the plan presents to its peers. The metadata is the workers' (`ravnest.run.metadata`).
+
+By default a provider uses only the address `node_configs.json` gives it (ring pieces over gRPC,
+as in Ravnest). With `ring_transport='tcp'` (the ring data plane, a job's default) each
+provider's ring server listens one port above its gRPC port, which must be free and reachable.
+With `tls=True` a CA made for this plan alone issues every provider a certificate into
+``node_data/tls/<node>/`` (the CA's own key is never written).
 """
 
 from __future__ import annotations
@@ -72,13 +75,15 @@ def clusterize(model: nn.Module | None = None, example_args: tuple[Any, ...] = (
                node_data: str | Path = "node_data", clusters: int | None = None,
                batch_size: int | None = None, microbatches: int = 1,
                optimizer: str = "Adam",
-               ring_transport: str = TrainingSpec().ring_transport,
+               ring_transport: str = "grpc",
                tls: bool = SecuritySpec().tls) -> Plan:
     """Form clusters, split the model and write node metadata into ``node_data/nodes/``.
 
     `pass_data` is accepted for compatibility: the model is always run once on the example input
     (to trace it and size activations). `ring_transport` and `tls` mean what a job's
-    training.ringTransport and security.tls do. Returns the plan (also printed as a table).
+    training.ringTransport and security.tls do; the seed API's default is `grpc`, so a provider
+    needs no port beyond the one `node_configs.json` names. Returns the plan (also printed as a
+    table).
     """
     training = parse_section(TrainingSpec, {"ringTransport": ring_transport})
     if model is None:
@@ -89,6 +94,10 @@ def clusterize(model: nn.Module | None = None, example_args: tuple[Any, ...] = (
         raise PlanError("clusterize: pass example_args, e.g. (torch.rand(64, 3, 28, 28),)")
     root = Path(node_data)
     addresses, pool = read_node_configs(root / "node_configs.json")
+    address_map = {f"node_{i}": a for i, a in enumerate(addresses)}
+    ring_map = ({n: ring_address(a) for n, a in address_map.items()}
+                if training.ring_transport == "tcp" else None)
+    _check_ring_ports(address_map, ring_map)
     gm, prof = profile(model, [a for a in example_args if isinstance(a, torch.Tensor)])
     bsz = batch_size or prof.example_batch
     plan = make_plan(prof, pool, Workload(batch_size=bsz, microbatches=microbatches,
@@ -100,9 +109,6 @@ def clusterize(model: nn.Module | None = None, example_args: tuple[Any, ...] = (
     if not token_file.exists():
         token_file.write_text(secrets.token_hex(16))
         os.chmod(token_file, 0o600)
-    address_map = {f"node_{i}": a for i, a in enumerate(addresses)}
-    ring_map = ({n: ring_address(a) for n, a in address_map.items()}
-                if training.ring_transport == "tcp" else None)
     tls_dirs = _certificates(root / "tls", address_map) if tls else {}
     for n in plan.nodes:
         stage = build_stage(gm, n.start, n.end)
@@ -118,6 +124,18 @@ def clusterize(model: nn.Module | None = None, example_args: tuple[Any, ...] = (
                  {r.id: r.state[0] for r in plan.rings_of(n.name)})
     log.info("plan:\n%s", plan.table())
     return plan
+
+
+def _check_ring_ports(addresses: dict[str, str], rings: dict[str, str] | None) -> None:
+    """Refuse ring data ports that are another provider's gRPC address (consecutive ports on one
+    host, as Ravnest's local examples use)."""
+    taken = {a: n for n, a in addresses.items()}
+    clashes = [f"{n}'s ring port {a} is {taken[a]}'s address" for n, a in (rings or {}).items()
+               if a in taken]
+    if clashes:
+        raise SpecError([f"node_configs.json: with ring_transport='tcp' each provider's ring "
+                         f"server listens one port above its own; {'; '.join(clashes)} (space "
+                         f"the ports out, or keep ring_transport='grpc')"])
 
 
 def _certificates(folder: Path, addresses: dict[str, str]) -> dict[str, str]:

@@ -1,0 +1,55 @@
+"""The seed API's providers listen only where `node_configs.json` says, unless asked for the ring
+data plane; then a ring port that is another provider's address is refused before anything is
+written (Ravnest's local examples give providers consecutive ports on one host)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ravnest import clusterize
+from ravnest.errors import SpecError
+from ravnest.examples.digits import build_model
+from ravnest.run.metadata import NodeMetadata
+
+
+def _configs(folder: Path, ports: list[int]) -> Path:
+    node_data = folder / "node_data"
+    node_data.mkdir()
+    (node_data / "node_configs.json").write_text(json.dumps({
+        str(i): {"IP": f"127.0.0.1:{p}", "benchmarks": {"ram": 4, "bandwidth": 100}}
+        for i, p in enumerate(ports)}))
+    return node_data
+
+
+def _clusterize(node_data: Path, **kwargs: object) -> None:
+    clusterize(model=build_model(), example_args=(torch.rand(16, 1, 8, 8),), clusters=1,
+               node_data=node_data, **kwargs)  # type: ignore[arg-type]
+
+
+def test_by_default_a_provider_needs_only_its_configured_address(tmp_path: Path) -> None:
+    node_data = _configs(tmp_path, [8080, 8081, 8082])
+    _clusterize(node_data)
+    for i, port in enumerate([8080, 8081, 8082]):
+        meta = NodeMetadata.load(node_data / "nodes" / f"node_{i}.json")
+        assert meta.ring_addresses is None
+        assert meta.listen.endswith(f":{port}")
+
+
+def test_ring_data_plane_on_consecutive_ports_is_refused(tmp_path: Path) -> None:
+    node_data = _configs(tmp_path, [8080, 8081, 8082])
+    with pytest.raises(SpecError) as e:
+        _clusterize(node_data, ring_transport="tcp")
+    assert "node_0's ring port 127.0.0.1:8081 is node_1's address" in str(e.value)
+    assert not (node_data / "nodes").exists()
+
+
+def test_ring_data_plane_with_spaced_ports(tmp_path: Path) -> None:
+    node_data = _configs(tmp_path, [8080, 8090, 8100])
+    _clusterize(node_data, ring_transport="tcp")
+    meta = NodeMetadata.load(node_data / "nodes" / "node_1.json")
+    assert meta.ring_addresses == {"node_0": "127.0.0.1:8081", "node_1": "127.0.0.1:8091",
+                                   "node_2": "127.0.0.1:8101"}
