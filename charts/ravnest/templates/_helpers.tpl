@@ -63,8 +63,8 @@ app.kubernetes.io/managed-by: ravnest-operator
 
 {{/*
 What the operator does in the namespaces it serves: exactly its API calls
-(operator/ravnest_operator/handling.py) and kopf's, no more. tests/integration/test_chart.py
-derives the same set from the code and compares.
+(operator/ravnest_operator/handling.py) and kopf's, no more. tests/integration/deriving_rbac.py
+derives the same set from the code and tests/integration/test_chart.py compares.
 */}}
 {{- define "ravnest.namespacedRules" -}}
 # handling.py: pods are created per provider, listed by job, deleted on restart/suspend/cleanup.
