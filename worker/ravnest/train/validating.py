@@ -4,8 +4,9 @@ back to the root.
 The root sends the validation batches down the pipeline (eval frames) at a drained point, then an
 `eval_end` control; the leaf sums the loss (and with the accuracy metric, the correct
 predictions) over them, smooths the loss across validations and tells whether that makes these
-weights the best so far. Every node keeps a snapshot of its weights at `eval_end` and takes it as
-its best state when the result says so.
+weights the best so far (keeping that bookkeeping in its own curve: the root's curve is the
+leaf's only in a one-stage cluster). Every node keeps a snapshot of its weights at `eval_end` and
+takes it as its best state when the result says so.
 """
 
 from __future__ import annotations
@@ -58,5 +59,7 @@ class Validation:
         curve.smoothed = (val_loss if curve.smoothed is None
                           else a * val_loss + (1 - a) * curve.smoothed)
         best = curve.best_smoothed is None or curve.smoothed < curve.best_smoothed
+        if best:
+            curve.best_smoothed, curve.best_step = curve.smoothed, step
         return {"op": Op.VAL_RESULT, "epoch": epoch, "step": step, "val_loss": val_loss,
                 "val_metric": metric, "smoothed": curve.smoothed, "best": best}
