@@ -8,7 +8,9 @@ INVALID_ARGUMENT and the server keeps serving. Outgoing frames go through a few 
 per peer, so compute never waits on the network and several calls are in flight at once (each
 waits a round trip for its Ack); frames that must stay in order (the pipeline's) are numbered by
 the sending Peer and the receiving Inbox (inboxes.py) hands them on in that order. Small frames
-go as one unary call, larger ones streamed.
+go as one unary call, larger ones streamed. The standard health service answers without a token
+(peers and probes Check readiness); its Watch streams hold none of the server's threads, which
+carry training's frames, and only a few may be open at once.
 """
 
 from __future__ import annotations
@@ -139,27 +141,48 @@ class _Servicer:
         return pb.Ack(received_bytes=frame.wire_bytes)
 
 
-def _health_handler(servicer: health.HealthServicer) -> grpc.GenericRpcHandler:
-    """The standard health service (Check, Watch), parsing requests itself: one that is not a
-    HealthCheckRequest gets INVALID_ARGUMENT, where grpc's own parsing would answer INTERNAL and
-    log a traceback for every such call."""
+MAX_HEALTH_WATCHES = 16
+"""Health Watch streams a server holds open at once; more are refused with RESOURCE_EXHAUSTED.
+Nobody needs a token to watch (peers and probes use Check), so this bounds what anyone may hold."""
 
-    def parsed(method: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
-        def call(request: bytes, context: grpc.ServicerContext) -> Any:
-            try:
-                message = health_pb2.HealthCheckRequest.FromString(request)
-            except DecodeError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a HealthCheckRequest: {e}")
-            return method(message, context)
 
-        return call
+def _parse_health(request: bytes, context: grpc.ServicerContext) -> Any:
+    """A HealthCheckRequest, or INVALID_ARGUMENT (grpc's own parsing would answer INTERNAL and log
+    a traceback for every such call)."""
+    try:
+        return health_pb2.HealthCheckRequest.FromString(request)
+    except DecodeError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a HealthCheckRequest: {e}")
 
+
+def _health_handler(servicer: health.HealthServicer,
+                    max_watches: int = MAX_HEALTH_WATCHES) -> grpc.GenericRpcHandler:
+    """The standard health service (Check, Watch), parsing requests itself. Watch is served
+    non-blocking, as grpcio-health-checking's servicer is written for: a held stream occupies no
+    thread of the server's (those carry training's frames), only a callback, and at most
+    `max_watches` are held at once."""
+    slots = threading.BoundedSemaphore(max_watches)
+
+    def check(request: bytes, context: grpc.ServicerContext) -> Any:
+        return servicer.Check(_parse_health(request, context), context)
+
+    def watch(request: bytes, context: grpc.ServicerContext,
+              send_response_callback: Callable[[Any], None]) -> None:
+        message = _parse_health(request, context)
+        if not slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{max_watches} health watches are open already; use Check")
+        if not context.add_callback(slots.release):  # the call has ended already
+            slots.release()
+            return
+        servicer.Watch(message, context, send_response_callback)
+
+    # grpc's server passes a send callback instead of taking a thread to drain an iterator
+    setattr(watch, "experimental_non_blocking", True)  # noqa: B010 (a function attribute)
     respond = health_pb2.HealthCheckResponse.SerializeToString
     return grpc.method_handlers_generic_handler("grpc.health.v1.Health", {
-        "Check": grpc.unary_unary_rpc_method_handler(parsed(servicer.Check),
-                                                     response_serializer=respond),
-        "Watch": grpc.unary_stream_rpc_method_handler(parsed(servicer.Watch),
-                                                      response_serializer=respond)})
+        "Check": grpc.unary_unary_rpc_method_handler(check, response_serializer=respond),
+        "Watch": grpc.unary_stream_rpc_method_handler(watch, response_serializer=respond)})
 
 
 class Server:
