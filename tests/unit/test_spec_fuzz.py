@@ -83,18 +83,79 @@ def test_hostile_values_at_every_field_give_spec_errors(path: tuple[Any, ...]) -
         assert_spec_error_lines(doc)
 
 
-def test_an_alias_bomb_file_is_reported_at_once(tmp_path: Path) -> None:
-    """Ten lines of YAML that load as 10**9 list items: the error shows a bounded excerpt."""
+def _alias_bomb(levels: int) -> str:
+    """YAML lines that anchor `a{levels}`, which stands for 10**(levels + 1) ones."""
     lines = ["a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
-    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
-    text = EXAMPLE.read_text().replace("shape: [32, 1, 8, 8]", "shape: [32, *a8]")
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+TOO_MANY = ("too large: holds {} values (each alias counted as the copy it stands for); "
+            "a job may hold at most 100000")
+
+
+def _held(problems: list[str]) -> int:
+    """The count in the one line of a too-large document."""
+    [line] = problems
+    held = re.fullmatch("<document>: " + re.escape(TOO_MANY).replace(r"\{\}", "([0-9]+)"), line)
+    assert held is not None, line
+    return int(held.group(1))
+
+
+def test_an_alias_bomb_in_data_kwargs_is_refused_before_it_is_built(tmp_path: Path) -> None:
+    """Issue 19 item 5: 1.5 KB of YAML standing for 10**8 ones in spec.data.kwargs passed
+    validation and made `plan` run for minutes."""
+    text = EXAMPLE.read_text().replace("    seed: 42\n", "    seed: 42\n    kwargs: {x: *a7}\n")
     path = tmp_path / "job.yaml"
-    path.write_text("\n".join(lines) + "\n" + text)
+    path.write_text(_alias_bomb(7) + text)
+    assert path.stat().st_size < 2000
     with pytest.raises(SpecError) as err:
         load_job(path)
-    [line] = err.value.problems
-    assert line.startswith("spec.model.exampleInput.shape[1]: must be an integer, got [[[[[")
-    assert line.endswith("...") and len(line) < 200
+    assert _held(err.value.problems) > 10**8
+
+
+def test_an_alias_bomb_anywhere_in_the_file_is_refused(tmp_path: Path) -> None:
+    text = EXAMPLE.read_text().replace("shape: [32, 1, 8, 8]", "shape: [32, *a8]")
+    path = tmp_path / "job.yaml"
+    path.write_text(_alias_bomb(8) + text)
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert _held(err.value.problems) > 10**9
+
+
+def test_an_alias_inside_its_own_anchor_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("x: &loop [1, *loop]\n" + EXAMPLE.read_text())
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert err.value.problems == [
+        "<document>: " + TOO_MANY.format("infinitely many") + " (an alias inside its own anchor)"]
+
+
+def test_a_job_file_over_one_mebibyte_is_refused_unread(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(EXAMPLE.read_text() + "# " + "x" * (1 << 20) + "\n")
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert err.value.problems == [
+        f"{path}: a job file may be at most 1048576 bytes, this one is larger"]
+
+
+def test_shared_aliases_within_the_bound_still_load(tmp_path: Path) -> None:
+    text = EXAMPLE.read_text().replace("    seed: 42\n", "    seed: 42\n    kwargs: {x: *a3}\n")
+    path = tmp_path / "job.yaml"
+    path.write_text(_alias_bomb(3) + text)
+    assert len(str(load_job(path).spec.data.kwargs["x"])) > 10**4
+
+
+@pytest.mark.parametrize("document", [_bomb(9), _cycle], ids=["shared-lists", "cycle"])
+def test_parse_job_bounds_an_object_tree_from_elsewhere(document: Any) -> None:
+    """The operator hands parse_job an object, not text: it is bounded too."""
+    doc = copy.deepcopy(BASE)
+    doc["spec"]["data"]["kwargs"] = {"x": document}
+    with pytest.raises(SpecError) as err:
+        parse_job(doc)
+    assert err.value.problems == ["<document>: " + TOO_MANY.format("more than 100000")]
 
 
 KEYS = st.text(max_size=12) | st.integers(-5, 5) | st.none() | st.booleans() | st.floats()

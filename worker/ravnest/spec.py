@@ -36,6 +36,12 @@ _KEY = re.compile(r"^[\w-]+$")
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
 
+MAX_DOCUMENT_BYTES = 1 << 20
+"""The largest job file `load_job` reads (1 MiB); a job is a few hundred bytes to a few KB."""
+MAX_DOCUMENT_VALUES = 100_000
+"""The most values (mappings, lists, keys and scalars, each YAML alias counted as the copy it
+stands for) a job may hold: ten lines of aliases can stand for 10**9 values."""
+
 
 def parse_gigabytes(value: Any) -> float:
     """Turn a RAM value into gigabytes (GiB): a bare number is GB as in the seeds'
@@ -432,11 +438,34 @@ def _message(err: dict[str, Any]) -> str:
 _M = TypeVar("_M", bound=BaseModel)
 
 
+def _too_many_values(count: str) -> str:
+    return (f"too large: holds {count} values (each alias counted as the copy it stands for); "
+            f"a job may hold at most {MAX_DOCUMENT_VALUES}")
+
+
+def _bounded(document: Any) -> None:
+    """Refuse an object tree of more than MAX_DOCUMENT_VALUES values, counting a shared (or
+    cyclic) part each time it is reached, without walking more than that bound."""
+    count, stack = 0, [document]
+    while stack:
+        node = stack.pop()
+        count += 1
+        if count > MAX_DOCUMENT_VALUES:
+            more = f"more than {MAX_DOCUMENT_VALUES}"
+            raise SpecError([f"<document>: {_too_many_values(more)}"])
+        if isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple):
+            stack.extend(node)
+
+
 def parse_job(document: Any) -> Job:
     """Validate a parsed YAML/JSON document; raise SpecError listing every problem by path."""
     if not isinstance(document, dict):
         got = "an empty document" if document is None else f"a {type(document).__name__}"
         raise SpecError([f"<document>: must be a mapping (a RavnestJob), got {got}"])
+    _bounded(document)
     return parse_section(Job, document)
 
 
@@ -453,17 +482,67 @@ def parse_section(model: type[_M], document: dict[str, Any]) -> _M:
         raise SpecError(problems) from None
 
 
-def load_job(path: str | Path) -> Job:
-    """Read and validate a job file."""
-    p = Path(path)
+def _expanded_size(root: yaml.Node) -> int:
+    """How many values a composed YAML document stands for once its aliases are expanded (an
+    alias shares its anchor's node): each node is visited once, so a billion-laughs file costs
+    its own size; a document that contains itself stands for infinitely many."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if children_done:
+            on_path.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(c)] for c in _children(node))
+        elif id(node) in on_path:
+            raise SpecError([f"<document>: {_too_many_values('infinitely many')} (an alias "
+                             "inside its own anchor)"])
+        elif id(node) not in sizes:
+            on_path.add(id(node))
+            stack.append((node, True))
+            stack.extend((c, False) for c in _children(node))
+    return sizes[id(root)]
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+
+class _JobLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses documents standing for more than MAX_DOCUMENT_VALUES
+    values before it builds them."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        size = _expanded_size(node)
+        if size > MAX_DOCUMENT_VALUES:
+            raise SpecError([f"<document>: {_too_many_values(str(size))}"])
+        return super().construct_document(node)
+
+
+def _read(p: Path) -> str:
     try:
-        text = p.read_text()
+        with p.open("rb") as f:
+            data = f.read(MAX_DOCUMENT_BYTES + 1)
     except OSError as e:
         raise SpecError([f"{p}: cannot read job file ({e.strerror})"]) from e
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise SpecError([f"{p}: a job file may be at most {MAX_DOCUMENT_BYTES} bytes, "
+                         "this one is larger"])
+    try:
+        return data.decode()
     except UnicodeDecodeError as e:
         raise SpecError([f"{p}: cannot read job file (not UTF-8 text: {e.reason})"]) from e
+
+
+def load_job(path: str | Path) -> Job:
+    """Read and validate a job file of at most MAX_DOCUMENT_BYTES standing for at most
+    MAX_DOCUMENT_VALUES values."""
+    p = Path(path)
+    text = _read(p)
     try:
-        document = yaml.safe_load(text)
+        document = yaml.load(text, Loader=_JobLoader)  # a SafeLoader: no Python tags
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
