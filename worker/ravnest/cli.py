@@ -18,13 +18,32 @@ from ravnest.errors import RavnestError, SpecError
 from ravnest.run.metadata import TOKEN_ENV, TORCH_THREADS_ENV, NodeMetadata
 
 
+def _stop_on(*signums: int) -> None:
+    """Turn these signals into `Terminated`, so that the runner stops its workers and records
+    the run; a second signal is ignored rather than cut that short."""
+    from ravnest.run.local import Terminated
+
+    def terminate(signum: int, _frame: object) -> None:
+        for s in signums:
+            signal.signal(s, signal.SIG_IGN)
+        raise Terminated(signum)
+
+    for s in signums:
+        signal.signal(s, terminate)
+
+
 def _run(args: argparse.Namespace) -> int:
-    from ravnest.run.local import run_job
+    from ravnest.run.local import Terminated, run_job
     from ravnest.spec import load_job
 
     job = load_job(args.job)
     out = Path(args.output or Path("runs") / job.name)
-    summary = run_job(job, out, progress=not args.no_progress)
+    _stop_on(signal.SIGTERM, signal.SIGHUP)
+    try:
+        summary = run_job(job, out, progress=not args.no_progress)
+    except Terminated as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 128 + e.signum
     metric = summary["fused_val_metric"]
     print(f"done: {summary['updates']} updates, {summary['samples_per_second']} samples/s, "
           f"train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}"
@@ -95,8 +114,10 @@ def _status(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     import torch
 
-    from ravnest.run.worker import Worker
+    from ravnest.run.worker import Worker, exit_with_runner
     from ravnest.train import heap
+
+    exit_with_runner(os.environ)
 
     threads = os.environ.get(TORCH_THREADS_ENV)
     if threads:

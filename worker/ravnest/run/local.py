@@ -11,6 +11,10 @@ worker succeeded writes the run's outputs into one folder:
 - ``tls/<node>/`` with `spec.security.tls`: the job CA's certificate and the node's certificate and
   key (a fresh CA per run, whose own key is never written).
 
+SIGTERM or SIGHUP stops the workers and records the run as Failed (`ravnest run` exits with 128 +
+the signal's number); if the runner dies outright (SIGKILL), the kernel kills its workers (Linux's
+parent-death signal, see `ravnest.run.worker.exit_with_runner`).
+
 If a worker dies, every worker is stopped and the whole run restarts from the newest checkpoint
 complete for all nodes, as the operator restarts a job's pods: at most `spec.runPolicy.backoffLimit`
 times, each restart logged and counted in ``status.json``. Past that limit the run fails: no
@@ -40,13 +44,29 @@ from ravnest.comm.tls import identity, issue, make_authority
 from ravnest.errors import RavnestError, WorkerFailed
 from ravnest.plan import building
 from ravnest.plan.plans import Plan
-from ravnest.run.metadata import TOKEN_ENV, TORCH_THREADS_ENV, NodeMetadata, endpoint
+from ravnest.run.metadata import (
+    RUNNER_PID_ENV,
+    TOKEN_ENV,
+    TORCH_THREADS_ENV,
+    NodeMetadata,
+    endpoint,
+)
 from ravnest.run.progress import progress, scrape
 from ravnest.spec import Job
 from ravnest.train import checkpointing
 from ravnest.train.fusing import fuse_stage_files, ordered_like
 
 log = logging.getLogger(__name__)
+
+
+class Terminated(BaseException):
+    """The runner was told to stop (SIGTERM, SIGHUP). A BaseException, as KeyboardInterrupt, so
+    that no `except Exception` on the way turns it into an error of the job."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"ravnest run stopped by {signal.Signals(signum).name}; "
+                         f"its workers were stopped")
 
 
 def free_ports(n: int) -> list[int]:
@@ -128,7 +148,7 @@ class LocalRun:
     def start(self, metas: list[NodeMetadata]) -> None:
         token = secrets.token_hex(16)
         env = {**os.environ, TOKEN_ENV: token, "OMP_NUM_THREADS": str(self.worker_threads),
-               TORCH_THREADS_ENV: str(self.worker_threads)}
+               TORCH_THREADS_ENV: str(self.worker_threads), RUNNER_PID_ENV: str(os.getpid())}
         for m in metas:
             logfile = self.out / "logs" / f"{m.node}.log"
             with open(logfile, "ab") as fh:
@@ -228,7 +248,8 @@ class LocalRun:
         try:
             self.supervise(metas)
         except BaseException as e:
-            self.write_status("Failed", {}, message=str(e).splitlines()[0] if str(e) else "")
+            self.write_status("Failed", {}, reason=type(e).__name__,
+                              message=str(e).splitlines()[0] if str(e) else "")
             raise
         finally:
             self.stop()

@@ -36,6 +36,8 @@ FINAL_SCRAPE_ENV = "RAVNEST_FINAL_SCRAPE_SECONDS"
 """Seconds a finished worker waits for one Prometheus scrape of its final metrics (0: none)."""
 TERMINATION_LOG_ENV = "RAVNEST_TERMINATION_LOG"
 """Where a worker leaves its final figures (default: Kubernetes' /dev/termination-log)."""
+RUNNER_PID_ENV = "RAVNEST_RUNNER_PID"
+"""The pid of the local runner that started this worker, which dies with it (unset: no runner)."""
 
 
 def endpoint(host: str, port: int) -> str:

@@ -7,10 +7,12 @@ its neighbours, resumes from the newest complete checkpoint, trains, and writes 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
-from collections.abc import Iterator
+import signal
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +26,39 @@ from ravnest.plan import building
 from ravnest.plan.partitioning import Stage, profile
 from ravnest.plan.plans import Plan, fingerprint
 from ravnest.run.assembling import assemble, connect, cut_stage, save_stage
-from ravnest.run.metadata import FINAL_SCRAPE_ENV, TERMINATION_LOG_ENV, TOKEN_ENV, NodeMetadata
+from ravnest.run.metadata import (
+    FINAL_SCRAPE_ENV,
+    RUNNER_PID_ENV,
+    TERMINATION_LOG_ENV,
+    TOKEN_ENV,
+    NodeMetadata,
+)
 from ravnest.spec import JobSpec
 from ravnest.train.metrics import Identity, WorkerMetrics
 from ravnest.train.runtime import Batch, Batches
 from ravnest.train.settings import Settings
 
 log = logging.getLogger(__name__)
+
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal this process gets when the thread that started it ends."""
+
+
+def exit_with_runner(environ: Mapping[str, str]) -> None:
+    """A worker started by the local runner (`RUNNER_PID_ENV` names it) dies with it: killed by
+    the kernel the moment the runner ends, even by SIGKILL, so no worker trains on unsupervised
+    (Linux's parent-death signal). Raises if the runner is already gone."""
+    raw = environ.get(RUNNER_PID_ENV)
+    if not raw:
+        return
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+    if prctl is None or prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        log.warning("cannot ask to be stopped with the runner (pid %s) here: stop this worker "
+                    "yourself if the runner dies", raw)
+        return
+    if os.getppid() != int(raw):
+        raise RavnestError(f"the runner (pid {raw}) that started this worker has ended: exiting")
 
 
 def _take(dataset: Dataset[Any], index: torch.Tensor) -> Batch:
