@@ -1,6 +1,7 @@
 """A worker killed mid-training with no restarts allowed (backoffLimit 0): the run fails loudly, and
-running it again resumes from the last complete checkpoint instead of starting over. (Restarts
-within one run: test_faults.py.)"""
+running it again resumes from the last complete checkpoint instead of starting over; a job of
+another plan pointed at that checkpoint folder is refused at once. (Restarts within one run:
+test_faults.py.)"""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pathlib import Path
 import yaml
 from processes import worker_pid
 
+from ravnest.plan import building
+from ravnest.spec import parse_job
 from ravnest.train import checkpointing
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,3 +61,30 @@ def test_kill_a_worker_then_resume_from_checkpoint(tmp_path, digits_doc):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["updates"] == 6 * 22  # 1437 samples // (2 clusters x 32) per epoch
     assert summary["val_metric"] >= 0.95
+
+
+def test_a_job_of_another_plan_is_refused_at_once_by_a_checkpoint_folder(tmp_path, digits_doc):
+    """The folder holds checkpoints a six-provider digits run wrote; the same job on three
+    providers plans other stages, so their state would not fit: the run is refused before any
+    worker starts (no crash loop on "Missing key(s)"), and those checkpoints stay as they were."""
+    digits_doc["spec"]["checkpoint"] = {"everySteps": 10, "keep": 2}
+    theirs, _, _ = building.plan_job(parse_job(digits_doc))
+    out = tmp_path / "out"
+    for node in theirs.names():
+        checkpointing.save(out / "checkpoints", 40, node, {"stage": {}}, theirs.fingerprint)
+    before = sorted(p.name for p in (out / "checkpoints" / "step-00000040").iterdir())
+    digits_doc["spec"]["providers"] = digits_doc["spec"]["providers"][:3]
+    digits_doc["spec"]["plan"] = {"clusters": 1}
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(digits_doc))
+    run = subprocess.run([sys.executable, "-m", "ravnest", "run", str(job), "-o", str(out),
+                          "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert (f"checkpoint folder {out.resolve() / 'checkpoints'} holds checkpoints of another plan"
+            in run.stderr)
+    assert f"written by plan {theirs.fingerprint}; this job's plan is " in run.stderr
+    assert "Choose another checkpoint path (spec.checkpoint.path)" in run.stderr
+    assert "Traceback" not in run.stderr
+    assert not (out / "logs").exists() and not (out / "nodes").exists()  # no worker started
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000040"]
+    assert sorted(p.name for p in (out / "checkpoints" / "step-00000040").iterdir()) == before

@@ -1,8 +1,11 @@
 """Checkpoints on disk: a truncated, corrupted or half-written newest checkpoint is detected by its
-checksum and the previous complete one is used; pruning never deletes the one a resume needs."""
+checksum, one that does not load (garbage with a matching checksum) by loading it, and the previous
+complete one is used; a folder holding another plan's checkpoints is refused, never loaded; pruning
+never deletes the one a resume needs."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
@@ -10,6 +13,9 @@ import pytest
 import torch
 
 from ravnest.train import checkpointing
+from ravnest.train.metrics import Identity, WorkerMetrics
+from ravnest.train.resuming import Checkpoints
+from ravnest.train.settings import Settings
 
 NODES = ["node_0", "node_1"]
 
@@ -118,3 +124,78 @@ def test_prune_keeps_the_newest_resumable_steps_and_drops_older_corrupt_ones(tmp
     checkpointing.prune(tmp_path, NODES, keep=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000040", "step-00000050"]
     assert checkpointing.latest(tmp_path, NODES) == 40
+
+
+def _garbage_with_matching_checksum(path: Path) -> None:
+    data = b"not a checkpoint " * 100
+    path.write_bytes(data)
+    path.with_suffix(".sha256").write_text(hashlib.sha256(data).hexdigest())
+
+
+def test_newest_step_that_does_not_load_is_set_aside_and_the_previous_one_used(tmp_path, caplog):
+    _write(tmp_path, 10, 20)
+    _garbage_with_matching_checksum(_file(tmp_path, 20, "node_1.pt"))
+    with caplog.at_level(logging.WARNING, logger="ravnest.train.checkpointing"):
+        assert checkpointing.latest(tmp_path, NODES) == 10
+    assert checkpointing.load(tmp_path, 10, "node_0")["step"] == 10  # every node takes step 10
+    assert "step-00000020 is corrupt" in caplog.text
+    assert "node_1.pt does not load" in caplog.text and "node_0" not in caplog.text
+    assert not (tmp_path / "step-00000020").exists()
+    assert (tmp_path / "corrupt-step-00000020" / "node_1.pt").exists()
+
+
+PLAN, OTHER = "a1b2c3d4e5f60718", "ffff0000eeee1111"
+
+
+def _write_plan(root: Path, plan: str, *steps: int, nodes: list[str] = NODES) -> None:
+    for step in steps:
+        for node in nodes:
+            checkpointing.save(root, step, node, _state(step), plan)
+
+
+def test_checkpoints_of_this_plan_resume_and_unrecorded_ones_are_not_judged(tmp_path):
+    _write(tmp_path, 10)  # written before checkpoints recorded their plan
+    _write_plan(tmp_path, PLAN, 20)
+    assert (_file(tmp_path, 20, "node_0.plan")).read_text() == PLAN
+    assert checkpointing.latest(tmp_path, NODES, PLAN) == 20
+
+
+def _assert_refused(root: Path, excinfo: pytest.ExceptionInfo[checkpointing.ForeignCheckpoint],
+                    ) -> None:
+    message = str(excinfo.value)
+    assert f"checkpoint folder {root} holds checkpoints of another plan" in message
+    assert f"plan {OTHER}" in message and f"this job's plan is {PLAN}" in message
+    assert "Choose another checkpoint path (spec.checkpoint.path)" in message
+
+
+def test_a_folder_of_another_plan_is_refused_and_left_as_it_was(tmp_path):
+    _write_plan(tmp_path, OTHER, 10, 20)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(checkpointing.ForeignCheckpoint) as excinfo:
+        checkpointing.latest(tmp_path, NODES, PLAN)
+    _assert_refused(tmp_path, excinfo)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_another_plan_with_other_nodes_is_refused_too(tmp_path):
+    # a plan of more providers: the old steps are not complete for its nodes, yet starting over
+    # there would overwrite them
+    _write_plan(tmp_path, OTHER, 10)
+    with pytest.raises(checkpointing.ForeignCheckpoint) as excinfo:
+        checkpointing.latest(tmp_path, [*NODES, "node_2"], PLAN)
+    _assert_refused(tmp_path, excinfo)
+
+
+def _checkpoints(root: Path, node: str, plan: str) -> Checkpoints:
+    return Checkpoints(Settings(checkpoint_dir=str(root)), node, NODES,
+                       WorkerMetrics(Identity("j", "ns", node, "root", 0, 0)), plan)
+
+
+def test_a_node_records_its_plan_and_refuses_to_resume_another(tmp_path):
+    for node in NODES:
+        _checkpoints(tmp_path, node, OTHER).save(10, _state(10))
+    resumed = _checkpoints(tmp_path, "node_1", OTHER).newest()
+    assert resumed is not None and resumed[0] == 10
+    with pytest.raises(checkpointing.ForeignCheckpoint) as excinfo:
+        _checkpoints(tmp_path, "node_1", PLAN).newest()
+    _assert_refused(tmp_path, excinfo)

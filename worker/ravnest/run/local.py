@@ -121,6 +121,7 @@ class LocalRun:
     def prepare(self) -> list[NodeMetadata]:
         plan, _, _ = building.plan_job(self.job)
         self.plan = plan
+        checkpointing.refuse_other_plans(self.checkpoint_dir(), plan.fingerprint)
         names = plan.names()
         addresses, metrics_ports, ring_addresses = node_endpoints(
             names, dict.fromkeys(names, "127.0.0.1"),

@@ -1,12 +1,16 @@
 """Checkpoints: atomic, checksummed, per node, grouped by step in a directory all nodes share.
 
-Layout: ``<dir>/step-00000120/node_3.pt`` plus ``node_3.sha256``. A file is written to a temporary
-name and renamed, and its checksum is written last, so a checkpoint is *complete* for a node only
-when both exist and agree. A step is resumable when it is complete for every node of the plan;
-nodes resume from the newest such step, so they always agree. A step whose files are all there but
-do not match their checksums (truncated, corrupted) is logged and set aside as
-``corrupt-step-…`` (kept for inspection, never deleted as good data), and the one before is used.
-Old steps, and set-aside ones, are pruned only below the newest resumable one.
+Layout: ``<dir>/step-00000120/node_3.pt`` plus ``node_3.plan`` (the fingerprint of the plan that
+wrote it) and ``node_3.sha256``. A file is written to a temporary name and renamed, and its checksum
+is written last, so a checkpoint is *complete* for a node only when both exist and agree. A step is
+resumable when it is complete for every node of the plan and every node's file of it loads; nodes
+resume from the newest such step, so they always agree. A step whose files are all there but do not
+match their checksums (truncated, corrupted) or do not load (garbage whose checksum was rewritten to
+match) is logged and set aside as ``corrupt-step-…`` (kept for inspection, never deleted as good
+data), and the one before is used. A folder holding checkpoints of another plan is refused
+(`ForeignCheckpoint`), never loaded: its state would not fit this plan's stages, and starting over
+in it would overwrite them. Old steps, and set-aside ones, are pruned only below the newest
+resumable one.
 """
 
 from __future__ import annotations
@@ -21,7 +25,13 @@ from typing import Any
 
 import torch
 
+from ravnest.errors import RavnestError
+
 log = logging.getLogger(__name__)
+
+
+class ForeignCheckpoint(RavnestError):
+    """The checkpoint folder holds checkpoints another plan wrote."""
 
 
 def _step_dir(root: Path, step: int) -> Path:
@@ -37,8 +47,9 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def save(root: str | Path, step: int, node: str, state: dict[str, Any]) -> Path:
-    """Write one node's checkpoint for `step` atomically, checksum last."""
+def save(root: str | Path, step: int, node: str, state: dict[str, Any], plan: str = "") -> Path:
+    """Write one node's checkpoint for `step` atomically: the state, the fingerprint of the `plan`
+    that wrote it (when given), its checksum last."""
     d = _step_dir(Path(root), step)
     d.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
@@ -46,6 +57,8 @@ def save(root: str | Path, step: int, node: str, state: dict[str, Any]) -> Path:
     data = buf.getvalue()
     path = d / f"{node}.pt"
     _atomic_write(path, data)
+    if plan:
+        _atomic_write(d / f"{node}.plan", plan.encode())
     _atomic_write(d / f"{node}.sha256", hashlib.sha256(data).hexdigest().encode())
     return path
 
@@ -59,6 +72,10 @@ def _problem(d: Path, node: str) -> str | None:
         return f"cannot read {e.filename}: {e.strerror}"
     if hashlib.sha256(data).hexdigest() != digest:
         return f"{node}.pt ({len(data)} bytes) does not match {node}.sha256"
+    try:  # mapped, not read: the structure is checked without holding every node's tensors
+        torch.load(d / f"{node}.pt", map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch.load raises any kind of error on garbage
+        return f"{node}.pt does not load: {type(e).__name__}: {str(e)[:200]}"
     return None
 
 
@@ -88,9 +105,32 @@ def complete_steps(root: str | Path, nodes: list[str]) -> list[int]:
     return sorted(steps)
 
 
-def latest(root: str | Path, nodes: list[str]) -> int | None:
-    """The newest step whose checkpoints are complete and intact for all nodes; newer complete
-    steps that fail their checksums are logged and set aside."""
+def refuse_other_plans(root: str | Path, plan: str) -> None:
+    """Raise `ForeignCheckpoint` when a step in `root` holds a node's checkpoint that a plan other
+    than `plan` (a fingerprint) wrote. Checkpoints that record no plan are not judged."""
+    r = Path(root)
+    if not plan or not r.is_dir():
+        return
+    for d in sorted(r.glob("step-*")):
+        for f in sorted(d.glob("*.plan")):
+            try:
+                theirs = f.read_text().strip()
+            except OSError:  # pruned or set aside meanwhile
+                continue
+            if theirs and theirs != plan:
+                raise ForeignCheckpoint(
+                    f"checkpoint folder {r} holds checkpoints of another plan ({d.name}/"
+                    f"{f.stem}.pt was written by plan {theirs}; this job's plan is {plan}): "
+                    f"they are not loaded and not overwritten. Choose another checkpoint path "
+                    f"(spec.checkpoint.path) for this plan, move that folder away, or run the "
+                    f"job that wrote them to resume it")
+
+
+def latest(root: str | Path, nodes: list[str], plan: str = "") -> int | None:
+    """The newest step whose checkpoints are complete, intact and loadable for all nodes; newer
+    complete steps that fail their checksums or do not load are logged and set aside. With a
+    `plan` fingerprint, a folder holding another plan's checkpoints raises `ForeignCheckpoint`."""
+    refuse_other_plans(root, plan)
     for step in reversed(complete_steps(root, nodes)):
         d = _step_dir(Path(root), step)
         problems = [p for n in nodes if (p := _problem(d, n)) is not None]

@@ -3,7 +3,9 @@ state it resumes from.
 
 What the state holds is the runtime's (each part gives its own); the files are `checkpointing`'s.
 A node saves under the root's step, then prunes to the newest `keep` steps complete for every node;
-it resumes from the newest step complete for every node, so all nodes resume from the same one.
+it resumes from the newest step complete and loadable for every node, so all nodes resume from the
+same one. Each checkpoint records the plan's fingerprint; a folder holding another plan's
+checkpoints is refused (`checkpointing.ForeignCheckpoint`), never loaded.
 """
 
 from __future__ import annotations
@@ -19,26 +21,28 @@ class Checkpoints:
     """One node's checkpoints (none without a checkpoint directory)."""
 
     def __init__(self, settings: Settings, node: str, nodes: list[str],
-                 metrics: WorkerMetrics) -> None:
-        """`nodes`: every node of the plan."""
+                 metrics: WorkerMetrics, plan: str = "") -> None:
+        """`nodes`: every node of the plan; `plan`: its fingerprint."""
         self.directory = settings.checkpoint_dir
         self.keep = settings.checkpoint_keep
         self.node = node
         self.nodes = nodes
+        self.plan = plan
         self._metrics = metrics
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         if not self.directory:
             return
-        checkpointing.save(self.directory, step, self.node, state)
+        checkpointing.save(self.directory, step, self.node, state, self.plan)
         checkpointing.prune(self.directory, self.nodes, self.keep)
         self._metrics.checkpoint_step.set(step)
 
     def newest(self) -> tuple[int, dict[str, Any]] | None:
-        """The newest step complete for every node, and this node's state saved at it."""
+        """The newest step complete and loadable for every node, and this node's state saved at it.
+        Raises `checkpointing.ForeignCheckpoint` when the folder holds another plan's."""
         if not self.directory:
             return None
-        step = checkpointing.latest(self.directory, self.nodes)
+        step = checkpointing.latest(self.directory, self.nodes, self.plan)
         if step is None:
             return None
         state = checkpointing.load(self.directory, step, self.node)

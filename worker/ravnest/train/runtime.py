@@ -106,7 +106,7 @@ class NodeRuntime:
         self.losses = LossMeter()
         self.best_state: dict[str, torch.Tensor] | None = None
         self._snapshot: dict[str, torch.Tensor] | None = None
-        self.checkpoints = Checkpoints(settings, name, plan.names(), metrics)
+        self.checkpoints = Checkpoints(settings, name, plan.names(), metrics, plan.fingerprint)
         self.updates = 0
         self.epoch = 0
         self.next_batch = 0
