@@ -53,10 +53,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from ravnest.plan.building import plan_job
     from ravnest.spec import load_job
 
-    plan, _, _ = plan_job(load_job(args.job))
+    job = load_job(args.job)  # a bad file is refused before torch is loaded
+    from ravnest.plan.building import plan_job
+
+    plan, _, _ = plan_job(job)
     print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.table())
     return 0
 

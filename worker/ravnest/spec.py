@@ -36,6 +36,22 @@ _KEY = re.compile(r"^[\w-]+$")
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
 
+KNOWN_OPTIMIZERS = frozenset({
+    "ASGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS", "NAdam", "RAdam", "RMSprop",
+    "Rprop", "SGD", "SparseAdam"})
+KNOWN_SCHEDULERS = frozenset({
+    "ChainedScheduler", "ConstantLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts",
+    "CyclicLR", "ExponentialLR", "LambdaLR", "LinearLR", "MultiStepLR", "MultiplicativeLR",
+    "OneCycleLR", "PolynomialLR", "ReduceLROnPlateau", "SequentialLR", "StepLR"})
+KNOWN_LOSSES = frozenset({
+    "BCELoss", "BCEWithLogitsLoss", "CTCLoss", "CosineEmbeddingLoss", "CrossEntropyLoss",
+    "GaussianNLLLoss", "HingeEmbeddingLoss", "HuberLoss", "KLDivLoss", "L1Loss", "MSELoss",
+    "MarginRankingLoss", "MultiLabelMarginLoss", "MultiLabelSoftMarginLoss", "MultiMarginLoss",
+    "NLLLoss", "PoissonNLLLoss", "SmoothL1Loss", "SoftMarginLoss", "TripletMarginLoss",
+    "TripletMarginWithDistanceLoss"})
+"""torch classes every supported torch has, known without importing torch (which takes most of
+a second and ~700 MB): `ravnest validate` stays light. Any other name is looked up in torch."""
+
 MAX_DOCUMENT_BYTES = 1 << 20
 """The largest job file `load_job` reads (1 MiB); a job is a few hundred bytes to a few KB."""
 MAX_DOCUMENT_VALUES = 100_000
@@ -71,6 +87,29 @@ def parse_gigabytes(value: Any) -> float:
     if not math.isfinite(gigabytes) or gigabytes <= 0:
         raise ValueError(f"must be a positive quantity, got {shown(value)}")
     return gigabytes
+
+
+def is_torch_optimizer(name: str) -> bool:
+    """Whether torch.optim has an optimizer class of this name (imports torch)."""
+    import torch.optim
+
+    cls = getattr(torch.optim, name, None)
+    return isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+
+
+def is_torch_scheduler(name: str) -> bool:
+    """Whether torch.optim.lr_scheduler has a class of this name (imports torch)."""
+    import torch.optim.lr_scheduler as sched
+
+    return isinstance(getattr(sched, name, None), type)
+
+
+def is_torch_module(name: str) -> bool:
+    """Whether torch.nn has a Module class of this name, such as a loss (imports torch)."""
+    import torch.nn
+
+    cls = getattr(torch.nn, name, None)
+    return isinstance(cls, type) and issubclass(cls, torch.nn.Module)
 
 
 class _Model(BaseModel):
@@ -167,10 +206,7 @@ class OptimizerSpec(NamedCall):
     @field_validator("name")
     @classmethod
     def _known_optimizer(cls, v: str) -> str:
-        import torch.optim
-
-        cls_ = getattr(torch.optim, v, None)
-        if not (isinstance(cls_, type) and issubclass(cls_, torch.optim.Optimizer)):
+        if v not in KNOWN_OPTIMIZERS and not is_torch_optimizer(v):
             raise ValueError(f"must be a torch.optim optimizer such as 'Adam', got {shown(v)}")
         return v
 
@@ -184,9 +220,7 @@ class SchedulerSpec(NamedCall):
     @field_validator("name")
     @classmethod
     def _known_scheduler(cls, v: str) -> str:
-        import torch.optim.lr_scheduler as sched
-
-        if not isinstance(getattr(sched, v, None), type):
+        if v not in KNOWN_SCHEDULERS and not is_torch_scheduler(v):
             raise ValueError(
                 f"must be a torch.optim.lr_scheduler class such as 'StepLR', got {shown(v)}"
             )
@@ -199,14 +233,11 @@ class CriterionSpec(NamedCall):
     @field_validator("name")
     @classmethod
     def _known_criterion(cls, v: str) -> str:
-        import torch.nn
-
         if ":" in v:
             if not _ENTRYPOINT.match(v):
                 raise ValueError(f"must look like 'package.module:callable', got {shown(v)}")
             return v
-        cls_ = getattr(torch.nn, v, None)
-        if not (isinstance(cls_, type) and issubclass(cls_, torch.nn.Module)):
+        if v not in KNOWN_LOSSES and not is_torch_module(v):
             raise ValueError(
                 "must be a torch.nn loss such as 'CrossEntropyLoss' or an entrypoint "
                 f"'package.module:callable', got {shown(v)}"

@@ -1,0 +1,85 @@
+"""Lightweight commands stay light (issue 19 item 11): `ravnest validate`, `ravnest status` and
+the parsing step of `ravnest plan` need only the spec, so they never load torch or grpc (which took
+764 MB and up to a minute on a loaded machine for a YAML check)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "digits.yaml"
+HEAVY = ("torch", "grpc", "numpy")
+PROBE = """
+import json, resource, runpy, sys
+sys.argv = ["ravnest", *sys.argv[1:]]
+try:
+    runpy.run_module("ravnest", run_name="__main__")
+except SystemExit as e:
+    code = e.code
+print(json.dumps({"code": code, "loaded": sorted(m for m in HEAVY if m in sys.modules),
+                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
+""".replace("HEAVY", repr(HEAVY))
+
+
+def ravnest(*args: str, cwd: Path = ROOT) -> dict[str, object]:
+    """Run `python -m ravnest ARGS` in a fresh interpreter; what it loaded and its peak RSS."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(ROOT / "worker"), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=cwd)
+    assert out.returncode == 0, out.stderr
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.parametrize("example", ["digits.yaml", "sorter.yaml"])
+def test_validate_loads_neither_torch_nor_grpc(example: str) -> None:
+    result = ravnest("validate", str(ROOT / "examples" / example))
+    assert result["code"] == 0
+    assert result["loaded"] == []
+    assert isinstance(result["rss_mb"], int) and result["rss_mb"] < 250
+
+
+def test_validate_reports_a_mistake_without_torch(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text(EXAMPLE.read_text().replace("batchSize: 32", "batchSize: 0"))
+    result = ravnest("validate", str(job))
+    assert (result["code"], result["loaded"]) == (2, [])
+
+
+def test_plan_refuses_an_invalid_file_before_loading_torch(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text(EXAMPLE.read_text().replace("batchSize: 32", "batchSize: 0"))
+    result = ravnest("plan", str(job))
+    assert (result["code"], result["loaded"]) == (2, [])
+
+
+def test_status_of_a_local_run_loads_neither_torch_nor_grpc(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "digits"
+    run.mkdir(parents=True)
+    (run / "status.json").write_text(json.dumps({"phase": "Succeeded"}))
+    result = ravnest("status", "digits", cwd=tmp_path)
+    assert (result["code"], result["loaded"]) == (0, [])
+
+
+def test_the_names_known_without_torch_are_torch_classes() -> None:
+    from ravnest import spec
+
+    assert all(spec.is_torch_optimizer(name) for name in spec.KNOWN_OPTIMIZERS)
+    assert all(spec.is_torch_scheduler(name) for name in spec.KNOWN_SCHEDULERS)
+    assert all(spec.is_torch_module(name) for name in spec.KNOWN_LOSSES)
+
+
+def test_the_public_api_still_resolves_every_name_on_use() -> None:
+    import ravnest
+
+    assert ravnest.Node.__name__ == "Node"
+    assert ravnest.load_job(EXAMPLE).name == "digits"
+    with pytest.raises(AttributeError):
+        ravnest.no_such_name  # noqa: B018
