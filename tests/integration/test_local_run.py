@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from processes import pids_with
 
 from ravnest import WorkerFailed, parse_job, run_job
 from ravnest.examples.digits import build_model, datasets
+from ravnest.run.local import lock_folder
 from ravnest.train.fusing import fuse_stage_files
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -155,3 +157,33 @@ def test_sorter_transformer_example_learns_to_sort(tmp_path):
     doc["spec"]["training"]["epochs"] = 3
     summary = run_job(parse_job(doc), tmp_path, progress=False)
     assert summary["fused_val_metric"] >= 0.95
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, int, bytes]]:
+    return {str(p.relative_to(folder)): (p.stat().st_mode, p.stat().st_mtime_ns,
+                                         p.read_bytes() if p.is_file() else b"")
+            for p in sorted(folder.rglob("*"))}
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_and_changes_nothing(tmp_path, digits_doc):
+    """Two runs into one folder rewrote each other's files: the second is refused at once,
+    naming the run that holds the folder."""
+    digits_doc["spec"]["training"]["epochs"] = 1
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(digits_doc))
+    out = tmp_path / "out"
+    held = lock_folder(out)
+    try:
+        (out / "status.json").write_text('{"job": "digits", "phase": "Running"}')
+        (out / "nodes").mkdir()
+        (out / "nodes" / "node_0.json").write_text("{}")
+        before = _snapshot(out)
+        result = subprocess.run([sys.executable, "-m", "ravnest", "run", str(job_file), "-o",
+                                 str(out), "--no-progress"], capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 1
+        assert f"{out} is in use by another run (pid {os.getpid()}, started " in result.stderr
+        assert "Traceback" not in result.stderr
+        assert _snapshot(out) == before
+    finally:
+        os.close(held)

@@ -19,6 +19,8 @@ import pytest
 import yaml
 from processes import pids_with
 
+from ravnest.run.local import lock_folder
+
 WORKERS = 6
 """Workers of examples/digits.yaml."""
 GENEROUS = 300.0
@@ -91,6 +93,11 @@ def reaper(tmp_path: Path) -> Iterator[None]:
 def test_sigterm_stops_the_workers_and_records_the_run(tmp_path, digits_doc, reaper):
     runner, out = _start_training(tmp_path, digits_doc)
     workers = _workers(out)
+    second = subprocess.run([sys.executable, "-m", "ravnest", "run", str(tmp_path / "job.yaml"),
+                             "-o", str(out), "--no-progress"], capture_output=True, text=True,
+                            timeout=300)
+    assert second.returncode == 1
+    assert f"is in use by another run (pid {runner.pid}, started " in second.stderr
     runner.send_signal(signal.SIGTERM)
     try:
         runner.wait(timeout=120)
@@ -117,3 +124,4 @@ def test_workers_end_when_the_runner_is_killed(tmp_path, digits_doc, reaper):
     os.kill(runner.pid, signal.SIGKILL)
     runner.wait(timeout=60)
     assert _gone(workers, 30) == []
+    os.close(lock_folder(out))  # the kernel dropped the dead runner's lock: the folder is free

@@ -11,6 +11,8 @@ worker succeeded writes the run's outputs into one folder:
 - ``tls/<node>/`` with `spec.security.tls`: the job CA's certificate and the node's certificate and
   key (a fresh CA per run, whose own key is never written).
 
+The folder is the run's own: while a run holds ``run.lock`` (which names it: pid, start time), a
+second run into the folder is refused at once and changes nothing there.
 SIGTERM or SIGHUP stops the workers and records the run as Failed (`ravnest run` exits with 128 +
 the signal's number); if the runner dies outright (SIGKILL), the kernel kills its workers (Linux's
 parent-death signal, see `ravnest.run.worker.exit_with_runner`).
@@ -24,6 +26,7 @@ process is left behind, and the error names the node, its exit code and the end 
 from __future__ import annotations
 
 import csv
+import fcntl
 import json
 import logging
 import os
@@ -57,6 +60,9 @@ from ravnest.train import checkpointing
 from ravnest.train.fusing import fuse_stage_files, ordered_like
 
 log = logging.getLogger(__name__)
+
+LOCK_FILE = "run.lock"
+"""In the output folder: flock'ed by the run that uses it, and names that run (pid, start)."""
 
 
 class Terminated(BaseException):
@@ -116,12 +122,14 @@ class LocalRun:
         self.plan: Plan | None = None
         self.restarts = 0
         self.conditions: list[dict[str, str]] = []
+        self._lock: int | None = None
         self._started = time.monotonic()
 
     def prepare(self) -> list[NodeMetadata]:
         plan, _, _ = building.plan_job(self.job)
         self.plan = plan
         checkpointing.refuse_other_plans(self.checkpoint_dir(), plan.fingerprint)
+        self.claim()
         names = plan.names()
         addresses, metrics_ports, ring_addresses = node_endpoints(
             names, dict.fromkeys(names, "127.0.0.1"),
@@ -241,7 +249,26 @@ class LocalRun:
         tmp.write_text(json.dumps(body))
         os.replace(tmp, self.out / "status.json")
 
+    def claim(self) -> None:
+        """Take the output folder for this run (created if need be): refused while another run
+        holds it; kept until `release` or the process ends, however it ends."""
+        if self._lock is None:
+            self._lock = lock_folder(self.out)
+
+    def release(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
     def run(self) -> dict[str, Any]:
+        """Plan, run and fuse the job; a folder another run holds is refused before planning."""
+        refuse_if_locked(self.out)
+        try:
+            return self._train()
+        finally:
+            self.release()
+
+    def _train(self) -> dict[str, Any]:
         metas = self.prepare()
         started = time.time()
         self._started = time.monotonic()
@@ -328,6 +355,52 @@ def evaluate(model: torch.nn.Module, job: Job) -> dict[str, float | None]:
         count += int(mask.sum())
     metric = correct / count if spec.training.metric == "accuracy" and count else None
     return {"loss": loss / max(n, 1), "metric": metric}
+
+
+def lock_folder(folder: Path) -> int:
+    """Create `folder` if need be and lock it for this process: the returned descriptor holds the
+    lock until it is closed or the process ends (the kernel drops it even after SIGKILL).
+    Raises RavnestError naming the run that holds it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        raise RavnestError(f"cannot use {folder} as the output folder: {e}") from e
+    try:
+        _lock_or_refuse(fd, folder)
+    except RavnestError:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    os.write(fd, json.dumps({"pid": os.getpid(), "started": started}).encode())
+    return fd
+
+
+def refuse_if_locked(folder: Path) -> None:
+    """Raise RavnestError if a run holds `folder`; creates and changes nothing."""
+    try:
+        fd = os.open(folder / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        _lock_or_refuse(fd, folder)
+    finally:
+        os.close(fd)
+
+
+def _lock_or_refuse(fd: int, folder: Path) -> None:
+    """flock `fd` (the folder's lock file), or raise naming the run that holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0))
+            who = f"pid {holder['pid']}, started {holder['started']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            who = "pid unknown"
+        raise RavnestError(f"{folder} is in use by another run ({who}): wait for it to end or "
+                           f"stop it, or choose another output folder") from None
 
 
 def _signal_group(pid: int, sig: int) -> None:
