@@ -113,9 +113,12 @@ def is_torch_module(name: str) -> bool:
 
 
 class _Model(BaseModel):
+    """Strict at the boundary: `true` is no batch size, `"32"` no integer and `"yes"` no
+    boolean (an integer is a number, and `ram` takes quantity strings on purpose)."""
+
     model_config = ConfigDict(
         alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True,
-        allow_inf_nan=False,
+        allow_inf_nan=False, strict=True,
     )
 
 
@@ -541,14 +544,40 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
     return list(node.value) if isinstance(node, yaml.SequenceNode) else []
 
 
+def _duplicate_keys(root: yaml.Node) -> list[str]:
+    """`spec.data.batchSize: given twice (lines 14 and 16)...` for each key a mapping repeats
+    (PyYAML would let the last one win silently); merge keys (`<<`) are not keys."""
+    problems: list[tuple[int, str]] = []
+    stack: list[tuple[yaml.Node, tuple[int | str, ...]]] = [(root, ())]
+    while stack:
+        node, loc = stack.pop()
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((child, (*loc, i)) for i, child in enumerate(node.value))
+        if not isinstance(node, yaml.MappingNode):
+            continue
+        first: dict[tuple[str, str], int] = {}
+        for key, value in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            line = key.start_mark.line + 1
+            if (key.tag, key.value) in first:
+                problems.append((line, f"{_path((*loc, key.value))}: given twice (lines "
+                                       f"{first[key.tag, key.value]} and {line}); keep one"))
+            first.setdefault((key.tag, key.value), line)
+            stack.append((value, (*loc, key.value)))
+    return [problem for _, problem in sorted(problems)]
+
+
 class _JobLoader(yaml.SafeLoader):
-    """PyYAML's safe loader that refuses documents standing for more than MAX_DOCUMENT_VALUES
-    values before it builds them."""
+    """PyYAML's safe loader that refuses, before it builds them, documents standing for more
+    than MAX_DOCUMENT_VALUES values and mappings that give a key twice."""
 
     def construct_document(self, node: yaml.Node) -> Any:
         size = _expanded_size(node)
         if size > MAX_DOCUMENT_VALUES:
             raise SpecError([f"<document>: {_too_many_values(str(size))}"])
+        if problems := _duplicate_keys(node):
+            raise SpecError(problems)
         return super().construct_document(node)
 
 
