@@ -187,3 +187,22 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_changes_nothing(tmp_pa
         assert _snapshot(out) == before
     finally:
         os.close(held)
+
+
+def test_a_run_folder_is_readable_by_its_owner_only(tmp_path, digits_doc):
+    """Weights, logs, checkpoints, node files and TLS keys were 0644 in 0755 folders: readable
+    by every local user. Now nothing under the folder grants group or others any access."""
+    digits_doc["spec"]["training"]["epochs"] = 1
+    digits_doc["spec"]["security"] = {"tls": True}
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(digits_doc))
+    out = tmp_path / "runs" / "out"
+    result = subprocess.run([sys.executable, "-m", "ravnest", "run", str(job_file), "-o",
+                             str(out), "--no-progress"], capture_output=True, text=True,
+                            timeout=900, umask=0o022)
+    assert result.returncode == 0, result.stderr[-3000:]
+    paths = [out, *out.rglob("*")]
+    assert {"model.pt", "summary.json", "status.json", "stages", "checkpoints", "logs",
+            "tls"} <= {p.name for p in paths}
+    shared = [f"{oct(p.stat().st_mode & 0o777)} {p}" for p in paths if p.stat().st_mode & 0o077]
+    assert shared == []

@@ -12,7 +12,8 @@ worker succeeded writes the run's outputs into one folder:
   key (a fresh CA per run, whose own key is never written).
 
 The folder is the run's own: while a run holds ``run.lock`` (which names it: pid, start time), a
-second run into the folder is refused at once and changes nothing there.
+second run into the folder is refused at once and changes nothing there. Everything in it, the
+runner's and the workers' files, is its owner's only (0700 folders, 0600 files, as TLS keys).
 SIGTERM or SIGHUP stops the workers and records the run as Failed (`ravnest run` exits with 128 +
 the signal's number); if the runner dies outright (SIGKILL), the kernel kills its workers (Linux's
 parent-death signal, see `ravnest.run.worker.exit_with_runner`).
@@ -61,6 +62,8 @@ from ravnest.train.fusing import fuse_stage_files, ordered_like
 
 log = logging.getLogger(__name__)
 
+PRIVATE_UMASK = 0o077
+"""The umask of a run and its workers: its folders 0700, its files 0600."""
 LOCK_FILE = "run.lock"
 """In the output folder: flock'ed by the run that uses it, and names that run (pid, start)."""
 
@@ -165,7 +168,7 @@ class LocalRun:
                     [sys.executable, "-m", "ravnest", "worker", "--metadata",
                      str(self.out / "nodes" / f"{m.node}.json")],
                     stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                    start_new_session=True)
+                    start_new_session=True, umask=PRIVATE_UMASK)
             self.procs.append(_Proc(m.node, popen, logfile, m.metrics_port))
 
     def stop(self) -> None:
@@ -261,12 +264,15 @@ class LocalRun:
             self._lock = None
 
     def run(self) -> dict[str, Any]:
-        """Plan, run and fuse the job; a folder another run holds is refused before planning."""
+        """Plan, run and fuse the job; a folder another run holds is refused before planning.
+        What the run writes is its owner's only (PRIVATE_UMASK while the run lasts)."""
         refuse_if_locked(self.out)
+        previous = os.umask(PRIVATE_UMASK)
         try:
             return self._train()
         finally:
             self.release()
+            os.umask(previous)
 
     def _train(self) -> dict[str, Any]:
         metas = self.prepare()
@@ -362,7 +368,7 @@ def lock_folder(folder: Path) -> int:
     lock until it is closed or the process ends (the kernel drops it even after SIGKILL).
     Raises RavnestError naming the run that holds it."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as e:
         raise RavnestError(f"cannot use {folder} as the output folder: {e}") from e
