@@ -5,6 +5,9 @@ ring link out nor flood the log."""
 
 from __future__ import annotations
 
+import logging
+import selectors
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,12 +17,14 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ravnest.comm import transport
+from ravnest.comm import dataplane, transport
+from ravnest.comm.dataplane import RingLink, RingServer
 from ravnest.comm.framing import Frame
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.transport import Credentials, Peer, Server
 
 CREDS = Credentials(token="s3cret-token", fingerprint="plan-0123abcd")
+TOKEN, PLAN = CREDS.token, CREDS.fingerprint
 GENEROUS = 30.0
 """Seconds a step that takes milliseconds may take on a loaded machine before it counts as stuck."""
 
@@ -113,3 +118,112 @@ def test_held_health_watches_leave_frames_and_checks_flowing(
         assert again.first == [health_pb2.HealthCheckResponse.SERVING]
     finally:
         again.close()
+
+
+# --- the ring data plane
+
+
+class _Hostile:
+    """`n` connections to a ring server from another address (127.0.0.2) that never authenticate:
+    of every five, two stay silent, two send the start of an HTTP request and wait, and one sends
+    a whole garbage greeting. Each the server closes is opened again at once, for as long as this
+    runs."""
+
+    def __init__(self, address: str, n: int) -> None:
+        host, port = address.rsplit(":", 1)
+        self._target = (host, int(port))
+        self.opened = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(n,), daemon=True)
+        self._thread.start()
+
+    def _open(self, i: int) -> socket.socket:
+        sock = socket.create_connection(self._target, timeout=GENEROUS,
+                                        source_address=("127.0.0.2", 0))
+        sock.sendall([b"", b"GET / HTTP/1.1\r\n", b"", b"GET / HTTP/1.1\r\n", bytes(200)][i % 5])
+        sock.setblocking(False)
+        self.opened += 1
+        return sock
+
+    def _run(self, n: int) -> None:
+        with selectors.DefaultSelector() as selector:
+            for i in range(n):
+                selector.register(self._open(i), selectors.EVENT_READ, i)
+            while not self._stop.is_set():
+                for key, _ in selector.select(timeout=0.05):
+                    sock = key.fileobj
+                    assert isinstance(sock, socket.socket)
+                    try:
+                        closed = sock.recv(4096) == b""
+                    except OSError:
+                        closed = True
+                    if closed:
+                        selector.unregister(sock)
+                        sock.close()
+                        selector.register(self._open(key.data), selectors.EVENT_READ, key.data)
+            for key in list(selector.get_map().values()):
+                key.fileobj.close()  # type: ignore[union-attr]
+
+    def wait_opened(self, at_least: int) -> None:
+        deadline = time.monotonic() + GENEROUS
+        while self.opened < at_least and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.opened >= at_least, f"only {self.opened} hostile connections opened"
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(GENEROUS)
+
+
+def test_idle_and_garbage_connections_keep_neither_a_ring_link_out_nor_flood_the_log(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """100 connections without the token, held and reopened as the server drops them: a real ring
+    link still authenticates and its piece arrives, and the server's warnings about them stay a
+    line per interval, the last one counting what it did not log."""
+    inbox = Inbox()
+    server = RingServer("127.0.0.1:0", TOKEN, PLAN, inbox.deliver, inbox=inbox)
+    server.start()
+    address = f"127.0.0.1:{server.port}"
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="ravnest.comm.dataplane"):
+        hostile = _Hostile(address, 100)
+        link = RingLink(address, TOKEN, PLAN, "node_1", timeout=GENEROUS)
+        try:
+            hostile.wait_opened(200)  # all 100 held, and as many dropped and opened again
+            link.post(Frame("reduce", {"x": torch.arange(6.0)}, step=1, version=0,
+                            ring="ring-a"))
+            link.flush(GENEROUS)
+            got = inbox.take_ring("ring-a", 1, 0, timeout=GENEROUS)
+            assert torch.equal(got.tensors["x"], torch.arange(6.0))
+        finally:
+            link.close()
+            hostile.stop()
+            server.stop()
+    elapsed = time.monotonic() - started
+    lines = [r.getMessage() for r in caplog.records if r.name == "ravnest.comm.dataplane"]
+    assert 0 < len(lines) <= 2 + elapsed / dataplane.LOG_SECONDS, lines
+    assert "not logged" in lines[-1], lines
+
+
+def test_a_greeting_dribbled_a_byte_at_a_time_is_cut_at_the_handshake_deadline() -> None:
+    """A byte a second never lets a read wait long, but the greeting as a whole has
+    HANDSHAKE_SECONDS: the server closes the connection (checked for GENEROUS seconds)."""
+    inbox = Inbox()
+    server = RingServer("127.0.0.1:0", TOKEN, PLAN, inbox.deliver, inbox=inbox)
+    server.start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=GENEROUS) as sock:
+            sock.recv(4096)  # the server's greeting
+            sock.settimeout(1.0)
+            closed, deadline = False, time.monotonic() + GENEROUS
+            while not closed and time.monotonic() < deadline:
+                try:
+                    sock.sendall(b"R")
+                    closed = sock.recv(1) == b""
+                except TimeoutError:
+                    pass
+                except OSError:
+                    closed = True
+            assert closed, f"a dribbled greeting kept its connection for {GENEROUS:.0f}s"
+    finally:
+        server.stop()

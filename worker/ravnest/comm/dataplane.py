@@ -7,7 +7,9 @@ frame) and runs at a third of gloo's speed; a socket written straight from the t
 with ``recv_into`` straight into the receiving tensor does two kernel copies and nothing else.
 
 Security is the gRPC transport's: nothing is read from a connection before it proves the job's
-token, and the server proves it back.
+token, and the server proves it back. Connections that have not proved it yet get a small budget
+(`MAX_UNAUTHENTICATED`, a newcomer beyond it displacing the oldest of the address holding the
+most) and `HANDSHAKE_SECONDS` in all, and what they do is logged a line per `LOG_SECONDS`.
 
 1. server → client: ``RVNH``, protocol version, a 32-byte random nonce;
 2. client → server: ``RVNH``, version, its own nonce, HMAC-SHA256(token, "client" ‖ both nonces ‖
@@ -42,6 +44,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -67,10 +70,18 @@ WIRE_DTYPES = {1: torch.float32, 2: torch.bfloat16, 3: torch.float16}
 _DTYPE_CODES = {v: k for k, v in WIRE_DTYPES.items()}
 MAX_NAME = 256
 """Longest ring id, node name or fingerprint (bytes) a peer may send."""
-HANDSHAKE_SECONDS = 10.0
-"""A connection that has not authenticated within this is closed."""
+HANDSHAKE_SECONDS = 5.0
+"""A connection that has not authenticated within this (in all, however it dribbles) is closed;
+a ring neighbour needs one round trip."""
 MAX_CONNECTIONS = 64
 """Connections a server holds at once (authenticated or not); more are closed at once."""
+MAX_UNAUTHENTICATED = 16
+"""Connections a server holds at once that have not authenticated yet. A new one beyond this
+closes the oldest of the address that holds the most, so strangers holding connections open only
+displace each other, never a ring neighbour connecting from an address of its own."""
+LOG_SECONDS = 10.0
+"""Unauthenticated connections refused, dropped or failing their greeting are logged at most once
+in this many seconds; the next line (or the server's stop) says how many were not."""
 POOL_BYTES = 32 << 20
 """Bytes of receive buffers a server keeps for reuse (a `BufferPool`): a fresh 4 MiB buffer costs
 ~1.5 ms of page faults here, more than receiving into it, so pieces land in recycled buffers."""
@@ -79,6 +90,48 @@ OK, UNAUTHENTICATED, WRONG_PLAN, BAD_HELLO = 0, 1, 2, 3
 
 class ProtocolError(TransportError):
     """A peer broke the data plane's protocol (or failed to authenticate)."""
+
+
+class _Throttled:
+    """A warning at most once per `interval` seconds, each saying how many were not logged since
+    the one before: what strangers do to a server costs a few lines a minute, not a line each."""
+
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self._last = -interval
+        self._unlogged = 0
+        self._lock = threading.Lock()
+
+    def warning(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last < self._interval:
+                self._unlogged += 1
+                return
+            unlogged, self._unlogged, self._last = self._unlogged, 0, now
+        if unlogged:
+            log.warning(message + " (and %d more like it, not logged)", *args, unlogged)
+        else:
+            log.warning(message, *args)
+
+    def flush(self) -> None:
+        """Log how many were not logged since the last line, if any."""
+        with self._lock:
+            unlogged, self._unlogged = self._unlogged, 0
+        if unlogged:
+            log.warning("ring data: %d more connections that did not authenticate were "
+                        "dropped or refused, not logged", unlogged)
+
+
+@dataclass
+class _Pending:
+    """A connection that has not authenticated yet: its socket (the TLS one once wrapped), the
+    address it came from and when it was accepted."""
+
+    sock: socket.socket
+    source: str
+    since: float
+    dropped: bool = False
 
 
 def _mac(token: str, role: bytes, *parts: bytes) -> bytes:
@@ -94,19 +147,33 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """`n` bytes; with a `deadline` (time.monotonic) all of them by then, or TimeoutError."""
     buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
+    if deadline is None:
+        _recv_into(sock, memoryview(buf))
+        return bytes(buf)
+    view, got = memoryview(buf), 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        sock.settimeout(left)
+        got += _recv_some(sock, view[got:])
     return bytes(buf)
+
+
+def _recv_some(sock: socket.socket, view: memoryview) -> int:
+    n = sock.recv_into(view)
+    if n == 0:
+        raise ConnectionError("connection closed")
+    return n
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
     got = 0
     while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("connection closed")
-        got += n
+        got += _recv_some(sock, view[got:])
 
 
 def _cut(sock: socket.socket) -> None:
@@ -154,14 +221,18 @@ class RingServer:
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
                  on_bytes: Callable[[str, int], None] | None = None,
                  tls: TlsMaterial | None = None, max_connections: int = MAX_CONNECTIONS,
-                 inbox: Inbox | None = None) -> None:
+                 inbox: Inbox | None = None,
+                 max_unauthenticated: int = MAX_UNAUTHENTICATED) -> None:
         host, _, port = address.rpartition(":")
         self._token, self._fingerprint = token, fingerprint
         self._deliver, self._max, self._on_bytes = deliver, max_frame_bytes, on_bytes
         self._inbox = inbox
         self._tls = _tls_context(tls, server=True) if tls else None
-        self._max_connections = max_connections
+        self._max_connections, self._max_unauthenticated = max_connections, max_unauthenticated
         self._conns: set[socket.socket] = set()
+        self._pending: list[_Pending] = []
+        """Connections not authenticated yet, oldest first."""
+        self._strangers = _Throttled(LOG_SECONDS)
         self._lock = threading.Lock()
         self._by_link: dict[tuple[str, int], socket.socket] = {}
         self._buffers = BufferPool(max_bytes=POOL_BYTES, min_bytes=1)
@@ -188,6 +259,7 @@ class RingServer:
             _cut(conn)
         if self._thread.ident is not None:  # started
             self._thread.join(timeout=5)
+        self._strangers.flush()
 
     def _accept(self) -> None:
         while True:
@@ -197,28 +269,42 @@ class RingServer:
                 return  # closed
             with self._lock:
                 if self._closed or len(self._conns) >= self._max_connections:
-                    log.warning("ring data: refusing a connection from %s (%d open)", peer,
-                                len(self._conns))
+                    self._strangers.warning("ring data: refusing a connection from %s (%d open)",
+                                            peer[0], len(self._conns))
                     conn.close()
                     continue
+                dropped = self._make_room()
+                pending = _Pending(conn, peer[0], time.monotonic())
+                self._pending.append(pending)
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"),
+            if dropped is not None:
+                _cut(dropped.sock)
+                self._strangers.warning(
+                    "ring data: dropped a connection from %s that had not authenticated in "
+                    "%.1fs, to make room (%d unauthenticated at most)", dropped.source,
+                    pending.since - dropped.since, self._max_unauthenticated)
+            threading.Thread(target=self._serve, args=(pending, f"{peer[0]}:{peer[1]}"),
                              daemon=True, name="ring-conn").start()
 
-    def _serve(self, conn: socket.socket, peer: str) -> None:
-        sock: socket.socket = conn
+    def _make_room(self) -> _Pending | None:
+        """With the lock held and the unauthenticated budget spent: take out (to be cut) the
+        oldest pending connection of the address that holds the most."""
+        if len(self._pending) < self._max_unauthenticated:
+            return None
+        held: dict[str, int] = {}
+        for p in self._pending:
+            held[p.source] = held.get(p.source, 0) + 1
+        most = max(held.values())
+        dropped = next(p for p in self._pending if held[p.source] == most)
+        self._pending.remove(dropped)
+        dropped.dropped = True
+        return dropped
+
+    def _serve(self, pending: _Pending, peer: str) -> None:
+        conn = sock = pending.sock
         sender, link = "", 0
         try:
-            _keepalive(conn)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(HANDSHAKE_SECONDS)
-            if self._tls is not None:
-                sock = self._tls.wrap_socket(conn, server_side=True)  # takes over conn's fd
-                with self._lock:
-                    self._conns.discard(conn)
-                    self._conns.add(sock)
-            sender, link = self._handshake(sock)
-            sock.settimeout(None)
+            sock, sender, link = self._authenticate(pending)
             with self._lock:
                 # a sender reconnects after a failure (a cut, a timeout): its old connection may
                 # still look open here, with a reader waiting on it forever; close it
@@ -230,22 +316,61 @@ class RingServer:
         except ConnectionError:
             pass  # the peer closed (between pieces, or mid-piece: that piece is lost)
         except (ProtocolError, ssl.SSLError, OSError) as e:
-            if not self._closed:
-                log.warning("ring data from %s refused: %s", peer, e)
+            if self._closed or pending.dropped:
+                pass
+            elif not sender:
+                self._strangers.warning("ring data from %s refused: %s", peer, e)
+            else:
+                log.warning("ring data from %s (%s) refused: %s", peer, sender, e)
         finally:
+            sock = pending.sock  # the TLS one, where a failed handshake left it wrapped
             with self._lock:
+                if pending in self._pending:
+                    self._pending.remove(pending)
                 self._conns.discard(conn)
                 self._conns.discard(sock)
                 if self._by_link.get((sender, link)) is sock:
                     del self._by_link[sender, link]
             sock.close()
 
-    def _handshake(self, sock: socket.socket) -> tuple[str, int]:
-        """Authenticate a new connection: the sender's node name and link id."""
+    def _authenticate(self, pending: _Pending) -> tuple[socket.socket, str, int]:
+        """The handshake of a pending connection, all of it within HANDSHAKE_SECONDS: its socket
+        (wrapped in TLS where the server has it), the sender's node name and link id. It leaves
+        the pending ones before it is told OK, or fails if it was dropped to make room."""
+        deadline = pending.since + HANDSHAKE_SECONDS
+        conn = sock = pending.sock
+        _keepalive(conn)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.settimeout(HANDSHAKE_SECONDS)
+        if self._tls is not None:
+            sock = self._tls.wrap_socket(conn, server_side=True,  # takes over conn's fd
+                                         do_handshake_on_connect=False)
+            with self._lock:
+                self._conns.discard(conn)
+                self._conns.add(sock)
+                pending.sock = sock  # what a drop cuts from now on
+            if pending.dropped:
+                raise ConnectionError("dropped to make room")
+            sock.do_handshake()
+        sender, link = self._handshake(sock, deadline, lambda: self._admit(pending))
+        sock.settimeout(None)
+        return sock, sender, link
+
+    def _admit(self, pending: _Pending) -> None:
+        """A connection proved the token: it no longer counts against the unauthenticated."""
+        with self._lock:
+            if pending.dropped:
+                raise ConnectionError("dropped to make room")
+            self._pending.remove(pending)
+
+    def _handshake(self, sock: socket.socket, deadline: float,
+                   admit: Callable[[], None]) -> tuple[str, int]:
+        """Authenticate a new connection by `deadline`: the sender's node name and link id.
+        `admit` is called once it proved the token and plan, before it is told so."""
         nonce = secrets.token_bytes(32)
         sock.sendall(_HELLO.pack(_HELLO_MAGIC, PROTOCOL, nonce))
         magic, version, their_nonce, mac, link, fp_len, name_len = _AUTH.unpack(
-            _recv_exact(sock, _AUTH.size))
+            _recv_exact(sock, _AUTH.size, deadline))
 
         def refuse(status: int, reason: str) -> ProtocolError:
             text = reason.encode()[:1024]
@@ -259,7 +384,8 @@ class RingServer:
             raise refuse(BAD_HELLO, f"not a ravnest ring connection (protocol {version})")
         if fp_len > MAX_NAME or name_len > MAX_NAME:
             raise refuse(BAD_HELLO, "fingerprint or node name too long")
-        fingerprint, sender = _recv_exact(sock, fp_len), _recv_exact(sock, name_len)
+        fingerprint = _recv_exact(sock, fp_len, deadline)
+        sender = _recv_exact(sock, name_len, deadline)
         want = _mac(self._token, b"client", nonce, their_nonce, fingerprint, sender,
                     struct.pack("<Q", link))
         if not hmac.compare_digest(mac, want):
@@ -272,6 +398,7 @@ class RingServer:
             name = sender.decode()
         except UnicodeDecodeError as e:
             raise refuse(BAD_HELLO, "node name is not UTF-8") from e
+        admit()
         sock.sendall(struct.pack("<BH", OK, 0) +
                      _mac(self._token, b"server", nonce, their_nonce, fingerprint))
         return name, link
