@@ -92,3 +92,32 @@ def test_numbers_for_number_fields_and_quantities_for_ram_still_parse() -> None:
     assert (provider.ram, provider.compute, provider.bandwidth) == (8.0, 2.0, 100.0)
     assert isinstance(provider.compute, float)
     assert parse_job(job.to_dict()) == job
+
+
+def test_a_kwarg_of_the_wrong_type_names_the_field_and_the_call() -> None:
+    """`width: abc` gave only Python's "not all arguments converted during string formatting"."""
+    from ravnest.plan.building import build_model
+
+    doc = copy.deepcopy(BASE)
+    doc["spec"]["model"]["kwargs"] = {"width": "abc"}
+    with pytest.raises(SpecError) as err:
+        build_model(parse_job(doc).spec)
+    [line] = err.value.problems
+    assert line.startswith("spec.model.kwargs: ravnest.examples.digits:build_model"
+                           "(**{'width': 'abc'}) failed: TypeError: ")
+    assert line.endswith("; check the kwargs' names and types")
+
+
+@pytest.mark.parametrize("shape", [[32, 3, 8, 8], [32, 64]], ids=["channels", "rank"])
+def test_an_example_input_the_model_does_not_take_names_the_field(shape: list[int]) -> None:
+    from ravnest.plan.building import plan_job
+
+    doc = copy.deepcopy(BASE)
+    doc["spec"]["model"]["exampleInput"]["shape"] = shape
+    with pytest.raises(SpecError) as err:
+        plan_job(parse_job(doc))
+    [line] = err.value.problems
+    assert line.startswith(f"spec.model.exampleInput: the model fails on an input of shape "
+                           f"{shape} and dtype float32 (RuntimeError: ")
+    assert line.endswith("); give the shape and dtype of one batch it takes")
+    assert "\n" not in line

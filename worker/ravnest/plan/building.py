@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ravnest.errors import SpecError
+from ravnest.errors import PlanError, SpecError, shown
 from ravnest.plan.costs import Workload
 from ravnest.plan.partitioning import Profile, profile
 from ravnest.plan.planning import make_plan
@@ -61,7 +61,9 @@ def build_model(spec: JobSpec) -> nn.Module:
     try:
         model = factory(**spec.model.kwargs)
     except TypeError as e:
-        raise SpecError([f"spec.model.kwargs: {spec.model.entrypoint} rejected them ({e})"]) from e
+        call = f"{spec.model.entrypoint}(**{shown(spec.model.kwargs)})"
+        raise SpecError([f"spec.model.kwargs: {call} failed: TypeError: {e}; check "
+                         "the kwargs' names and types"]) from e
     if not isinstance(model, nn.Module):
         raise SpecError([f"spec.model.entrypoint: {spec.model.entrypoint} returned "
                          f"{type(model).__name__}, not a torch.nn.Module"])
@@ -82,7 +84,9 @@ def build_datasets(spec: JobSpec) -> tuple[Any, Any]:
     try:
         out = factory(**spec.data.kwargs)
     except TypeError as e:
-        raise SpecError([f"spec.data.kwargs: {spec.data.entrypoint} rejected them ({e})"]) from e
+        call = f"{spec.data.entrypoint}(**{shown(spec.data.kwargs)})"
+        raise SpecError([f"spec.data.kwargs: {call} failed: TypeError: {e}; check "
+                         "the kwargs' names and types"]) from e
     if not (isinstance(out, tuple | list) and len(out) == 2):
         raise SpecError([f"spec.data.entrypoint: {spec.data.entrypoint} must return "
                          "(train_dataset, validation_dataset)"])
@@ -121,11 +125,27 @@ def plan_job(job: Job) -> tuple[Plan, Profile, Any]:
     """Build and profile the model, then plan it over the job's providers."""
     spec = job.spec
     model = build_model(spec)
-    gm, prof = profile(model, example_inputs(spec))
+    gm, prof = profile_example(spec, model)
     pool = [ProviderInfo(p.ram, p.bandwidth, p.compute) for p in spec.expanded_providers()]
     plan = make_plan(prof, pool, Workload.from_spec(spec), clusters=spec.plan.clusters,
                      max_clusters=spec.plan.max_clusters, identity=identity(spec))
     return plan, prof, gm
+
+
+def profile_example(spec: JobSpec, model: nn.Module) -> tuple[nn.Module, Profile]:
+    """`profile` on the job's example input; a model that fails on it is a SpecError naming
+    spec.model.exampleInput (a shape or dtype the model does not take)."""
+    try:
+        return profile(model, example_inputs(spec))
+    except PlanError as e:
+        cause = e.__cause__
+        if cause is None:  # the model ran, but cannot be split
+            raise
+        ex = spec.model.example_input
+        first = (str(cause).strip().splitlines() or [""])[0]
+        raise SpecError([f"spec.model.exampleInput: the model fails on an input of shape "
+                         f"{shown(ex.shape)} and dtype {ex.dtype} ({type(cause).__name__}: "
+                         f"{first}); give the shape and dtype of one batch it takes"]) from e
 
 
 def identity(spec: JobSpec) -> dict[str, Any]:
