@@ -16,14 +16,17 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "digits.yaml"
 HEAVY = ("torch", "grpc", "numpy")
 PROBE = """
-import json, resource, runpy, sys
+import json, runpy, sys
 sys.argv = ["ravnest", *sys.argv[1:]]
 try:
     runpy.run_module("ravnest", run_name="__main__")
 except SystemExit as e:
     code = e.code
+# VmHWM is this process's own peak; ru_maxrss would count the parent's memory that a forked
+# (or vforked) child shared before it exec'ed
+hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")]
 print(json.dumps({"code": code, "loaded": sorted(m for m in HEAVY if m in sys.modules),
-                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
+                  "rss_mb": int(hwm[0].split()[1]) // 1024}))
 """.replace("HEAVY", repr(HEAVY))
 
 
