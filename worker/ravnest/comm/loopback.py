@@ -17,12 +17,12 @@ import dataclasses
 import json
 import logging
 import queue
-import secrets
 import threading
 from collections.abc import Callable
 
 from ravnest.comm.framing import Frame, check_sendable
-from ravnest.errors import PeerTimeout, TransportError
+from ravnest.comm.sending import Deliveries
+from ravnest.errors import TransportError
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +34,7 @@ class Loopback:
         self.address = address
         self._deliver = deliver
         self._queue: queue.Queue[Frame | None] = queue.Queue()
-        self._error: TransportError | None = None
-        self._lock = threading.Lock()
-        self._pending = 0
-        self._idle = threading.Event()
-        self._idle.set()
-        self._stream = secrets.randbits(63) + 1
-        self._sequence = 0
+        self._deliveries = Deliveries(address)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"send-{address}")
         self._thread.start()
 
@@ -52,25 +46,18 @@ class Loopback:
         copy = dataclasses.replace(frame, tensors=tensors,
                                    control=json.loads(json.dumps(frame.control)),
                                    wire_bytes=frame.nbytes(), release=None)
-        with self._lock:
-            if ordered:
-                self._sequence += 1
-                frame.stream, frame.sequence = self._stream, self._sequence
-                copy.stream, copy.sequence = frame.stream, frame.sequence
-            self._pending += 1
-            self._idle.clear()
+        if ordered:
+            self._deliveries.number(frame)
+            copy.stream, copy.sequence = frame.stream, frame.sequence
+        self._deliveries.started()
         self._queue.put(copy)
 
     def flush(self, timeout: float | None = None) -> None:
-        if not self._idle.wait(timeout):
-            raise PeerTimeout(f"frames to {self.address} not delivered within {timeout}s")
-        self.raise_error()
+        self._deliveries.wait(timeout)
 
     def raise_error(self) -> None:
         """Raise (once) the error of a frame that could not be delivered."""
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+        self._deliveries.raise_error()
 
     def close(self) -> None:
         self._queue.put(None)
@@ -78,15 +65,12 @@ class Loopback:
 
     def _run(self) -> None:
         while (frame := self._queue.get()) is not None:
+            error: TransportError | None = None
             try:
                 self._deliver(frame)
             except Exception as e:  # refused by the inbox, as a server would refuse it
                 log.error("delivering %s frame to %s failed: %s", frame.kind, self.address, e)
                 error = TransportError(f"{frame.kind} frame to {self.address}: {e}")
                 error.__cause__ = e
-                self._error = error
             finally:
-                with self._lock:
-                    self._pending -= 1
-                    if self._pending == 0:
-                        self._idle.set()
+                self._deliveries.finished(error)

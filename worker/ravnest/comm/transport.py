@@ -18,7 +18,6 @@ from __future__ import annotations
 import hmac
 import logging
 import queue
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +42,7 @@ from ravnest.comm.framing import (
     iter_wire,
 )
 from ravnest.comm.proto import ravnest_pb2 as pb
+from ravnest.comm.sending import Deliveries
 from ravnest.comm.tls import TlsMaterial
 from ravnest.errors import PeerTimeout, TransportError
 
@@ -258,13 +258,7 @@ class Peer:
         self._timeout = timeout
         self._on_bytes = on_bytes
         self._queue: queue.Queue[tuple[str, list[bytes] | Frame] | None] = queue.Queue()
-        self._error: TransportError | None = None
-        self._idle = threading.Event()
-        self._idle.set()
-        self._pending = 0
-        self._lock = threading.Lock()
-        self._stream = secrets.randbits(63) + 1
-        self._sequence = 0
+        self._deliveries = Deliveries(address)
         self._budget = threading.Condition()
         self._bytes_in_flight = 0
         self._threads = [threading.Thread(target=self._run, args=(self._queue,), daemon=True,
@@ -316,26 +310,18 @@ class Peer:
         self.raise_error()
         check_sendable(frame)  # before it takes a number: a frame that cannot go breaks no order
         if ordered:
-            with self._lock:
-                self._sequence += 1
-                frame.stream, frame.sequence = self._stream, self._sequence
+            self._deliveries.number(frame)
         messages: list[bytes] | Frame = self._encode(frame) if snapshot else frame
-        with self._lock:
-            self._pending += 1
-            self._idle.clear()
+        self._deliveries.started()
         self._queue.put((frame.kind, messages))
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every posted frame was delivered."""
-        if not self._idle.wait(timeout):
-            raise PeerTimeout(f"frames to {self.address} not delivered within {timeout}s")
-        self.raise_error()
+        self._deliveries.wait(timeout)
 
     def raise_error(self) -> None:
         """Raise (once) the error of a frame the sender thread could not deliver."""
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+        self._deliveries.raise_error()
 
     def _run(self, frames: queue.Queue[tuple[str, list[bytes] | Frame] | None]) -> None:
         while (item := frames.get()) is not None:
@@ -346,23 +332,21 @@ class Peer:
                 while self._bytes_in_flight and self._bytes_in_flight + size > BYTES_IN_FLIGHT:
                     self._budget.wait()
                 self._bytes_in_flight += size
+            error: TransportError | None = None
             try:
                 self._send(kind, self._encode(messages)
                            if isinstance(messages, Frame) else messages)
             except TransportError as e:
                 log.error("sending %s frame to %s failed: %s", kind, self.address, e)
-                self._error = e
+                error = e
             except Exception as e:  # a frame encoded here failed (not a send): report it
                 log.exception("encoding %s frame to %s failed", kind, self.address)
-                self._error = TransportError(f"{kind} frame to {self.address}: {e}")
+                error = TransportError(f"{kind} frame to {self.address}: {e}")
             finally:
                 with self._budget:
                     self._bytes_in_flight -= size
                     self._budget.notify_all()
-                with self._lock:
-                    self._pending -= 1
-                    if self._pending == 0:
-                        self._idle.set()
+                self._deliveries.finished(error)
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the peer's health service says SERVING."""
