@@ -56,9 +56,9 @@ def _plan(args: argparse.Namespace) -> int:
     from ravnest.spec import load_job
 
     job = load_job(args.job)  # a bad file is refused before torch is loaded
-    from ravnest.plan.building import plan_job
+    from ravnest.plan.building import preflight
 
-    plan, _, _ = plan_job(job)
+    plan, _, _ = preflight(job)
     print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.table())
     return 0
 

@@ -51,13 +51,17 @@ class Workload:
     (`spec.training.optimizer.name`)."""
     reduce_factor: int = TrainingSpec.model_fields["reduce_factor"].default
     """Optimizer updates between two ring all-reduces (`spec.training.reduceFactor`)."""
+    update_frequency: int = TrainingSpec.model_fields["update_frequency"].default
+    """Batches accumulated into one optimizer update (`spec.training.updateFrequency`): a cluster
+    needs this many batches of the training set for one step."""
 
     @classmethod
     def from_spec(cls, spec: JobSpec) -> Workload:
         return cls(batch_size=spec.data.batch_size, microbatches=spec.data.microbatches,
                    max_in_flight=spec.training.max_in_flight,
                    optimizer=spec.training.optimizer.name,
-                   reduce_factor=spec.training.reduce_factor)
+                   reduce_factor=spec.training.reduce_factor,
+                   update_frequency=spec.training.update_frequency)
 
 
 class Costs:

@@ -269,9 +269,11 @@ def _upper_bound(costs: Costs, pool: Sequence[ProviderInfo], k: int) -> float:
 
 def make_plan(profile: Profile, pool: Sequence[ProviderInfo], work: Workload,
               clusters: int | None = None, max_clusters: int | None = None,
-              identity: dict[str, Any] | None = None) -> Plan:
+              identity: dict[str, Any] | None = None, train_samples: int | None = None) -> Plan:
     """Plan clusters, stages and rings; `identity` (model/data spec) goes into the fingerprint.
 
+    With `train_samples` (the training set's size), every cluster must get a batch each step: the
+    planner chooses at most that many clusters, and refuses a fixed `clusters` beyond it.
     Every provider is used. Each candidate cluster count gets a short local search (all counts
     for small pools; for large ones a geometric grid, refined around the best by bisection),
     skipping counts whose upper bound cannot beat the best so far; the best count then gets a
@@ -280,6 +282,8 @@ def make_plan(profile: Profile, pool: Sequence[ProviderInfo], work: Workload,
     if not pool:
         raise PlanError("spec.providers: at least one provider is needed")
     costs = Costs(profile, work)
+    if train_samples is not None:
+        max_clusters = _data_clusters(work, train_samples, clusters, max_clusters)
     lo, hi = _cluster_range(costs, pool, clusters, max_clusters)
     n = len(pool)
     search = _Search(costs, pool)
@@ -292,6 +296,25 @@ def make_plan(profile: Profile, pool: Sequence[ProviderInfo], work: Workload,
                              key=lambda r: (round(r[0], 9), -len(r[1])))
     ordered = sorted((search.cluster(g)[1] for g in groups), key=min)
     return _build(profile, costs, pool, ordered, throughput, identity or {})
+
+
+def _data_clusters(work: Workload, samples: int, clusters: int | None,
+                   max_clusters: int | None) -> int:
+    """The most clusters that each get a batch (times updateFrequency) of `samples` per epoch;
+    a PlanError naming the field when not even one does, or a fixed count exceeds it."""
+    per_cluster = work.batch_size * work.update_frequency
+    fit = samples // per_cluster
+    batches = (f"batchSize {work.batch_size}" if work.update_frequency == 1 else
+               f"batchSize {work.batch_size} x updateFrequency {work.update_frequency}")
+    if fit == 0:
+        raise PlanError(f"spec.data.batchSize: {samples} training samples cannot fill one "
+                        f"step of {batches} samples; lower batchSize")
+    if clusters is not None and clusters > fit:
+        raise PlanError(f"spec.plan.clusters: {clusters} clusters x {batches} need "
+                        f"{clusters * per_cluster} training samples per step, but the training "
+                        f"set has {samples}: at most {fit} cluster(s) get a batch; lower "
+                        "spec.plan.clusters or spec.data.batchSize")
+    return min(fit, max_clusters or fit)
 
 
 def _cluster_range(costs: Costs, pool: Sequence[ProviderInfo], clusters: int | None,
