@@ -67,7 +67,7 @@ PLAN_ERRORS = [
     ("huge-batch", _set("data.batchSize", 10**400), "spec.data.batchSize", "must be at most"),
     ("huge-dim", _set("model.exampleInput.shape", [10**400, 1, 8, 8]),
      "spec.model.exampleInput.shape", "1 GiB"),
-    ("512-GB-example", _set("model.exampleInput.shape", [2e9, 1, 8, 8]),
+    ("512-GB-example", _set("model.exampleInput.shape", [2_000_000_000, 1, 8, 8]),
      "spec.model.exampleInput.shape", "477 GiB"),
 ]
 PREFLIGHT_ERRORS = [
