@@ -3,6 +3,8 @@ PYTHONPATH by the fixtures)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -65,3 +67,14 @@ def blobs(n: int = 512, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
 
 def broken_data() -> tuple[TensorDataset, TensorDataset]:
     raise RuntimeError("dataset shard missing on this provider")
+
+
+def data_missing_on_providers() -> tuple[TensorDataset, TensorDataset]:
+    """The digits where the job is planned, nothing on the providers the local runner starts (a
+    failure no check before the workers start can see)."""
+    from ravnest.examples.digits import datasets
+    from ravnest.run.metadata import RUNNER_PID_ENV
+
+    if os.environ.get(RUNNER_PID_ENV):
+        raise RuntimeError("dataset shard missing on this provider")
+    return datasets()

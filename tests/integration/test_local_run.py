@@ -13,7 +13,7 @@ import torch
 import yaml
 from processes import pids_with
 
-from ravnest import SpecError, parse_job, run_job
+from ravnest import SpecError, WorkerFailed, parse_job, run_job
 from ravnest.examples.digits import build_model, datasets
 from ravnest.run.local import lock_folder
 from ravnest.train.fusing import fuse_stage_files
@@ -104,6 +104,19 @@ def test_clusters_of_one_provider_all_join_the_final_reduce(tmp_path, digits_doc
     for other in copies[1:]:
         for k, v in copies[0].items():
             torch.testing.assert_close(other[k].float(), v.float(), rtol=0, atol=1e-6)
+
+
+def test_worker_failure_is_reported_and_nothing_is_left_running(tmp_path, digits_doc,
+                                                                worker_env):
+    digits_doc["spec"]["data"]["entrypoint"] = "models:data_missing_on_providers"
+    digits_doc["spec"]["runPolicy"] = {"backoffLimit": 1}
+    with pytest.raises(WorkerFailed) as err:
+        run_job(parse_job(digits_doc), tmp_path, progress=False)
+    message = str(err.value)
+    # a worker exits 2 on a spec error, which names the field
+    assert "exited with code 2 after 1 restart(s), backoffLimit 1" in message
+    assert "spec.data.entrypoint" in message and "dataset shard missing" in message
+    assert pids_with(str(tmp_path)) == []
 
 
 def test_broken_data_fails_before_any_worker_starts(tmp_path, digits_doc, worker_env):
