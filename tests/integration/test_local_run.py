@@ -119,6 +119,21 @@ def test_worker_failure_is_reported_and_nothing_is_left_running(tmp_path, digits
     assert pids_with(str(tmp_path)) == []
 
 
+def test_a_failure_that_repeats_identically_is_not_restarted_again(tmp_path, digits_doc,
+                                                                   worker_env):
+    """Issue 19 item 7: restarting cannot cure a worker that fails the same way every time; the
+    run stops after the first restart shows it, not after backoffLimit restarts."""
+    digits_doc["spec"]["data"]["entrypoint"] = "models:data_missing_on_providers"
+    digits_doc["spec"]["runPolicy"] = {"backoffLimit": 3}
+    with pytest.raises(WorkerFailed) as err:
+        run_job(parse_job(digits_doc), tmp_path, progress=False)
+    message = str(err.value)
+    assert "after 1 restart(s), backoffLimit 3; it failed the same way" in message, message
+    assert "dataset shard missing" in message
+    assert json.loads((tmp_path / "status.json").read_text())["restarts"] == 1
+    assert pids_with(str(tmp_path)) == []
+
+
 def test_broken_data_fails_before_any_worker_starts(tmp_path, digits_doc, worker_env):
     """The datasets are built once before the workers start (issue 19 item 7)."""
     digits_doc["spec"]["data"]["entrypoint"] = "models:broken_data"

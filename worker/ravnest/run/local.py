@@ -31,6 +31,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -218,11 +219,15 @@ class LocalRun:
         checkpoint, until they succeed or `backoffLimit` restarts are used up."""
         limit = self.job.spec.run_policy.backoff_limit
         self.start(metas)
+        last: tuple[int, str] | None = None
         while (dead := self.wait()) is not None:
             failure = f"worker {dead.node} exited with code {dead.popen.returncode}"
-            if self.restarts >= limit:
+            seen, last = last, _failure_of(dead)
+            if self.restarts >= limit or (last is not None and seen == last):
                 used = f" after {self.restarts} restart(s), backoffLimit {limit}" if limit else ""
-                raise WorkerFailed(f"{failure}{used}; last lines of {dead.log}:\n"
+                again = ("; it failed the same way as before its last restart, so it is not "
+                         "restarted again" if last is not None and seen == last else "")
+                raise WorkerFailed(f"{failure}{used}{again}; last lines of {dead.log}:\n"
                                    f"{_tail(dead.log)}")
             self.stop()
             self.procs = []
@@ -434,6 +439,21 @@ def _signal_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except ProcessLookupError:
         pass
+
+
+_STAMP = re.compile(r"^\[?\d{4}-\d\d-\d\d[ T][\d:,.]+\]?\s*")
+
+
+def _failure_of(proc: _Proc) -> tuple[int, str] | None:
+    """What a worker's failure is known by when the runner decides whether a restart failed the
+    same way: its exit code and last log line without a timestamp (whichever worker reports it:
+    all of them may fail alike). None for a worker killed by a signal (an outside event: a kill,
+    the OOM killer) or one that logged nothing."""
+    code = proc.popen.returncode
+    lines = [line for line in _tail(proc.log, 5).splitlines() if line.strip()]
+    if code is None or code <= 0 or not lines:
+        return None
+    return code, _STAMP.sub("", lines[-1])
 
 
 def _tail(path: Path, lines: int = 25) -> str:
