@@ -45,7 +45,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 128 + e.signum
     metric = summary["fused_val_metric"]
-    print(f"done: {summary['updates']} updates, {summary['samples_per_second']} samples/s, "
+    speed = (f"{summary['samples_per_second']} samples/s" if summary["samples_trained"] else
+             f"nothing left to train (its checkpoints are at step {summary['resumed_from_step']})")
+    print(f"done: {summary['updates']} updates, {speed}, "
           f"train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}"
           + (f", val accuracy {metric:.4f}" if metric is not None else ""))
     print(f"outputs in {out}/ (model.pt, best_model.pt, learning_curve.csv, summary.json)")

@@ -125,6 +125,8 @@ class LocalRun:
         self.procs: list[_Proc] = []
         self.plan: Plan | None = None
         self.restarts = 0
+        self.resumed_from = 0
+        """The checkpoint step the run started from (0: from scratch)."""
         self.conditions: list[dict[str, str]] = []
         self._lock: int | None = None
         self._started = time.monotonic()
@@ -284,6 +286,8 @@ class LocalRun:
 
     def _train(self) -> dict[str, Any]:
         metas = self.prepare()
+        self.resumed_from = checkpointing.latest(self.checkpoint_dir(),
+                                                 [m.node for m in metas]) or 0
         started = time.time()
         self._started = time.monotonic()
         self.write_status("Created", {})
@@ -323,12 +327,14 @@ class LocalRun:
         self._write_curve(clusters)
         model.load_state_dict(fused)
         fused_metric = evaluate(model, self.job)
-        samples = sum(c["samples"] for c in clusters)
+        samples, updates = sum(c["samples"] for c in clusters), clusters[0]["updates"]
+        trained = samples * (updates - self.resumed_from) // updates if updates else 0
         summary = {
             "job": self.job.name, "plan": self.plan.fingerprint, "clusters": len(clusters),
-            "nodes": len(self.plan.nodes), "updates": clusters[0]["updates"],
-            "samples": samples, "seconds": round(seconds, 3),
-            "samples_per_second": round(samples / seconds, 2) if seconds else None,
+            "nodes": len(self.plan.nodes), "updates": updates,
+            "samples": samples, "resumed_from_step": self.resumed_from,
+            "samples_trained": trained, "seconds": round(seconds, 3),
+            "samples_per_second": round(trained / seconds, 2) if seconds and trained else None,
             "train_loss": next((r["train_loss"] for r in reversed(clusters[0]["curve"])
                                 if "train_loss" in r), None),
             "val_loss": clusters[0]["val_loss"], "val_metric": clusters[0]["val_metric"],
