@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -251,3 +252,23 @@ def test_rerunning_a_finished_folder_trains_nothing_and_says_so(tmp_path, digits
     assert summary["samples_trained"] == 0 and summary["samples_per_second"] is None
     assert "nothing left to train" in runs[1].stdout
     assert "samples/s" in runs[0].stdout and "nothing left" not in runs[0].stdout
+
+
+def test_a_run_larger_than_the_machine_is_warned_about(tmp_path, digits_doc, caplog):
+    """Issue 19 item 9: more workers than this machine's memory holds get a warning before any
+    starts (the pool is sized from the machine, so this holds on any machine)."""
+    from ravnest.run.local import WORKER_BASE_BYTES, LocalRun
+
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    count = physical // WORKER_BASE_BYTES + 1
+    digits_doc["spec"]["providers"] = [{"ram": 4, "bandwidth": 100, "replicas": int(count)}]
+    digits_doc["spec"]["plan"] = {"clusters": -(-int(count) // 8)}  # 8 stages each
+    digits_doc["spec"]["data"]["batchSize"] = 8  # so that every cluster gets a batch
+    run = LocalRun(parse_job(digits_doc), tmp_path / "run", progress=False)
+    with caplog.at_level(logging.WARNING, logger="ravnest.run.local"):
+        metas = run.prepare()
+    run.release()
+    assert len(metas) == count
+    assert any(f"{count} workers need an estimated" in r.getMessage() and "spec.providers" in
+               r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert pids_with(str(tmp_path)) == []
