@@ -286,8 +286,8 @@ class LocalRun:
 
     def _train(self) -> dict[str, Any]:
         metas = self.prepare()
-        self.resumed_from = checkpointing.latest(self.checkpoint_dir(),
-                                                 [m.node for m in metas]) or 0
+        self.resumed_from = checkpointing.latest(
+            self.checkpoint_dir(), [m.node for m in metas], set_aside=False) or 0
         started = time.time()
         self._started = time.monotonic()
         self.write_status("Created", {})

@@ -126,16 +126,21 @@ def refuse_other_plans(root: str | Path, plan: str) -> None:
                     f"job that wrote them to resume it")
 
 
-def latest(root: str | Path, nodes: list[str], plan: str = "") -> int | None:
+def latest(root: str | Path, nodes: list[str], plan: str = "",
+           set_aside: bool = True) -> int | None:
     """The newest step whose checkpoints are complete, intact and loadable for all nodes; newer
-    complete steps that fail their checksums or do not load are logged and set aside. With a
-    `plan` fingerprint, a folder holding another plan's checkpoints raises `ForeignCheckpoint`."""
+    complete steps that fail their checksums or do not load are logged and set aside (unless
+    `set_aside` is False: then only read, as a supervisor that leaves the repair to its nodes).
+    With a `plan` fingerprint, a folder holding another plan's checkpoints raises
+    `ForeignCheckpoint`."""
     refuse_other_plans(root, plan)
     for step in reversed(complete_steps(root, nodes)):
         d = _step_dir(Path(root), step)
         problems = [p for n in nodes if (p := _problem(d, n)) is not None]
         if not problems:
             return step
+        if not set_aside:
+            continue
         log.warning("checkpoint %s is corrupt (%s); set aside as %s, trying an older one", d,
                     "; ".join(problems), _set_aside(d).name)
     return None
