@@ -67,20 +67,29 @@ def build_model(spec: JobSpec) -> nn.Module:
             raise SpecError([f"spec.model.torchscript: cannot load {spec.model.torchscript!r} "
                              f"({e})"]) from e
     assert spec.model.entrypoint is not None
-    factory = resolve(spec.model.entrypoint, "spec.model.entrypoint")
-    try:
-        model = factory(**spec.model.kwargs)
-    except TypeError as e:
-        call = f"{spec.model.entrypoint}(**{shown(spec.model.kwargs)})"
-        raise SpecError([f"spec.model.kwargs: {call} failed: TypeError: {e}; check "
-                         "the kwargs' names and types"]) from e
-    except Exception as e:  # e.g. a negative layer width: RuntimeError from nn.Linear
-        field = "spec.model.kwargs" if spec.model.kwargs else "spec.model.entrypoint"
-        raise SpecError([f"{field}: {spec.model.entrypoint}(**kwargs) failed: {_cause(e)}"]) from e
+    # e.g. a negative layer width (RuntimeError from nn.Linear) is the kwargs' fault
+    model = _call("spec.model", spec.model.entrypoint, spec.model.kwargs,
+                  blame_kwargs=bool(spec.model.kwargs))
     if not isinstance(model, nn.Module):
         raise SpecError([f"spec.model.entrypoint: {spec.model.entrypoint} returned "
                          f"{type(model).__name__}, not a torch.nn.Module"])
     return model
+
+
+def _call(section: str, entrypoint: str, kwargs: dict[str, Any], blame_kwargs: bool) -> Any:
+    """Call a job's `section` factory (`section.entrypoint` with `section.kwargs`); its failure
+    becomes a SpecError naming the field: kwargs for a TypeError (or any error with
+    `blame_kwargs`), else the entrypoint."""
+    factory = resolve(entrypoint, f"{section}.entrypoint")
+    try:
+        return factory(**kwargs)
+    except TypeError as e:
+        call = f"{entrypoint}(**{shown(kwargs)})"
+        raise SpecError([f"{section}.kwargs: {call} failed: TypeError: {e}; check "
+                         "the kwargs' names and types"]) from e
+    except Exception as e:
+        field = f"{section}.kwargs" if blame_kwargs else f"{section}.entrypoint"
+        raise SpecError([f"{field}: {entrypoint}(**kwargs) failed: {_cause(e)}"]) from e
 
 
 def example_inputs(spec: JobSpec) -> tuple[torch.Tensor, ...]:
@@ -95,16 +104,7 @@ def example_inputs(spec: JobSpec) -> tuple[torch.Tensor, ...]:
 
 
 def build_datasets(spec: JobSpec) -> tuple[Any, Any]:
-    factory = resolve(spec.data.entrypoint, "spec.data.entrypoint")
-    try:
-        out = factory(**spec.data.kwargs)
-    except TypeError as e:
-        call = f"{spec.data.entrypoint}(**{shown(spec.data.kwargs)})"
-        raise SpecError([f"spec.data.kwargs: {call} failed: TypeError: {e}; check "
-                         "the kwargs' names and types"]) from e
-    except Exception as e:
-        raise SpecError([f"spec.data.entrypoint: {spec.data.entrypoint}(**kwargs) failed: "
-                         f"{_cause(e)}"]) from e
+    out = _call("spec.data", spec.data.entrypoint, spec.data.kwargs, blame_kwargs=False)
     if not (isinstance(out, tuple | list) and len(out) == 2):
         raise SpecError([f"spec.data.entrypoint: {spec.data.entrypoint} must return "
                          "(train_dataset, validation_dataset)"])
