@@ -9,6 +9,12 @@ crossing them is a tensor.
 
 Profiling runs the traced graph once on the example input, node by node, to record output sizes
 and FLOPs (torch's own FLOP counter), which the planner uses as deterministic costs.
+
+Some submodules are kept whole, as one layer each (`Profile.kept_whole` says which and why):
+those marked as leaves the way Ravnest's tracer honours it (a true `_is_leaf_module` attribute,
+as in its minGPT sorter example), and those torch.fx cannot trace through (data-dependent
+slicing or control flow): when tracing fails inside a submodule, the innermost submodule the
+failure came out of is kept whole and the model is traced again.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ class Profile:
     example_batch: int
     state_names: tuple[str, ...]
     """All parameter and buffer names, in the model's state_dict order."""
+    kept_whole: tuple[tuple[str, str], ...] = ()
+    """(qualified name, why) of each submodule traced as one layer although torch.fx would
+    have traced through it: marked as a leaf, or not traceable (see `trace`)."""
 
     @property
     def param_bytes(self) -> int:
@@ -70,17 +79,104 @@ _TRACING = threading.Lock()
 at a time per process (the operator plans jobs in threads)."""
 
 
-def trace(model: nn.Module) -> fx.GraphModule:
-    """Symbolically trace a model; name the op that cannot be traced if it fails."""
-    try:
-        with _TRACING:
-            return fx.symbolic_trace(model)
-    except Exception as e:
-        raise PlanError(
-            f"model {type(model).__name__} cannot be traced by torch.fx: {type(e).__name__}: {e}. "
-            "Data-dependent control flow (if/for on tensor values) must be moved into a leaf "
-            "module or rewritten with torch.where"
-        ) from e
+LEAF_MARKER = "_is_leaf_module"
+"""The attribute by which a model marks a submodule as a leaf (Ravnest's tracer honours it: a
+submodule whose `_is_leaf_module` is true is not traced through)."""
+
+LeafSpec = type[nn.Module] | str
+"""A module class (its instances are leaves) or a module's qualified name."""
+
+
+class _LeafTracer(fx.Tracer):
+    """fx's tracer, also keeping whole the marked modules, the given classes and names, and
+    remembering the innermost submodule a tracing failure came out of (`failed_in`)."""
+
+    def __init__(self, leaves: Sequence[LeafSpec], kept: dict[str, str]) -> None:
+        super().__init__()
+        self.leaf_types = tuple(x for x in leaves if isinstance(x, type))
+        self.leaf_names = {x for x in leaves if isinstance(x, str)}
+        self.kept = kept
+        self.used: dict[str, str] = {}
+        """Modules kept whole in this trace, and why, in the order they were first called."""
+        self.failure: BaseException | None = None
+        self.failed_in: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        why = self._why_leaf(m, module_qualified_name)
+        if why is None:
+            return super().is_leaf_module(m, module_qualified_name)
+        self.used.setdefault(module_qualified_name, why)
+        return True
+
+    def _why_leaf(self, m: nn.Module, name: str) -> str | None:
+        if name in self.kept:
+            return self.kept[name]
+        if getattr(m, LEAF_MARKER, False):
+            return f"marked as a leaf ({LEAF_MARKER})"
+        if name in self.leaf_names or isinstance(m, self.leaf_types):
+            return "named as a leaf"
+        return None
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception as e:
+            if not _caused_by(e, self.failure):
+                self.failure, self.failed_in = e, self._name_of(m)
+            raise
+
+    def _name_of(self, m: nn.Module) -> str | None:
+        try:
+            return self.path_of_module(m)
+        except Exception:  # not installed as a submodule: nothing to keep whole
+            return None
+
+
+def _caused_by(e: BaseException, cause: BaseException | None) -> bool:
+    """Whether `cause` is `e` or in the chain of exceptions `e` was raised from or during."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        if x is cause:
+            return True
+        seen.add(id(x))
+        x = x.__cause__ or x.__context__
+    return False
+
+
+def trace(model: nn.Module, leaves: Sequence[LeafSpec] = ()
+          ) -> tuple[fx.GraphModule, tuple[tuple[str, str], ...]]:
+    """Symbolically trace a model; name the op that cannot be traced if it fails.
+
+    Returns the graph module and, for each submodule kept whole (one `call_module` layer),
+    its qualified name and why. Submodules marked with `LEAF_MARKER`, instances of the classes
+    in `leaves` and the modules it names are kept whole; so is a submodule that torch.fx cannot
+    trace through (the innermost one the failure came out of; the model is traced again, as
+    often as needed). A failure in the model's own forward is a PlanError.
+    """
+    kept: dict[str, str] = {}
+    while True:
+        tracer = _LeafTracer(leaves, kept)
+        try:
+            with _TRACING:
+                graph = tracer.trace(model)
+        except Exception as e:
+            name = tracer.failed_in if _caused_by(e, tracer.failure) else None
+            if not name or name in kept:
+                raise _untraceable(model, e) from e
+            kept[name] = f"torch.fx cannot trace it: {type(e).__name__}: {e}"
+            continue
+        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        return gm, tuple(tracer.used.items())
+
+
+def _untraceable(model: nn.Module, e: Exception) -> PlanError:
+    return PlanError(
+        f"model {type(model).__name__} cannot be traced by torch.fx: {type(e).__name__}: {e}. "
+        "Data-dependent control flow (if/for on tensor values) must be moved into a submodule "
+        f"(which is then kept whole), marked as a leaf ({LEAF_MARKER} = True), or rewritten "
+        "with torch.where")
 
 
 def _owned_state(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, torch.Tensor, bool]]:
@@ -128,15 +224,16 @@ class _Profiler(fx.Interpreter):
         return result
 
 
-def profile(model: nn.Module,
-            example_inputs: Sequence[torch.Tensor]) -> tuple[nn.Module, Profile]:
+def profile(model: nn.Module, example_inputs: Sequence[torch.Tensor],
+            leaves: Sequence[LeafSpec] = ()) -> tuple[nn.Module, Profile]:
     """Trace and profile a model on an example input.
 
-    A TorchScript model cannot be traced by torch.fx: it is profiled as one indivisible layer, so
-    it trains data-parallel (one stage per cluster)."""
+    Submodules are kept whole as `trace` says (`leaves`: more to keep whole, by class or
+    qualified name); the profile lists them. A TorchScript model cannot be traced by torch.fx: it
+    is profiled as one indivisible layer, so it trains data-parallel (one stage per cluster)."""
     if isinstance(model, torch.jit.ScriptModule):
         return model, _profile_scripted(model, example_inputs)
-    gm = trace(model)
+    gm, kept_whole = trace(model, leaves)
     was_training = model.training
     model.eval()
     profiler = _Profiler(gm)
@@ -180,7 +277,16 @@ def profile(model: nn.Module,
     batch = int(example_inputs[0].shape[0]) if example_inputs and example_inputs[0].dim() else 1
     return gm, Profile(layers=tuple(layers), inputs=inputs, cut_ok=tuple(cut_ok),
                        cut_bytes=tuple(cut_bytes), example_batch=max(batch, 1),
-                       state_names=tuple(model.state_dict().keys()))
+                       state_names=tuple(model.state_dict().keys()),
+                       kept_whole=_outermost(kept_whole))
+
+
+def _outermost(kept: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """The kept-whole modules that are not inside another one (kept whole before their parent
+    failed too)."""
+    names = {name for name, _ in kept}
+    return tuple((name, why) for name, why in kept
+                 if not any(name.startswith(f"{other}.") for other in names))
 
 
 def _crossing(nodes: list[fx.Node], order: dict[str, int], i: int) -> list[str]:

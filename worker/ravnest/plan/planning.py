@@ -439,7 +439,7 @@ def _build(profile: Profile, costs: Costs, pool: Sequence[ProviderInfo],
     rings = _rings(profile, nodes, len(groups))
     plan = Plan(clusters=tuple(cluster_plans), nodes=tuple(nodes), rings=tuple(rings),
                 model_bytes=int(costs.params[-1]), memory_bytes=int(costs.total_memory),
-                samples_per_second=round(throughput, 3))
+                samples_per_second=round(throughput, 3), kept_whole=profile.kept_whole)
     return replace(plan, fingerprint=fingerprint(plan, identity))
 
 

@@ -87,6 +87,10 @@ class Plan:
     memory_bytes: int
     samples_per_second: float
     fingerprint: str = field(default="")
+    kept_whole: tuple[tuple[str, str], ...] = ()
+    """(qualified name, why) of each submodule kept whole as one layer (marked as a leaf, or not
+    traceable by torch.fx); left out of the JSON when there is none, so such plans and their
+    fingerprints are what they were before it existed."""
 
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:
@@ -111,7 +115,10 @@ class Plan:
         return [r for r in self.rings if name in r.members]
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if not self.kept_whole:
+            del d["kept_whole"]
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -126,6 +133,7 @@ class Plan:
                         for r in d["rings"]),
             model_bytes=d["model_bytes"], memory_bytes=d["memory_bytes"],
             samples_per_second=d["samples_per_second"], fingerprint=d.get("fingerprint", ""),
+            kept_whole=tuple((str(k[0]), str(k[1])) for k in d.get("kept_whole", ())),
         )
 
     def summary(self) -> str:
@@ -154,6 +162,7 @@ class Plan:
             f"{len(self.rings)} ring(s); "
             f"model {_human(self.model_bytes)} parameters, {_human(self.memory_bytes)} to train; "
             f"estimated {self.samples_per_second:,.0f} samples/s; plan {self.fingerprint}")
+        lines += [f"kept whole (one layer): {name} ({why})" for name, why in self.kept_whole]
         return "\n".join(lines)
 
 
