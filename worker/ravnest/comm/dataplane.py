@@ -52,6 +52,7 @@ from ravnest.comm.buffers import BufferPool
 from ravnest.comm.framing import COMPRESSIONS, DEFAULT_MAX_FRAME_BYTES, Frame, to_wire
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.tls import TlsMaterial
+from ravnest.comm.transport import listen_error
 from ravnest.errors import PeerTimeout, TransportError, shown
 
 log = logging.getLogger(__name__)
@@ -241,7 +242,9 @@ class RingServer:
         try:
             self._sock = socket.create_server((host.strip("[]") or "0.0.0.0", int(port)),
                                               reuse_port=False, backlog=64)
-        except (OSError, ValueError) as e:
+        except OSError as e:
+            raise listen_error(address, e, " for ring data") from e
+        except ValueError as e:
             raise TransportError(f"cannot listen on {address} for ring data: {e}") from e
         self.port = self._sock.getsockname()[1]
         self._thread = threading.Thread(target=self._accept, daemon=True, name="ring-accept")

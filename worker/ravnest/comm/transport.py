@@ -10,14 +10,19 @@ waits a round trip for its Ack); frames that must stay in order (the pipeline's)
 the sending Peer and the receiving Inbox (inboxes.py) hands them on in that order. Small frames
 go as one unary call, larger ones streamed. The standard health service answers without a token
 (peers and probes Check readiness); its Watch streams hold none of the server's threads, which
-carry training's frames, and only a few may be open at once.
+carry training's frames, and only a few may be open at once (watching.PeerWatch holds one per
+peer to learn in seconds that a peer's process is gone). A server listens on the address it is
+given and never shares a port; one it cannot take fails at once, saying why (`listen_error`).
+Closing a Peer fails, within its timeout, what it still had in flight to a peer that is gone.
 """
 
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -55,6 +60,13 @@ _GRPC_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+_SERVER_OPTIONS = [*_GRPC_OPTIONS, ("grpc.so_reuseport", 0),
+                   ("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
+"""gRPC servers set SO_REUSEPORT by default, so a second server on a port in use would share it
+silently (and take half of its neighbours' connections); without it the bind fails. A call that
+stays open without data (a health Watch, a frame whose delivery waits) has the client ping every
+keepalive_time (20 s); a server takes pings that come closer than 5 min by default as abuse and
+drops the whole connection after the third ("too_many_pings"), so it allows one per 10 s."""
 SERVICE = "ravnest.v1.Peer"
 ONE_MESSAGE_BYTES = CHUNK_BYTES
 """Frames up to this payload (one chunk's worth) go as one message, header and payload together
@@ -185,8 +197,55 @@ def _health_handler(servicer: health.HealthServicer,
         "Watch": grpc.unary_stream_rpc_method_handler(watch, response_serializer=respond)})
 
 
+def _bind_problem(host: str, port: int) -> OSError | None:
+    """What binding a listening socket to `host`:`port` fails with here (as gRPC binds:
+    SO_REUSEADDR, no SO_REUSEPORT), or None if it would succeed now."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        return e
+    problem: OSError | None = None
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(sockaddr)
+            return None
+        except OSError as e:
+            problem = problem or e
+    return problem
+
+
+def listen_error(address: str, error: OSError | None = None, purpose: str = "") -> TransportError:
+    """A TransportError saying why this machine cannot listen on `address` ("host:port"), with
+    `error` the bind's failure if known (else found out by binding a socket there now) and
+    `purpose` what the listener is for (" for ring data")."""
+    host, _, port_text = address.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    head = f"cannot listen on {address}{purpose}"
+    try:
+        port = int(port_text)
+    except ValueError:
+        return TransportError(f"{head}: not a host:port address")
+    if error is None:
+        error = _bind_problem(host, port)
+    if isinstance(error, socket.gaierror):
+        return TransportError(f"{head}: {host} does not resolve to an address of this machine "
+                              f"({error.strerror})")
+    if error is None:
+        return TransportError(f"{head} (gRPC could not bind it; GRPC_VERBOSITY=debug says why)")
+    why = {errno.EADDRINUSE: "the port is in use (another provider or program holds it)",
+           errno.EADDRNOTAVAIL: f"{host} is not an address of this machine; listen on 0.0.0.0 "
+                                "with Node(listen_host='0.0.0.0') if it is behind NAT",
+           errno.EACCES: f"no permission to listen on port {port} (ports below 1024 need "
+                         "privileges)"}.get(error.errno or 0, error.strerror or str(error))
+    return TransportError(f"{head}: {why}")
+
+
 class Server:
-    """The worker's gRPC server: the Peer service plus the standard health service."""
+    """The worker's gRPC server: the Peer service plus the standard health service. It listens
+    on `address` as given, and fails at once, with a TransportError saying why, if it cannot (a
+    port in use, an address this machine does not have)."""
 
     def __init__(self, address: str, creds: Credentials, deliver: Callable[[Frame], None],
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, threads: int = 16,
@@ -194,7 +253,7 @@ class Server:
                  tls: TlsMaterial | None = None, reuse_bytes: int = 256 << 20) -> None:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
                                                               thread_name_prefix="grpc"),
-                                   interceptors=[_Auth(creds)], options=_GRPC_OPTIONS)
+                                   interceptors=[_Auth(creds)], options=_SERVER_OPTIONS)
         self.buffers = BufferPool(max_bytes=reuse_bytes)
         """Receive buffers of large frames (up to `reuse_bytes` of them), reused once their
         frame is dropped; 0 turns reuse off."""
@@ -208,13 +267,23 @@ class Server:
                 response_serializer=pb.Ack.SerializeToString)}),))
         self.health = health.HealthServicer()
         self._server.add_generic_rpc_handlers((_health_handler(self.health),))
-        if tls is None:
-            self.port = self._server.add_insecure_port(address)
-        else:
-            self.port = self._server.add_secure_port(address, grpc.ssl_server_credentials(
-                [(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True))
-        if self.port == 0:
-            raise TransportError(f"cannot listen on {address}")
+        self.port = self._listen(address, tls)
+
+    def _listen(self, address: str, tls: TlsMaterial | None) -> int:
+        """Bind `address`; the port bound. grpc answers a failed bind with port 0 (older
+        versions) or RuntimeError (newer ones) and no reason, so the reason is found out here."""
+        try:
+            if tls is None:
+                port = self._server.add_insecure_port(address)
+            else:
+                port = self._server.add_secure_port(address, grpc.ssl_server_credentials(
+                    [(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True))
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            self._server.stop(None)
+            raise listen_error(address)
+        return int(port)
 
     def start(self) -> None:
         self._server.start()
@@ -261,11 +330,17 @@ class Peer:
         self._deliveries = Deliveries(address)
         self._budget = threading.Condition()
         self._bytes_in_flight = 0
+        self._closed = False
         self._threads = [threading.Thread(target=self._run, args=(self._queue,), daemon=True,
                                           name=f"send-{address}-{i}")
                          for i in range(1 + lanes)]
         for thread in self._threads:
             thread.start()
+
+    @property
+    def channel(self) -> grpc.Channel:
+        """The channel to the peer (for its health service: see watching.PeerWatch)."""
+        return self._channel
 
     def send(self, frame: Frame, compression: str | None = None) -> None:
         """Send now, in the caller's thread; raise TransportError on failure."""
@@ -290,7 +365,12 @@ class Peer:
             else:
                 ack = self._send_rpc(iter(messages), metadata=self._metadata,
                                      timeout=self._timeout, wait_for_ready=True)
-        except grpc.RpcError as e:
+        except (grpc.RpcError, ValueError) as e:  # ValueError: the channel is closed
+            if self._closed:
+                raise TransportError(f"peer {self.address}: the link was closed before the "
+                                     "frame was delivered") from e
+            if not isinstance(e, grpc.RpcError):
+                raise
             code = e.code() if hasattr(e, "code") else None
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise PeerTimeout(f"peer {self.address} did not answer within "
@@ -364,9 +444,17 @@ class Peer:
                 raise PeerTimeout(f"peer {self.address} not ready within {timeout:.0f}s")
             time.sleep(0.2)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Let the sender threads deliver what was posted before, for `timeout` seconds in all,
+        then close the channel: calls still in flight (to a peer that is gone, which would
+        otherwise wait out their own timeout) fail at once with TransportError, which `flush`
+        and `send` raise. Never waits much longer than `timeout`; 0 gives up on them at once."""
         for _ in self._threads:
             self._queue.put(None)
+        deadline = time.monotonic() + timeout
         for thread in self._threads:
-            thread.join(timeout=5)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._closed = True
         self._channel.close()
+        for thread in self._threads:  # cancelled now: each fails its frames and ends
+            thread.join(timeout=1.0)

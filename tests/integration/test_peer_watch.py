@@ -1,0 +1,201 @@
+"""A node learns within seconds that a peer's process is gone: a real Server runs in a child
+process, the test process watches it through a Peer, and the child is killed (SIGKILL), stopped
+after the watch was told to expect it, or kept busy. A Peer to a killed server closes in seconds,
+failing what it had in flight, instead of waiting out its 300 s timeout.
+
+Timings are measured and printed; the bounds asserted (15 s) are generous against the 300 s the
+old PeerTimeout took, so a loaded machine does not fail them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ravnest.comm.framing import Frame
+from ravnest.comm.transport import Credentials, Peer
+from ravnest.comm.watching import PeerWatch
+from ravnest.errors import TransportError
+
+ROOT = Path(__file__).resolve().parents[2]
+CREDS = Credentials(token="s3cret-token", fingerprint="plan-0123abcd")
+BOUND = 15.0
+"""Seconds within which a loss must be reported (detection takes about 2-3 s)."""
+
+CHILD = """
+import sys, time
+from ravnest.comm.transport import Credentials, Server
+busy = float(sys.argv[1])
+server = Server("127.0.0.1:0", Credentials("s3cret-token", "plan-0123abcd"),
+                lambda frame: time.sleep(busy), threads=4)
+server.start()
+print(server.port, flush=True)
+sys.stdin.readline()  # until the test says stop
+server.stop(grace=1.0)
+"""
+
+
+class Child:
+    """A Server in a child process (its deliver sleeping `busy` seconds per frame), a Peer to it
+    and what a PeerWatch of it reported."""
+
+    def __init__(self, busy: float = 0.0) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(ROOT / "worker"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, str(busy)], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        port = int(self.proc.stdout.readline())
+        self.peer = Peer(f"127.0.0.1:{port}", CREDS, timeout=300.0)
+        self.peer.wait_ready(timeout=60)
+        self.lost: list[tuple[str, str, float]] = []
+        self.reported = threading.Event()
+
+    def on_lost(self, name: str, reason: str) -> None:
+        self.lost.append((name, reason, time.monotonic()))
+        self.reported.set()
+
+    def watch(self) -> PeerWatch:
+        watch = PeerWatch.started({"stage-1": self.peer}, self.on_lost)
+        deadline = time.monotonic() + 30
+        while "stage-1" not in watch.seen:
+            assert time.monotonic() < deadline, "the watch never saw the peer serving"
+            time.sleep(0.05)
+        return watch
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("stop\n")
+        self.proc.stdin.flush()
+        assert self.proc.wait(timeout=30) == 0
+
+    def kill(self) -> float:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        return time.monotonic()
+
+
+@pytest.fixture
+def child(request: pytest.FixtureRequest) -> Iterator[Child]:
+    c = Child(busy=getattr(request, "param", 0.0))
+    try:
+        yield c
+    finally:
+        c.peer.close(timeout=0)
+        if c.proc.poll() is None:
+            c.proc.kill()
+        c.proc.wait(timeout=30)
+        for pipe in (c.proc.stdin, c.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def test_a_killed_peer_is_reported_within_seconds(child: Child) -> None:
+    watch = child.watch()
+    try:
+        killed = child.kill()
+        assert child.reported.wait(BOUND), f"no loss reported within {BOUND}s"
+        [(name, reason, when)] = child.lost
+        print(f"a killed peer was reported lost after {when - killed:.2f}s: {reason}")
+        assert name == "stage-1"
+        assert f"no answer from {child.peer.address} for" in reason
+        assert "since its connection broke" in reason
+        assert watch.lost == {"stage-1": reason}
+        time.sleep(1.0)
+        assert len(child.lost) == 1  # once per peer
+    finally:
+        watch.stop()
+
+
+def test_a_peer_that_was_expected_to_exit_is_not_reported(child: Child) -> None:
+    watch = child.watch()
+    try:
+        watch.expect_exit("stage-1")
+        child.stop()
+        time.sleep(4.0)  # twice the time a loss takes to be reported
+        assert child.lost == []
+    finally:
+        watch.stop()
+
+
+def test_a_peer_that_shuts_down_unexpectedly_is_reported(child: Child) -> None:
+    watch = child.watch()
+    try:
+        child.stop()
+        assert child.reported.wait(BOUND)
+        [(name, reason, _)] = child.lost
+        assert name == "stage-1" and "began shutting down" in reason
+    finally:
+        watch.stop()
+
+
+def test_nothing_is_reported_after_stop(child: Child) -> None:
+    watch = child.watch()
+    watch.stop()
+    child.kill()
+    time.sleep(4.0)
+    assert child.lost == []
+
+
+def test_closing_the_peer_ends_its_watch_without_a_report(child: Child) -> None:
+    watch = child.watch()
+    try:
+        child.peer.close()
+        child.kill()
+        time.sleep(4.0)
+        assert child.lost == []
+    finally:
+        watch.stop()
+
+
+@pytest.mark.parametrize("child", [30.0], indirect=True)
+def test_a_busy_peer_is_not_reported_but_its_death_is(child: Child) -> None:
+    """Every thread of the peer's server is held by a frame it takes 30 s to deliver, and more
+    frames wait: the watch says nothing for 6 s, then reports the peer once it is killed."""
+    watch = child.watch()
+    try:
+        for step in range(8):
+            child.peer.post(Frame("forward", {"x": torch.ones(4)}, step=step))
+        time.sleep(6.0)
+        assert child.lost == []
+        child.kill()
+        assert child.reported.wait(BOUND)
+        assert child.lost[0][0] == "stage-1"
+    finally:
+        watch.stop()
+
+
+def test_closing_a_peer_whose_server_was_killed_does_not_hang(child: Child) -> None:
+    """Frames posted or sent to a killed peer wait for it (wait_for_ready, 300 s timeout) until
+    the Peer is closed: then they fail at once, with a TransportError saying so."""
+    child.kill()
+    child.peer.post(Frame("forward", {"x": torch.ones(4)}, step=1))
+    failures: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            child.peer.send(Frame("forward", {"x": torch.ones(4)}, step=2))
+        except TransportError as e:
+            failures.append(e)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    child.peer.close()
+    took = time.monotonic() - started
+    print(f"closing a Peer to a killed server took {took:.2f}s")
+    assert took < BOUND
+    sender.join(timeout=BOUND)
+    assert not sender.is_alive()
+    assert [str(e) for e in failures] == [
+        f"peer {child.peer.address}: the link was closed before the frame was delivered"]
+    with pytest.raises(TransportError, match="the link was closed before the frame"):
+        child.peer.flush(timeout=BOUND)

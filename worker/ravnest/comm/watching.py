@@ -1,0 +1,233 @@
+"""Watching a node's peers, so that one whose process is gone is known within seconds.
+
+A peer's frames may be minutes apart (a slow stage, a long epoch), so a failed send is no timely
+sign of a dead peer. `PeerWatch` follows each peer's standard health service instead: once the
+peer has answered SERVING, one health Watch stream per peer stays open, costing no RPC and no
+thread of the peer's server while all is well. When the peer's process dies, its kernel closes
+the connection and the stream ends at once; the watch then asks Check a few times a second, and a
+peer that stays unreachable for `lost_after` seconds (connection refused: nothing listens there
+any more) is reported lost, as is one whose health service turns NOT_SERVING (its server is
+shutting down). A peer that is merely busy is not: its health service answers from gRPC's own
+threads, and a Check that times out counts for nothing either way. Where a server holds all the
+Watch streams it allows, the watch asks Check once a second instead.
+
+Limits: a peer whose machine vanishes from the network (no connection refused, only silence) is
+known only once gRPC's keepalive or connect timeout gives up on it (some 20-30 s).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+LOST_AFTER = 2.0
+"""Seconds a peer must stay unreachable (after its connection broke) to count as lost."""
+POLL_SECONDS = 0.5
+"""How often a peer whose connection broke is asked whether it answers again."""
+FALLBACK_POLL_SECONDS = 1.0
+"""How often a peer that refuses a Watch stream (it holds too many) is asked instead."""
+CHECK_TIMEOUT = 1.0
+"""Deadline of one Check; one that runs out says nothing either way (the peer may be busy)."""
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Watchable(Protocol):
+    """What a watch needs of a peer: its address (for messages) and a channel to it
+    (`transport.Peer` is one)."""
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def channel(self) -> grpc.Channel: ...
+
+
+@dataclass
+class _Watched:
+    name: str
+    address: str
+    stub: Any
+    seen: bool = False
+    """The peer answered SERVING once: from then on, its going away is a loss."""
+    watchable: bool = True
+    """False once the peer refused a Watch stream: it is asked with Check instead."""
+    expected: bool = False
+    closed: bool = False
+    """The channel was closed (the caller closed its Peer): nothing more to watch."""
+    call: Any = None
+    thread: threading.Thread | None = field(default=None, repr=False)
+
+
+class PeerWatch:
+    """Watches peers (name -> Peer) and calls `on_lost(name, reason)`, from a watch thread, at
+    most once per peer, when a peer that was seen SERVING goes away, unless `expect_exit(name)`
+    or `stop()` came first. `reason` says what was seen, e.g. "no answer from 10.0.0.5:8081 for
+    2.0s since its connection broke (... Connection refused ...)"."""
+
+    def __init__(self, peers: Mapping[str, Watchable], on_lost: Callable[[str, str], None],
+                 lost_after: float = LOST_AFTER, poll: float = POLL_SECONDS) -> None:
+        self._on_lost = on_lost
+        self._lost_after, self._poll = lost_after, poll
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._lost: dict[str, str] = {}
+        self._peers = {name: _Watched(name, peer.address,
+                                      health_pb2_grpc.HealthStub(peer.channel))
+                       for name, peer in peers.items()}
+
+    @classmethod
+    def started(cls, peers: Mapping[str, Watchable],
+                on_lost: Callable[[str, str], None], **options: float) -> PeerWatch:
+        """A watch of `peers`, already started."""
+        watch = cls(peers, on_lost, **options)
+        watch.start()
+        return watch
+
+    @property
+    def lost(self) -> dict[str, str]:
+        """The peers reported lost so far, with the reason given."""
+        with self._lock:
+            return dict(self._lost)
+
+    @property
+    def seen(self) -> set[str]:
+        """The peers that answered SERVING (from then on, their going away is a loss)."""
+        return {w.name for w in self._peers.values() if w.seen}
+
+    def start(self) -> None:
+        for w in self._peers.values():
+            w.thread = threading.Thread(target=self._run, args=(w,), daemon=True,
+                                        name=f"watch-{w.name}")
+            w.thread.start()
+
+    def expect_exit(self, name: str) -> None:
+        """`name` may go away from now on without that being a failure: stop watching it."""
+        w = self._peers.get(name)
+        if w is None:
+            return
+        with self._lock:
+            w.expected = True
+            call = w.call
+        if call is not None:
+            call.cancel()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop watching every peer (no loss is reported after this returns), waiting up to
+        `timeout` seconds in all for the watch threads to end."""
+        with self._lock:
+            self._stopping.set()
+            calls = [w.call for w in self._peers.values() if w.call is not None]
+        for call in calls:
+            call.cancel()
+        deadline = time.monotonic() + timeout
+        for w in self._peers.values():
+            if w.thread is not None and w.thread is not threading.current_thread():
+                w.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def __enter__(self) -> PeerWatch:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _finished(self, w: _Watched) -> bool:
+        return self._stopping.is_set() or w.expected or w.closed
+
+    def _run(self, w: _Watched) -> None:
+        while not self._finished(w):
+            stopped_serving = self._follow(w) if w.watchable else False
+            if self._finished(w):
+                return
+            if stopped_serving:
+                self._lose(w, f"{w.address} began shutting down (its health service says "
+                              "NOT_SERVING)")
+                return
+            if not w.seen and w.watchable:  # not up yet, or gone before it was seen
+                self._stopping.wait(self._poll)
+                continue
+            reason = self._confirm(w)
+            if reason is not None:
+                self._lose(w, reason)
+                return
+
+    def _follow(self, w: _Watched) -> bool:
+        """Follow the peer's health Watch stream until it ends (False) or says NOT_SERVING after
+        SERVING (True). A stream the peer refuses turns this peer over to Check."""
+        try:
+            call = w.stub.Watch(health_pb2.HealthCheckRequest(), wait_for_ready=True)
+        except ValueError:  # the channel is closed
+            w.closed = True
+            return False
+        with self._lock:
+            w.call = call
+            if self._finished(w):
+                call.cancel()
+        try:
+            for response in call:
+                if response.status == _SERVING:
+                    w.seen = True
+                elif w.seen and response.status == _NOT_SERVING:
+                    return True
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                log.info("%s holds too many health watches; asking it once a second", w.name)
+                w.watchable = False
+        finally:
+            with self._lock:
+                w.call = None
+        return False
+
+    def _confirm(self, w: _Watched) -> str | None:
+        """Ask the peer's health Check until it answers SERVING (None: it may be watched again;
+        a peer that cannot be watched is asked on) or counts as lost (the reason)."""
+        down_since: float | None = None
+        while not self._finished(w):
+            status, detail = self._check(w)
+            now = time.monotonic()
+            if status == _SERVING:
+                w.seen, down_since = True, None
+                if w.watchable:
+                    return None
+            elif status == _NOT_SERVING and w.seen:
+                return f"{w.address} began shutting down (its health service says NOT_SERVING)"
+            elif status == grpc.StatusCode.UNAVAILABLE and w.seen:
+                down_since = now if down_since is None else down_since
+                if now - down_since >= self._lost_after:
+                    return (f"no answer from {w.address} for {now - down_since:.1f}s since its "
+                            f"connection broke ({detail})")
+            busy = down_since is None and not w.watchable
+            self._stopping.wait(FALLBACK_POLL_SECONDS if busy else self._poll)
+        return None
+
+    def _check(self, w: _Watched) -> tuple[Any, str]:
+        """One health Check: (its status, "") or (the failure's code, its details)."""
+        try:
+            answer = w.stub.Check(health_pb2.HealthCheckRequest(), timeout=CHECK_TIMEOUT)
+            return answer.status, ""
+        except ValueError:  # the channel is closed
+            w.closed = True
+            return None, "closed"
+        except grpc.RpcError as e:
+            return e.code(), " ".join(str(e.details() or "").split())[:300]
+
+    def _lose(self, w: _Watched, reason: str) -> None:
+        with self._lock:
+            if self._finished(w) or w.name in self._lost:
+                return
+            self._lost[w.name] = reason
+        log.error("peer %s is lost: %s", w.name, reason)
+        try:
+            self._on_lost(w.name, reason)
+        except Exception:
+            log.exception("on_lost(%r) failed", w.name)
