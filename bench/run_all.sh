@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run every benchmark once, side by side figures in one run each (about 15 minutes on 2 cores).
-# Extra arguments go to the scripts that time repeats (transfer, allreduce, pipeline, memory, e2e),
+# Extra arguments go to the scripts that time repeats (transfer, allreduce, pipeline, memory, e2e,
+# seed),
 # e.g. `bench/run_all.sh --repeats 3`. Writes bench/out/transfer.csv and docs/throughput.png.
 # bench/wan.py makes network namespaces: as root it runs, otherwise it is reported as not run.
 set -euo pipefail
@@ -27,6 +28,9 @@ python bench/memory.py "$@"
 echo
 echo "== bench/e2e.py: examples/digits.yaml end to end, samples/s and time shares per worker"
 python bench/e2e.py "$@"
+echo
+echo "== bench/seed.py: the seed API (clusterize, Node, Trainer) vs ravnest run, digits 1 x 3"
+python bench/seed.py "$@"
 echo
 echo "== bench/planner.py: our plan vs a Ravnest-style plan (same cost model); planning time"
 python bench/planner.py
