@@ -20,7 +20,8 @@ def preprocess_dataset():
 
 
 def loss_fn(predictions, targets):
-    return torch.nn.functional.cross_entropy(predictions, targets)
+    # targets: the batch the `labels` loader yields, (X, y) as in Ravnest's examples
+    return torch.nn.functional.cross_entropy(predictions, targets[1])
 
 
 if __name__ == "__main__":

@@ -36,7 +36,9 @@ def _train(folder: Path, ring_transport: str, tls: bool) -> tuple[dict[str, torc
     assert len(plan.clusters) == 2 and len(plan.nodes) == 4 and plan.rings
     train, val = datasets()
     nodes = [Node(name=n, optimizer=torch.optim.Adam, optimizer_params={"lr": 0.003},
-                  criterion=torch.nn.functional.cross_entropy, reduce_factor=1,
+                  criterion=lambda out, batch: torch.nn.functional.cross_entropy(out, batch[1]),
+                  labels=DataLoader(train, batch_size=32, drop_last=True),
+                  test_labels=DataLoader(val, batch_size=64), reduce_factor=1,
                   listen_host="127.0.0.1", node_data=node_data,
                   loss_filename=str(folder / f"{n}.losses.txt")) for n in plan.names()]
     trainers = [Trainer(node=node, train_loader=DataLoader(train, batch_size=32, drop_last=True),

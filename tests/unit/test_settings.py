@@ -41,7 +41,7 @@ def test_every_training_option_of_a_job_reaches_the_settings(digits_doc) -> None
         metric="none", compression="fp16", scheduler_step_on="step", checkpoint_dir="/ckpt",
         checkpoint_every=7, checkpoint_keep=4)
     assert {f.name for f in fields(Settings) if getattr(settings, f.name) == getattr(
-        Settings(), f.name)} == {"peer_timeout"}
+        Settings(), f.name)} == {"peer_timeout", "reduce_each_epoch"}  # not job options
 
 
 def _seed_node(root: bool, **training: object) -> SimpleNamespace:

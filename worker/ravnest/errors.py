@@ -52,5 +52,14 @@ class PeerTimeout(TransportError):
     """A peer did not send what was expected in time."""
 
 
+class PeerFailed(TransportError):
+    """A provider of this node's cluster failed or vanished: this node stops too."""
+
+    def __init__(self, node: str, error: str, via: str | None = None) -> None:
+        """`node` failed with `error`; `via`: the neighbour that said so (None: `node`)."""
+        self.node, self.error, self.via = node, error, via
+        super().__init__(f"{node} failed: {error}")
+
+
 class WorkerFailed(RavnestError):
     """A worker process of a local run failed."""

@@ -10,6 +10,7 @@ its neighbours), `Trainer.train()` builds the runtime once the loaders are known
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,16 +20,20 @@ import torch
 from torch import nn
 
 from ravnest.comm.dataplane import RingLink, RingServer
+from ravnest.comm.framing import Frame
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.tls import TlsMaterial, identity
 from ravnest.comm.transport import Credentials, Peer, Server
-from ravnest.errors import PlanError, RavnestError
+from ravnest.comm.watching import PeerWatch
+from ravnest.errors import PeerFailed, PlanError, RavnestError
 from ravnest.plan.partitioning import Profile, Stage, build_stage
 from ravnest.plan.plans import Plan
 from ravnest.run.metadata import NodeMetadata
+from ravnest.train.messages import Kind, Op
 from ravnest.train.metrics import WorkerMetrics
 from ravnest.train.runtime import Batches, NodeRuntime
 from ravnest.train.settings import Settings
+from ravnest.train.targets import Targets
 
 
 def peer_names(plan: Plan, node: str) -> list[str]:
@@ -54,13 +59,20 @@ def cut_stage(gm: nn.Module, prof: Profile, plan: Plan, node: str,
 @dataclass
 class Wiring:
     """A node's side of the network: its gRPC server and inbox, its peers, and with the ring data
-    plane its ring server and the links to its ring successors."""
+    plane its ring server and the links to its ring successors.
+
+    A failure stops the whole cluster within seconds: `watch_neighbours` turns a pipeline
+    neighbour that vanishes into an abort control in this node's own inbox (its loop raises
+    PeerFailed naming it), and `abort` tells the neighbours why this node stops, passing on a
+    failure it was told of away from where it came. Clusters do not abort each other: a ring
+    round without a member is skipped."""
 
     inbox: Inbox
     server: Server
     peers: dict[str, Peer]
     ring_server: RingServer | None
     ring_links: dict[str, RingLink]
+    watch: PeerWatch | None = None
 
     def start(self) -> None:
         self.server.start()
@@ -72,7 +84,38 @@ class Wiring:
         for peer in self.peers.values():
             peer.wait_ready(timeout)
 
+    def watch_neighbours(self, plan: Plan, node: str) -> None:
+        """Report a pipeline neighbour whose process is gone to this node's loop, in seconds."""
+        neighbours = {n: self.peers[n] for n in plan.neighbours(node) if n}
+
+        def lost(name: str, reason: str) -> None:
+            self.inbox.deliver(Frame(Kind.CONTROL, sender=name, control={
+                "op": Op.ABORT, "node": name, "error": f"its process is gone ({reason})"}))
+
+        if neighbours:
+            self.watch = PeerWatch.started(neighbours, lost)
+
+    def stop_watching(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+            self.watch = None
+
+    def abort(self, plan: Plan, node: str, error: BaseException) -> None:
+        """Tell the pipeline neighbours that `node` stops because of `error` (delivered when
+        `close` lets the links finish), except the node that failed and the one that said so."""
+        self.stop_watching()
+        if isinstance(error, PeerFailed):
+            origin, text, skip = error.node, error.error, {error.node, error.via}
+        else:
+            origin, text, skip = node, f"{type(error).__name__}: {error}", set()
+        for n in plan.neighbours(node):
+            if n and n not in skip:
+                with contextlib.suppress(Exception):
+                    self.peers[n].post(Frame(Kind.CONTROL, sender=node, control={
+                        "op": Op.ABORT, "node": origin, "error": text}))
+
     def close(self) -> None:
+        self.stop_watching()
         for peer in self.peers.values():
             peer.close()
         for link in self.ring_links.values():
@@ -130,12 +173,13 @@ def _ring_addresses(meta: NodeMetadata) -> dict[str, str]:
 def assemble(wiring: Wiring, meta: NodeMetadata, stage: Stage, settings: Settings,
              metrics: WorkerMetrics, optimizer: torch.optim.Optimizer | None, scheduler: Any,
              criterion: Callable[..., torch.Tensor] | None,
-             batches: Batches | None) -> NodeRuntime:
+             batches: Batches | None, targets: Targets | None = None) -> NodeRuntime:
     """The runtime of `meta.node` over its wiring: ring pieces on the data plane where the
-    wiring has ring links, else over gRPC."""
+    wiring has ring links, else over gRPC. `targets`: where a leaf's criterion gets its
+    targets (default: the labels its root sends)."""
     return NodeRuntime(meta.node, meta.plan, stage, settings, optimizer, scheduler, criterion,
                        wiring.inbox, wiring.peers, metrics, batches,
-                       ring_peers=wiring.ring_links or None)
+                       ring_peers=wiring.ring_links or None, targets=targets)
 
 
 def save_stage(runtime: NodeRuntime, path: Path) -> None:

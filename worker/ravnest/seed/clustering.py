@@ -6,9 +6,16 @@ It reads the providers the way Ravnest does (``{"0": {"IP": "host:port", "benchm
 ``Node(name='node_3', ...)``. It also writes a random job token (mode 0600) that every provider
 of the plan presents to its peers. The metadata is the workers' (`ravnest.run.metadata`).
 
-By default a provider uses only the address `node_configs.json` gives it (ring pieces over gRPC,
-as in Ravnest). With `ring_transport='tcp'` (the ring data plane, a job's default) each
-provider's ring server listens one port above its gRPC port, which must be free and reachable.
+Every root of the seed API reads the same train_loader, so clusters would train on identical
+data: by default `clusterize` forms one cluster of all the providers (as Ravnest does for equal
+providers); `clusters=N` asks for N clusters, each training on the whole loader, averaged by
+the rings. It prints each provider's cluster, role, address, neighbours and rings, then the plan.
+
+By default a provider listens on the address `node_configs.json` gives it, and only there (ring
+pieces over gRPC, as in Ravnest); `Node(listen_host='0.0.0.0')` listens on every interface (a
+provider behind NAT, whose configured address is not its own). With `ring_transport='tcp'` (the
+ring data plane, a job's default) each provider's ring server listens one port above its gRPC
+port, which must be free and reachable.
 With `tls=True` a CA made for this plan alone issues every provider a certificate into
 ``node_data/tls/<node>/`` (the CA's own key is never written).
 """
@@ -17,7 +24,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import logging
 import os
 import secrets
 from pathlib import Path
@@ -32,10 +38,9 @@ from ravnest.plan.costs import Workload
 from ravnest.plan.partitioning import build_stage, profile
 from ravnest.plan.planning import make_plan
 from ravnest.plan.plans import Plan, ProviderInfo
-from ravnest.run.metadata import NodeMetadata, listen_all, port_of, ring_address
+from ravnest.run.metadata import NodeMetadata, ring_address
+from ravnest.seed.console import say
 from ravnest.spec import SecuritySpec, TrainingSpec, parse_section
-
-log = logging.getLogger(__name__)
 
 
 def read_node_configs(path: str | Path) -> tuple[list[str], list[ProviderInfo]]:
@@ -80,10 +85,10 @@ def clusterize(model: nn.Module | None = None, example_args: tuple[Any, ...] = (
     """Form clusters, split the model and write node metadata into ``node_data/nodes/``.
 
     `pass_data` is accepted for compatibility: the model is always run once on the example input
-    (to trace it and size activations). `ring_transport` and `tls` mean what a job's
-    training.ringTransport and security.tls do; the seed API's default is `grpc`, so a provider
-    needs no port beyond the one `node_configs.json` names. Returns the plan (also printed as a
-    table).
+    (to trace it and size activations). `clusters`: how many clusters (default one, see the
+    module's docstring). `ring_transport` and `tls` mean what a job's training.ringTransport and
+    security.tls do; the seed API's default is `grpc`, so a provider needs no port beyond the one
+    `node_configs.json` names. Returns the plan (also printed).
     """
     training = parse_section(TrainingSpec, {"ringTransport": ring_transport})
     if model is None:
@@ -100,9 +105,8 @@ def clusterize(model: nn.Module | None = None, example_args: tuple[Any, ...] = (
     _check_ring_ports(address_map, ring_map)
     gm, prof = profile(model, [a for a in example_args if isinstance(a, torch.Tensor)])
     bsz = batch_size or prof.example_batch
-    plan = make_plan(prof, pool, Workload(batch_size=bsz, microbatches=microbatches,
-                                          optimizer=optimizer),
-                     clusters=clusters, identity={"seed-api": type(model).__name__})
+    work = Workload(batch_size=bsz, microbatches=microbatches, optimizer=optimizer)
+    plan = _plan(prof, pool, work, clusters, type(model).__name__)
     nodes_dir = root / "nodes"
     nodes_dir.mkdir(parents=True, exist_ok=True)
     token_file = root / "token"
@@ -114,16 +118,38 @@ def clusterize(model: nn.Module | None = None, example_args: tuple[Any, ...] = (
         stage = build_stage(gm, n.start, n.end)
         torch.save(stage, nodes_dir / f"{n.name}.submodel.pt")
         mine = address_map[n.name]
-        NodeMetadata(plan=plan, node=n.name, addresses=address_map,
-                     listen=listen_all(port_of(mine)), tls_dir=tls_dirs.get(n.name),
-                     ring_addresses=ring_map, ring_listen=listen_all(port_of(ring_address(mine))),
+        NodeMetadata(plan=plan, node=n.name, addresses=address_map, listen=mine,
+                     tls_dir=tls_dirs.get(n.name), ring_addresses=ring_map,
+                     ring_listen=ring_address(mine),
                      microbatches=microbatches).save(nodes_dir / f"{n.name}.json")
-        up, down = plan.neighbours(n.name)
-        log.info("Node(%s, Cluster(%d)) role=%s self.IP(%s) forward->%s backward->%s rings=%s",
-                 n.provider, n.cluster, n.role, address_map[n.name], down, up,
-                 {r.id: r.state[0] for r in plan.rings_of(n.name)})
-    log.info("plan:\n%s", plan.table())
+    _show(plan, address_map)
     return plan
+
+
+def _plan(prof: Any, pool: list[ProviderInfo], work: Workload, clusters: int | None,
+          model_name: str) -> Plan:
+    """One cluster unless `clusters` says otherwise, with what to do when it cannot be."""
+    try:
+        return make_plan(prof, pool, work, clusters=clusters or 1,
+                         identity={"seed-api": model_name})
+    except PlanError as e:
+        if clusters is not None:
+            raise
+        raise PlanError(f"{e}. clusterize forms one cluster of all {len(pool)} providers unless "
+                        f"told otherwise (every cluster's root reads the same train_loader, so "
+                        f"more clusters train on identical data); pass clusters=N to form N "
+                        f"clusters anyway, or list fewer providers in node_configs.json") from e
+
+
+def _show(plan: Plan, addresses: dict[str, str]) -> None:
+    """Each provider's place, as Ravnest's clusterize prints it, then the plan's table."""
+    for n in plan.nodes:
+        up, down = plan.neighbours(n.name)
+        rings = {r.id: r.state[0] for r in plan.rings_of(n.name)}
+        say(f"Node({n.name.removeprefix('node_')}, Cluster({n.cluster})) {n.role:<4} "
+              f"self.IP({addresses[n.name]}) forward->{down or '-'} backward->{up or '-'} "
+              f"rings={rings}")
+    say(plan.table())
 
 
 def _check_ring_ports(addresses: dict[str, str], rings: dict[str, str] | None) -> None:

@@ -4,6 +4,11 @@ A provider script names its node (``Node(name='node_3', ...)``) and passes its o
 loaders; the role (root, stem, leaf) follows from the plan. The node starts its gRPC server at once
 so that its neighbours can reach it; `Trainer.train()` then runs the same runtime the workers of a
 RavnestJob run.
+
+As in Ravnest, a leaf reads its own `labels` (and `test_labels`) in step with its root's
+train_loader (and val_loader): the criterion receives each batch they yield, whole
+(``loss_fn(preds, targets)`` with ``targets[1]`` for a loader of ``(X, y)`` pairs); the root
+sends its inputs only. `reduce_factor=None` averages once per epoch.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class Node:
         self.name = name
         self.plan = self.meta.plan
         self.me = self.plan.node(name)
+        _check_leaf(self.me, criterion, labels)
         self.addresses: dict[str, str] = self.meta.addresses
         self.microbatches = self.meta.microbatches or 1
         self.stage = self._stage(root, model, example_args)
@@ -60,6 +66,7 @@ class Node:
         self.lr_step_on_epoch_change = lr_step_on_epoch_change
         self.criterion = criterion
         self.labels, self.test_labels = labels, test_labels
+        self.reduce_each_epoch = reduce_factor is None
         self.loss_filename = loss_filename
         wire = compression if isinstance(compression, str) else ("bf16" if compression else "none")
         # the training options given here, validated as a job's are; `Trainer` adds its own
@@ -94,6 +101,19 @@ class Node:
 
     def close(self) -> None:
         self.wiring.close()
+
+
+def _check_leaf(me: Any, criterion: Any, labels: Any) -> None:
+    """A leaf needs the criterion and, unless it is its cluster's root too, its labels."""
+    if not me.is_leaf:
+        return
+    if criterion is None:
+        raise SpecError([f"criterion: {me.name} is cluster {me.cluster}'s leaf: pass "
+                         f"criterion=loss_fn (called as loss_fn(outputs, targets))"])
+    if labels is None and not me.is_root:
+        raise SpecError([f"labels: {me.name} is cluster {me.cluster}'s leaf: pass labels=, the "
+                         f"DataLoader (or tensor) whose batches the criterion receives as "
+                         f"targets, in the order of the root's train_loader"])
 
 
 def _metadata(root: Path, name: str, listen_host: str | None) -> NodeMetadata:

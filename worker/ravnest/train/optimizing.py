@@ -1,6 +1,12 @@
 """Optimizing: a stage's optimizer, its learning-rate scheduler and gradient clipping, stepped
 once per update, after `updateFrequency x microbatches` backward passes have accumulated their
-gradients on the stage's parameters.
+gradients on the stage's parameters (or, at the end of an epoch whose batches do not fill the
+last update, after fewer: `pending`/`step`).
+
+The leaf scales each microbatch's loss by its share of a full update's samples (batch size x
+update frequency); an update over another number of samples (a loader's last, partial batch,
+an epoch's last, short update) has its gradients corrected when it steps, so that every update
+applies the gradient of the mean loss over the samples it saw, as single-process training does.
 
 Clipping (`clipNorm`) bounds the norm of this stage's gradients, not the whole model's.
 """
@@ -32,16 +38,32 @@ class Optimization:
         self._metrics = metrics
         self.backwards = 0
         """Backward passes done (resumed runs: since the resume)."""
+        self._samples = 0
+        self._nominal = 0
 
-    def accumulated(self) -> bool:
-        """Count a backward pass; True when it completes an update's gradients."""
+    def accumulated(self, samples: int = 0, nominal: int = 0) -> bool:
+        """Count a backward pass (over `samples` samples, its loss scaled for updates of
+        `nominal` samples); True when it completes an update's gradients."""
         self.backwards += 1
+        self._samples += samples
+        self._nominal = nominal or self._nominal
         return self.backwards % self._per_update == 0
 
+    def pending(self) -> bool:
+        """Whether backward passes have accumulated gradients that no step applied yet."""
+        return self.backwards % self._per_update != 0
+
     def step(self) -> None:
-        """Apply the accumulated gradients, drop them, and step a per-step scheduler."""
+        """Apply the accumulated gradients (a partial update's too), drop them, and step a
+        per-step scheduler."""
+        self.backwards += -self.backwards % self._per_update
+        samples, nominal, self._samples = self._samples, self._nominal, 0
         if self.optimizer is not None:
             with self._metrics.timed("compute"):
+                if samples and nominal and samples != nominal:
+                    for p in self._params:
+                        if p.grad is not None:
+                            p.grad.mul_(nominal / samples)
                 if self._clip_norm is not None:
                     torch.nn.utils.clip_grad_norm_(self._params, self._clip_norm)
                 self.optimizer.step()

@@ -21,6 +21,7 @@ from ravnest.plan.partitioning import OUTPUT, Stage
 from ravnest.train.messages import LABELS
 from ravnest.train.metrics import WorkerMetrics
 from ravnest.train.schedules import WeightStash
+from ravnest.train.targets import Labels, Targets
 
 
 @dataclass
@@ -31,7 +32,8 @@ class Pending:
     outputs: dict[str, torch.Tensor]
     stash: dict[str, torch.Tensor] | None
     """The weights its forward ran on (None: the live ones)."""
-    labels: torch.Tensor | None
+    labels: Any
+    """What came with it from the root (a job's labels tensor; None in the seed API)."""
     control: dict[str, Any]
 
 
@@ -40,9 +42,12 @@ class StagePasses:
 
     def __init__(self, name: str, stage: Stage, is_root: bool,
                  criterion: Callable[..., torch.Tensor] | None, stash: WeightStash,
-                 samples_per_update: int, metrics: WorkerMetrics) -> None:
+                 samples_per_update: int, metrics: WorkerMetrics,
+                 targets: Targets | None = None) -> None:
         """`samples_per_update`: batch size x update frequency, what the leaf's loss is scaled by
-        (times the microbatch's samples)."""
+        (times the microbatch's samples; an update of another size is corrected when the
+        optimizer steps, see `Optimization`). `targets`: where the leaf's criterion gets its
+        targets (default: the labels the root sends)."""
         self.name = name
         self.stage = stage
         self.is_root = is_root
@@ -50,6 +55,7 @@ class StagePasses:
         self.stash = stash
         self.samples_per_update = samples_per_update
         self.metrics = metrics
+        self.targets = targets or Labels(name)
         self.pending: dict[int, Pending] = {}
 
     def forward(self, mb: int, tensors: dict[str, torch.Tensor], control: dict[str, Any]) -> None:
@@ -88,13 +94,15 @@ class StagePasses:
         """Run microbatch `mb` backward from its loss; return the gradients of the stage's inputs
         and the control its backward frame carries (the loss and the samples it is over)."""
         p = self.pending[mb]
-        if p.labels is None or self.criterion is None:
-            raise RavnestError(f"{self.name}: leaf got microbatch {mb} without labels")
+        if self.criterion is None:
+            raise RavnestError(f"{self.name}: a leaf needs a criterion")
+        targets = self.targets.train(p.control, p.labels)
         with self.metrics.timed("compute"):
-            loss = self.criterion(p.outputs[OUTPUT], p.labels)
-        n = int(p.labels.shape[0])
+            loss = self.criterion(p.outputs[OUTPUT], targets)
+        n = samples_of(p.control, p.labels)
         scale = n / self.samples_per_update
-        info = {**p.control, "loss": float(loss.detach()), "n": n}
+        info = {**p.control, "loss": float(loss.detach()), "n": n,
+                "per_update": self.samples_per_update}
         return self._run_backward(mb, [loss * scale], [None]), info
 
     def backward(self, mb: int, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -134,3 +142,12 @@ class StagePasses:
             out: dict[str, torch.Tensor] = self.stage(
                 **{k: tensors[k] for k in self.stage.input_names})
         return out
+
+
+def samples_of(control: dict[str, Any], labels: Any) -> int:
+    """The samples of a microbatch: its size as the root cut it, else its labels' rows."""
+    if "sizes" in control:
+        return int(control["sizes"][int(control.get("part", 0))])
+    if isinstance(labels, torch.Tensor):
+        return int(labels.shape[0])
+    raise RavnestError("a microbatch carries neither its size nor labels")

@@ -31,7 +31,7 @@ import torch
 from ravnest.comm.framing import Frame
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.sending import RingSender, Sender
-from ravnest.errors import PeerTimeout, RavnestError
+from ravnest.errors import PeerFailed, PeerTimeout, RavnestError
 from ravnest.plan.partitioning import OUTPUT, Stage
 from ravnest.plan.plans import NodePlan, Plan
 from ravnest.train.allreducing import FINAL_ROUND, RingReducer, reduce_all
@@ -45,12 +45,15 @@ from ravnest.train.pipelining import Pending, StagePasses
 from ravnest.train.resuming import Checkpoints
 from ravnest.train.schedules import WeightStash, drains
 from ravnest.train.settings import Settings
+from ravnest.train.targets import MetricError, Targets, split
 from ravnest.train.validating import Validation
 
 log = logging.getLogger(__name__)
 
 
-Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
+Batch = tuple[tuple[torch.Tensor, ...], Any]
+"""A batch's inputs and what goes with them to the leaf: a job's labels tensor, None in the seed
+API (whose leaf reads its own labels), or a one-node cluster's own batch."""
 
 
 @dataclass
@@ -60,7 +63,8 @@ class Batches:
     train: Callable[[int], Iterator[Batch]]
     """epoch -> this cluster's (inputs, labels) batches of that epoch, in order."""
     per_epoch: int
-    """Batches used per epoch (a multiple of updateFrequency; extra ones are not used)."""
+    """Batches used per epoch (extra ones are not used). When it is not a multiple of
+    updateFrequency, the epoch's last update steps over the batches it has."""
     validation: Callable[[], Iterator[Batch]]
 
 
@@ -73,11 +77,13 @@ class NodeRuntime:
                  peers: Mapping[str, Sender], metrics: WorkerMetrics,
                  batches: Batches | None = None,
                  ring_peers: Mapping[str, RingSender] | None = None,
-                 reducers: Sequence[RingReducer] | None = None) -> None:
+                 reducers: Sequence[RingReducer] | None = None,
+                 targets: Targets | None = None) -> None:
         """`peers`: links to the pipeline neighbours (and, without `ring_peers`, to the ring
         successors), by node name. `ring_peers`: the ring successors' data-plane links
         (training.ringTransport: tcp). `reducers`: one per ring of this node in the plan;
-        without them, `averaging.ring_reducers` over `ring_peers` or else `peers`."""
+        without them, `averaging.ring_reducers` over `ring_peers` or else `peers`. `targets`:
+        where a leaf's criterion gets its targets (default: the labels the root sends)."""
         self.name = name
         self.plan = plan
         self.me: NodePlan = plan.node(name)
@@ -93,7 +99,8 @@ class NodeRuntime:
         params = dict(stage.named_parameters())
         self.stash = WeightStash(params, settings.schedule == "async")
         self.passes = StagePasses(name, stage, self.me.is_root, criterion, self.stash,
-                                  settings.batch_size * settings.update_frequency, metrics)
+                                  settings.batch_size * settings.update_frequency, metrics,
+                                  targets)
         self.optimization = Optimization(optimizer, scheduler, list(params.values()), settings,
                                          metrics)
         self.reducers = self._with_tensors(reducers if reducers is not None else ring_reducers(
@@ -111,6 +118,7 @@ class NodeRuntime:
         self.epoch = 0
         self.next_batch = 0
         self.samples = 0
+        self.validations = 0
         self.in_flight = 0
         self._finished = False
         self._last_step_time = time.monotonic()
@@ -192,12 +200,15 @@ class NodeRuntime:
                               f"{self.s.peer_timeout:.0f}s") from None
 
     def handle(self, frame: Frame) -> None:
+        if frame.kind == Kind.CONTROL and frame.control.get("op") == Op.ABORT:
+            c = frame.control
+            raise PeerFailed(str(c.get("node")), str(c.get("error")), via=frame.sender)
         if frame.kind == Kind.FORWARD:
             self._forward(frame.microbatch, frame.tensors, frame.control)
         elif frame.kind == Kind.BACKWARD:
             self._backward(frame.microbatch, frame.tensors, frame.control)
         elif frame.kind == Kind.EVAL:
-            self._eval_forward(frame.tensors)
+            self._eval_forward(frame.tensors, frame.control)
         elif frame.kind == Kind.CONTROL:
             self._control(frame.control)
         else:
@@ -227,7 +238,8 @@ class NodeRuntime:
             self.losses.add(control.get("loss", 0.0), control.get("n", 0))
         else:
             self._send_up(Frame(Kind.BACKWARD, in_grads, microbatch=mb, control=control))
-        if self.optimization.accumulated():
+        if self.optimization.accumulated(int(control.get("n", 0)),
+                                         int(control.get("per_update", 0))):
             self._optimizer_step()
 
     def _optimizer_step(self) -> None:
@@ -256,17 +268,22 @@ class NodeRuntime:
         self.rounds_skipped += skipped
 
     @torch.no_grad()
-    def _eval_forward(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _eval_forward(self, tensors: dict[str, Any], control: dict[str, Any]) -> None:
         labels = tensors.pop(LABELS, None)
         out = self.passes.evaluate(tensors)
         if not self.me.is_leaf:
             send = dict(out)
             if labels is not None:
                 send[LABELS] = labels
-            self._send_down(Frame(Kind.EVAL, send))
+            self._send_down(Frame(Kind.EVAL, send, control=control))
             return
-        assert labels is not None
-        self.validation.add(out[OUTPUT], labels)
+        try:
+            targets = self.passes.targets.validation(control, labels)
+        except (MetricError, RavnestError) as e:
+            self.validation.fail("loss", e)
+            self.validation.fail("accuracy", e)
+            return
+        self.validation.add(out[OUTPUT], targets, control.get("n"))
 
     # ----------------------------------------------------------------------------- control
 
@@ -295,6 +312,13 @@ class NodeRuntime:
             case Op.CHECKPOINT:
                 self._pass_down(c)
                 self._checkpoint(c)
+            case Op.STEP:
+                self._pass_down(c)
+                if self.optimization.pending():
+                    self._optimizer_step()
+            case Op.REDUCE:
+                self._pass_down(c)
+                self.all_reduce(int(c["round"]))
             case Op.FINAL_REDUCE:
                 self._pass_down(c)
                 self.all_reduce(FINAL_ROUND)
@@ -333,37 +357,40 @@ class NodeRuntime:
         while not done():
             self.handle(self._next_frame())
 
-    def _feed(self, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor, mb: int) -> None:
+    def _feed(self, inputs: tuple[torch.Tensor, ...], labels: Any, mb: int,
+              control: dict[str, Any]) -> None:
         self._wait_until(lambda: self.in_flight < self.s.max_in_flight)
-        tensors = dict(zip(self.stage.input_names, inputs, strict=True))
-        tensors[LABELS] = labels
+        tensors: dict[str, Any] = dict(zip(self.stage.input_names, inputs, strict=True))
+        if labels is not None:
+            tensors[LABELS] = labels
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
-        self._forward(mb, tensors, {})
+        self._forward(mb, tensors, control)
 
-    def drive(self, on_update: Callable[[NodeRuntime], None] | None = None) -> None:
-        """Loop of a cluster's root: feed every batch, validate, checkpoint, finish."""
+    def drive(self, on_update: Callable[[NodeRuntime], None] | None = None,
+              on_epoch: Callable[[NodeRuntime, int], None] | None = None) -> None:
+        """Loop of a cluster's root: feed every batch, validate, checkpoint, finish.
+        `on_update` runs at every drained update, `on_epoch` after each epoch's validation."""
         assert self.batches is not None
         self.metrics.start_loop()
         s, b = self.s, self.batches
-        total_updates = s.epochs * (b.per_epoch // s.update_frequency)
-        self.metrics.total_steps.set(total_updates)
+        updates_per_epoch = -(-b.per_epoch // s.update_frequency)
+        self.metrics.total_steps.set(s.epochs * updates_per_epoch)
         mb_id = (self.epoch * b.per_epoch + self.next_batch) * s.microbatches
         while self.epoch < s.epochs:
             epoch = self.epoch
-            last = epoch + 1 == s.epochs
             self.metrics.epoch.set(epoch)
             for batch, (inputs, labels) in enumerate(b.train(epoch)):
                 if batch >= b.per_epoch:
                     break
                 if batch < self.next_batch:
                     continue
-                self._feed_batch(inputs, labels, mb_id)
+                self._feed_batch(inputs, labels, mb_id, epoch, batch)
                 mb_id += s.microbatches
                 if (batch + 1) % s.update_frequency:
                     continue
                 # the update this batch completes, counted from what was fed
-                update = (epoch * b.per_epoch + batch + 1) // s.update_frequency
+                update = epoch * updates_per_epoch + (batch + 1) // s.update_frequency
                 if not drains(s, update, bool(self.plan.rings), batch + 1 == b.per_epoch):
                     continue
                 self._wait_until(lambda: self.in_flight == 0)
@@ -372,28 +399,45 @@ class NodeRuntime:
                     self._send_checkpoint(epoch, batch + 1)
                 if on_update is not None:
                     on_update(self)
-            self._wait_until(lambda: self.in_flight == 0)
-            if last:
-                self._control({"op": Op.FINAL_REDUCE})
-            if (epoch + 1) % s.validation_frequency == 0 or last:
-                self._validate(epoch)
-            self._control({"op": Op.EPOCH_END, "epoch": epoch})
-            self.next_batch = 0
-            if not s.checkpoint_every or last:
-                self._send_checkpoint(epoch + 1, 0)
+            self._end_epoch(epoch, on_epoch)
         self._control({"op": Op.FINISH})
         self._flush_peers()
 
-    def _feed_batch(self, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor,
-                    first_mb: int) -> None:
-        if labels.shape[0] != self.s.batch_size:
-            raise RavnestError(f"{self.name}: a training batch has {labels.shape[0]} samples, "
-                               f"expected batch size {self.s.batch_size} (drop the last batch)")
+    def _end_epoch(self, epoch: int,
+                   on_epoch: Callable[[NodeRuntime, int], None] | None) -> None:
+        """Once the epoch's batches are back: step a short last update, average (each epoch in
+        the seed API without reduce_factor; always after the last), validate, checkpoint."""
+        s = self.s
+        last = epoch + 1 == s.epochs
+        self._wait_until(lambda: self.in_flight == 0)
+        self._control({"op": Op.STEP})
+        self._record_loss()
+        if last:
+            self._control({"op": Op.FINAL_REDUCE})
+        elif s.reduce_each_epoch and self.plan.rings:
+            self._control({"op": Op.REDUCE, "round": epoch + 1})
+        if (epoch + 1) % s.validation_frequency == 0 or last:
+            self._validate(epoch)
+        self._control({"op": Op.EPOCH_END, "epoch": epoch})
+        self.next_batch = 0
+        if not s.checkpoint_every or last:
+            self._send_checkpoint(epoch + 1, 0)
+        if on_epoch is not None:
+            on_epoch(self, epoch)
+
+    def _feed_batch(self, inputs: tuple[torch.Tensor, ...], labels: Any, first_mb: int,
+                    epoch: int, batch: int) -> None:
+        """Feed a batch of any size as up to `microbatches` microbatches (fewer when it has
+        fewer samples), each naming its place for the leaf (`targets`)."""
+        n = int(inputs[0].shape[0])
         pieces = [x.tensor_split(self.s.microbatches) for x in inputs]
-        for m, y in enumerate(labels.tensor_split(self.s.microbatches)):
-            self._feed(tuple(p[m] for p in pieces), y, first_mb + m)
-        self.samples += int(labels.shape[0])
-        self.metrics.samples.inc(int(labels.shape[0]))
+        sizes = [int(p.shape[0]) for p in pieces[0] if p.shape[0]]
+        parts = split(labels, sizes) if labels is not None else [None] * len(sizes)
+        for m in range(len(sizes)):
+            control = {"epoch": epoch, "batch": batch, "part": m, "sizes": sizes}
+            self._feed(tuple(p[m] for p in pieces), parts[m], first_mb + m, control)
+        self.samples += n
+        self.metrics.samples.inc(n)
 
     def _record_loss(self) -> None:
         loss = self.losses.take()
@@ -410,15 +454,20 @@ class NodeRuntime:
     def _validate(self, epoch: int) -> None:
         assert self.batches is not None
         self.val_result = None
-        for inputs, labels in self.batches.validation():
-            tensors = dict(zip(self.stage.input_names, inputs, strict=True))
-            tensors[LABELS] = labels
-            self._eval_forward(tensors)
+        self.validations += 1
+        for batch, (inputs, labels) in enumerate(self.batches.validation()):
+            tensors: dict[str, Any] = dict(zip(self.stage.input_names, inputs, strict=True))
+            if labels is not None:
+                tensors[LABELS] = labels
+            self._eval_forward(tensors, {"validation": self.validations, "batch": batch,
+                                         "n": int(inputs[0].shape[0])})
         self._control({"op": Op.EVAL_END, "epoch": epoch, "step": self.updates})
         self._wait_until(lambda: self.val_result is not None)
         r = self.val_result
         assert r is not None
         self.curve.add_validation(r, epoch, self.updates, self.samples)
         self.metrics.val_loss.set(r["val_loss"])
+        if r.get("val_error"):
+            log.warning("%s: validation after epoch %d: %s", self.name, epoch, r["val_error"])
         if r["val_metric"] is not None:
             self.metrics.val_metric.set(r["val_metric"])

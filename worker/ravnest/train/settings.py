@@ -31,6 +31,8 @@ class Settings:
     microbatches: int = _default(DataSpec, "microbatches")
     update_frequency: int = _TRAINING.update_frequency
     reduce_factor: int = _TRAINING.reduce_factor
+    reduce_each_epoch: bool = False
+    """Average at the end of every epoch (the seed API's reduce_factor=None), not by updates."""
     average_optimizer: bool = _TRAINING.average_optimizer
     schedule: str = _TRAINING.schedule
     max_in_flight: int = _TRAINING.max_in_flight
