@@ -26,6 +26,7 @@ from ravnest.errors import PlanError, RavnestError, SpecError
 from ravnest.plan.partitioning import Stage, profile
 from ravnest.run.assembling import connect, cut_stage
 from ravnest.run.metadata import TOKEN_ENV, NodeMetadata, with_host
+from ravnest.seed.console import say
 from ravnest.spec import TrainingSpec, parse_section
 from ravnest.train import heap
 from ravnest.train.metrics import Identity, WorkerMetrics
@@ -75,6 +76,7 @@ class Node:
             "average_optimizer": average_optim, "compression": wire})
         self.token = token or os.environ.get(TOKEN_ENV) or _read_token(root)
         heap.tune(os.environ)  # this process is the provider's worker, as `ravnest worker` is
+        _share_cpus(self.meta, name)
         self.metrics = WorkerMetrics(Identity("seed", "local", name, self.me.role,
                                               self.me.cluster, self.me.stage))
         t = self.training
@@ -101,6 +103,22 @@ class Node:
 
     def close(self) -> None:
         self.wiring.close()
+
+
+def _share_cpus(meta: NodeMetadata, name: str) -> None:
+    """Providers configured on one host share its CPUs: each takes its share of torch's threads
+    (as `ravnest run` gives its workers), unless OMP_NUM_THREADS says otherwise. Three
+    providers with two threads each on a two-core machine train several times slower."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    host = meta.addresses[name].rsplit(":", 1)[0]
+    here = sum(1 for a in meta.addresses.values() if a.rsplit(":", 1)[0] == host)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if here > 1:
+        threads = max(1, (cpus or 1) // here)
+        if threads < torch.get_num_threads():
+            torch.set_num_threads(threads)
+            say(f"{name}: {here} providers share {host}: {threads} torch thread(s) each")
 
 
 def _check_leaf(me: Any, criterion: Any, labels: Any) -> None:
