@@ -11,15 +11,16 @@ import sys
 CONSOLE = logging.getLogger("ravnest.seed.console")
 
 
-class _Stdout(logging.StreamHandler):  # type: ignore[type-arg]
-    """Writes to whatever sys.stdout is when a message comes (pytest and notebooks swap it)."""
-
-    def __init__(self) -> None:
-        super().__init__(sys.stdout)
+class _Stdout(logging.Handler):
+    """Writes to whatever sys.stdout is when a message comes (pytest and notebooks swap it),
+    never touching a stream swapped out (and maybe closed) since."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.setStream(sys.stdout)
-        super().emit(record)
+        try:
+            sys.stdout.write(self.format(record) + "\n")
+            sys.stdout.flush()
+        except Exception:
+            self.handleError(record)
 
 
 if not CONSOLE.handlers:
