@@ -13,17 +13,14 @@ the same training in plain PyTorch on the same batches.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from seed_processes import run_providers, write_node_configs
 from torch.utils.data import DataLoader
 
 from ravnest import clusterize, model_fusion, set_seed
-from ravnest.run.local import free_ports
 
 HERE = Path(__file__).parent / "upstream"
 sys.path.insert(0, str(HERE))
@@ -46,31 +43,6 @@ EPOCHS, PROVIDERS = 4, 3
 
 def _gpt() -> GPT:
     return GPT(VOCAB, BLOCK, N_LAYER, N_HEAD, N_EMBD, marked=True)
-
-
-def _node_configs(folder: Path, n: int) -> None:
-    # 1 Gbps between providers (a LAN): at upstream's 100 Mbps a model this small is cheapest
-    # split before its first parameter, and every stage should hold a share of the GPT
-    (folder / "node_data").mkdir(parents=True)
-    (folder / "node_data/node_configs.json").write_text(json.dumps({
-        str(i): {"IP": f"127.0.0.1:{p}", "benchmarks": {"ram": 8, "bandwidth": 1000}}
-        for i, p in enumerate(free_ports(n))}))
-
-
-def _run_providers(folder: Path, n: int) -> list[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # three processes on a small machine
-    procs = [subprocess.Popen([sys.executable, str(HERE / "sorter_provider.py"), f"node_{i}",
-                               str(EPOCHS)], cwd=folder, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-             for i in range(n)]
-    try:
-        outputs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for i, (p, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"node_{i} failed:\n{out[-4000:]}"
-    return outputs
 
 
 def _accuracy(model: GPT, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
@@ -111,7 +83,7 @@ def test_upstream_sorter_example_learns_to_sort(tmp_path, monkeypatch, capsys) -
     monkeypatch.chdir(tmp_path)
     x_train, y_train, x_test, y_test = (torch.tensor(a) for a in sorter_data())
     assert len(x_train) % BATCH_SIZE, "the example must end each epoch with a partial batch"
-    _node_configs(tmp_path, PROVIDERS)
+    write_node_configs(tmp_path, [8] * PROVIDERS, bandwidth=1000)
     set_seed(42)
     plan = clusterize(model=_gpt(), example_args=(x_train[:BATCH_SIZE],), pass_data=True)
     shown = capsys.readouterr().out
@@ -123,7 +95,9 @@ def test_upstream_sorter_example_learns_to_sort(tmp_path, monkeypatch, capsys) -
     assert sum(n.params for n in plan.nodes) == sum(p.numel() for p in _gpt().parameters())
     assert "kept whole (one layer): h.0.attn" in shown
 
-    outputs = _run_providers(tmp_path, PROVIDERS)
+    # three processes on a small machine: one thread each
+    outputs = run_providers(tmp_path, HERE / "sorter_provider.py", PROVIDERS, str(EPOCHS),
+                            threads=1, timeout=300)
     out = outputs[int(plan.clusters[0].nodes[0].removeprefix("node_"))]
     print(out)  # shown when an assertion fails
     batches = -(-len(x_train) // BATCH_SIZE)

@@ -11,19 +11,17 @@ the criterion got the right targets and every batch, the partial one included, w
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+from seed_processes import run_providers, write_node_configs
 from sklearn import datasets
 from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader
 
 from ravnest import clusterize, model_fusion, set_seed
-from ravnest.run.local import free_ports
 
 HERE = Path(__file__).parent / "upstream"
 sys.path.insert(0, str(HERE))
@@ -31,27 +29,6 @@ sys.path.insert(0, str(HERE))
 from digits_cnn import CNN  # noqa: E402
 
 EPOCHS, VAL_FREQ = 4, 2
-
-
-def _node_configs(folder: Path, rams: list[int]) -> None:
-    (folder / "node_data").mkdir(parents=True)
-    (folder / "node_data/node_configs.json").write_text(json.dumps({
-        str(i): {"IP": f"127.0.0.1:{p}", "benchmarks": {"ram": r, "bandwidth": 100}}
-        for i, (p, r) in enumerate(zip(free_ports(len(rams)), rams, strict=True))}))
-
-
-def _run_providers(folder: Path, script: Path, n: int, *args: str) -> list[str]:
-    procs = [subprocess.Popen([sys.executable, str(script), f"node_{i}", *args], cwd=folder,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(n)]
-    try:
-        outputs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for i, (p, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"node_{i} failed:\n{out[-4000:]}"
-    return outputs
 
 
 def _digits() -> tuple[np.ndarray, ...]:
@@ -82,7 +59,7 @@ def _single_process(x_train: np.ndarray, y_train: np.ndarray) -> dict[str, torch
 def test_upstream_digits_example_trains_as_plain_pytorch_does(tmp_path, monkeypatch,
                                                                 capsys) -> None:
     monkeypatch.chdir(tmp_path)
-    _node_configs(tmp_path, [8, 8, 8])
+    write_node_configs(tmp_path, [8, 8, 8])
     set_seed(42)
     plan = clusterize(model=CNN(), example_args=(torch.rand(64, 1, 8, 8),))
     shown = capsys.readouterr().out
@@ -90,7 +67,7 @@ def test_upstream_digits_example_trains_as_plain_pytorch_does(tmp_path, monkeypa
     assert len(plan.clusters) == 1 and len(plan.nodes) == 3 and not plan.rings
     assert all(f"Node({i}, Cluster(0))" in shown and "127.0.0.1:" in shown for i in range(3))
 
-    outputs = _run_providers(tmp_path, HERE / "digits_provider.py", 3, str(EPOCHS),
+    outputs = run_providers(tmp_path, HERE / "digits_provider.py", 3, str(EPOCHS),
                              str(VAL_FREQ))
     root = plan.clusters[0].nodes[0]
     out = outputs[int(root.removeprefix("node_"))]
