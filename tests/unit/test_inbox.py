@@ -155,3 +155,23 @@ def test_offers_are_withdrawn_with_their_round() -> None:
     assert inbox.claim("r", 2, 0, torch.float32, 4, cancel) is None
     inbox.expect("r", 3, {0: torch.zeros(2, 2).t()})  # not contiguous: cannot be written in place
     assert inbox.claim("r", 3, 0, torch.float32, 4, cancel) is None
+
+
+def test_a_node_told_training_is_over_stops_waiting_for_peers_that_left() -> None:
+    """A run resumed at its end: a neighbour passes its own wait, sends `finish` and exits before
+    this node asks whether it is up. The wait must end with the `finish`, not run out (300 s)."""
+    from ravnest.comm.transport import Credentials, Peer
+    from ravnest.run.local import free_ports
+
+    inbox = Inbox()
+    gone = Peer(f"127.0.0.1:{free_ports(1)[0]}", Credentials("t", "plan"))  # nothing listens
+    waiting = threading.Thread(target=gone.wait_ready, args=(300.0,),
+                               kwargs={"stop": lambda: "finish" in inbox.control_ops},
+                               daemon=True)
+    waiting.start()
+    waiting.join(1.0)
+    assert waiting.is_alive()  # still waiting for the peer
+    inbox.deliver(Frame("control", control={"op": "finish"}))
+    waiting.join(30.0)
+    assert not waiting.is_alive() and inbox.control_ops == {"finish"}
+    gone.close(timeout=0)

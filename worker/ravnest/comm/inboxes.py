@@ -59,6 +59,9 @@ class Inbox:
         self._newest_round: dict[str, int] = {}
         self._order = threading.Lock()
         """Held while numbered frames are handed on, so that they leave in order."""
+        self.control_ops: set[str] = set()
+        """The `op` of every control frame delivered so far (read before the loop starts: a
+        neighbour that said training is over may already be gone)."""
         self._expected: dict[int, int] = {}
         self._early: dict[int, dict[int, Frame]] = {}
         self._landings: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -99,6 +102,8 @@ class Inbox:
                                                      self._newest_round.get(frame.ring, 0))
                 self._ring_cond.notify_all()
         else:
+            if frame.kind == "control" and isinstance(frame.control.get("op"), str):
+                self.control_ops.add(frame.control["op"])
             self.pipeline.put(frame)
 
     def take_ring(self, ring: str, round_: int, phase_step: int, timeout: float) -> Frame:

@@ -428,11 +428,12 @@ class Peer:
                     self._budget.notify_all()
                 self._deliveries.finished(error)
 
-    def wait_ready(self, timeout: float) -> None:
-        """Block until the peer's health service says SERVING."""
+    def wait_ready(self, timeout: float, stop: Callable[[], bool] | None = None) -> None:
+        """Block until the peer's health service says SERVING, or `stop()` says waiting is no
+        longer needed."""
         stub = health_pb2_grpc.HealthStub(self._channel)
         deadline = time.monotonic() + timeout
-        while True:
+        while stop is None or not stop():
             try:
                 status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0,
                                     wait_for_ready=True).status

@@ -80,9 +80,11 @@ class Wiring:
             self.ring_server.start()
 
     def wait_ready(self, timeout: float) -> None:
-        """Wait until every peer's server answers."""
+        """Wait until every peer's server answers, or until this node was told that training is
+        over: a run resumed at its end finishes at once, and a neighbour that passed its own
+        wait and sent `finish` may be gone before this node asks it (the wait would run out)."""
         for peer in self.peers.values():
-            peer.wait_ready(timeout)
+            peer.wait_ready(timeout, stop=lambda: Op.FINISH in self.inbox.control_ops)
 
     def watch_neighbours(self, plan: Plan, node: str) -> None:
         """Report a pipeline neighbour whose process is gone to this node's loop, in seconds."""
