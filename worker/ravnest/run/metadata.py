@@ -50,6 +50,11 @@ def listen_all(port: int) -> str:
     return endpoint("0.0.0.0", port)
 
 
+def host_of(address: str) -> str:
+    """The host of a `host:port` address."""
+    return address.rsplit(":", 1)[0]
+
+
 def port_of(address: str) -> int:
     """The port of a `host:port` address."""
     return int(address.rsplit(":", 1)[1])
@@ -63,7 +68,7 @@ def with_host(address: str, host: str) -> str:
 def ring_address(address: str) -> str:
     """Where a node's ring data plane listens, given its gRPC address: one port above it, as in
     pods (50051 / 50052)."""
-    return endpoint(address.rsplit(":", 1)[0], port_of(address) + 1)
+    return endpoint(host_of(address), port_of(address) + 1)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from ravnest.run.metadata import (
     TERMINATION_LOG_ENV,
     TOKEN_ENV,
     NodeMetadata,
+    host_of,
 )
 from ravnest.spec import JobSpec
 from ravnest.train.metrics import Identity, WorkerMetrics
@@ -165,7 +166,7 @@ class Worker:
         return self.wiring.ring_links
 
     def run(self) -> None:
-        host = self.meta.listen.rsplit(":", 1)[0]
+        host = host_of(self.meta.listen)
         self.metrics_port = self.metrics.serve(self.meta.metrics_port, addr=host)
         self.wiring.start()
         try:

@@ -38,7 +38,7 @@ from ravnest.plan.costs import Workload
 from ravnest.plan.partitioning import build_stage, profile
 from ravnest.plan.planning import make_plan
 from ravnest.plan.plans import Plan, ProviderInfo
-from ravnest.run.metadata import NodeMetadata, ring_address
+from ravnest.run.metadata import NodeMetadata, host_of, ring_address
 from ravnest.seed.console import say
 from ravnest.spec import SecuritySpec, TrainingSpec, parse_section
 
@@ -170,7 +170,7 @@ def _certificates(folder: Path, addresses: dict[str, str]) -> dict[str, str]:
     ca = make_authority("seed")
     dirs = {}
     for node, address in addresses.items():
-        host = address.rsplit(":", 1)[0]
+        host = host_of(address)
         try:
             ipaddress.ip_address(host)
             names, ips = [], [host]

@@ -25,7 +25,7 @@ from torch import nn
 from ravnest.errors import PlanError, RavnestError, SpecError
 from ravnest.plan.partitioning import Stage, profile
 from ravnest.run.assembling import connect, cut_stage
-from ravnest.run.metadata import TOKEN_ENV, NodeMetadata, with_host
+from ravnest.run.metadata import TOKEN_ENV, NodeMetadata, host_of, with_host
 from ravnest.seed.console import say
 from ravnest.spec import TrainingSpec, parse_section
 from ravnest.train import heap
@@ -111,8 +111,8 @@ def _share_cpus(meta: NodeMetadata, name: str) -> None:
     providers with two threads each on a two-core machine train several times slower."""
     if "OMP_NUM_THREADS" in os.environ:
         return
-    host = meta.addresses[name].rsplit(":", 1)[0]
-    here = sum(1 for a in meta.addresses.values() if a.rsplit(":", 1)[0] == host)
+    host = host_of(meta.addresses[name])
+    here = sum(1 for a in meta.addresses.values() if host_of(a) == host)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if here > 1:
         threads = max(1, (cpus or 1) // here)

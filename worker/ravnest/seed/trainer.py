@@ -5,8 +5,7 @@ trained, the last, partial one included (an epoch whose batches do not fill its 
 over what it has), and `batch_size` only describes them. The root prints a line per epoch (the
 mean training loss, the validation loss and accuracy) and appends the training losses to the
 node's `loss_filename` (one per update) and the validation accuracies to `val_accuracies.txt`
-beside it;
-a loss or metric that cannot be computed is printed, not fatal.
+beside it; a loss or metric that cannot be computed is printed, not fatal.
 """
 
 from __future__ import annotations
@@ -60,17 +59,17 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- data
 
-    def _own_train_labels(self) -> bool:
-        """A one-node cluster whose labels are its train_loader: the criterion gets the
-        batches the root read (reading the loader twice would shuffle it twice)."""
+    def _reads_own(self, labels: Any, loader: Any) -> bool:
+        """A one-node cluster whose `labels` are (or default to) its `loader`: the criterion
+        gets the batches the root read (reading the loader twice would shuffle it twice)."""
         node = self.node
-        return bool(node.me.is_root and node.me.is_leaf and
-                    (node.labels is None or node.labels is self.train_loader))
+        return bool(node.me.is_root and node.me.is_leaf and (labels is None or labels is loader))
+
+    def _own_train_labels(self) -> bool:
+        return self._reads_own(self.node.labels, self.train_loader)
 
     def _own_val_labels(self) -> bool:
-        node = self.node
-        return bool(node.me.is_root and node.me.is_leaf and
-                    (node.test_labels is None or node.test_labels is self.val_loader))
+        return self._reads_own(self.node.test_labels, self.val_loader)
 
     def _batches(self) -> Batches | None:
         node = self.node

@@ -99,7 +99,7 @@ class StagePasses:
         targets = self.targets.train(p.control, p.labels)
         with self.metrics.timed("compute"):
             loss = self.criterion(p.outputs[OUTPUT], targets)
-        n = samples_of(p.control, p.labels)
+        n = samples_of(p.control)
         scale = n / self.samples_per_update
         info = {**p.control, "loss": float(loss.detach()), "n": n,
                 "per_update": self.samples_per_update}
@@ -144,10 +144,9 @@ class StagePasses:
         return out
 
 
-def samples_of(control: dict[str, Any], labels: Any) -> int:
-    """The samples of a microbatch: its size as the root cut it, else its labels' rows."""
-    if "sizes" in control:
-        return int(control["sizes"][int(control.get("part", 0))])
-    if isinstance(labels, torch.Tensor):
-        return int(labels.shape[0])
-    raise RavnestError("a microbatch carries neither its size nor labels")
+def samples_of(control: dict[str, Any]) -> int:
+    """The samples of a microbatch: its size as the root cut it (every forward names it)."""
+    try:
+        return int(control["sizes"][int(control["part"])])
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise RavnestError(f"a forward frame does not name its microbatch's size: {e!r}") from e

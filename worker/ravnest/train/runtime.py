@@ -118,7 +118,6 @@ class NodeRuntime:
         self.epoch = 0
         self.next_batch = 0
         self.samples = 0
-        self.validations = 0
         self.in_flight = 0
         self._finished = False
         self._last_step_time = time.monotonic()
@@ -454,12 +453,12 @@ class NodeRuntime:
     def _validate(self, epoch: int) -> None:
         assert self.batches is not None
         self.val_result = None
-        self.validations += 1
         for batch, (inputs, labels) in enumerate(self.batches.validation()):
             tensors: dict[str, Any] = dict(zip(self.stage.input_names, inputs, strict=True))
             if labels is not None:
                 tensors[LABELS] = labels
-            self._eval_forward(tensors, {"validation": self.validations, "batch": batch,
+            # one validation per epoch at most: the epoch names it for a seed leaf's test_labels
+            self._eval_forward(tensors, {"validation": epoch, "batch": batch,
                                          "n": int(inputs[0].shape[0])})
         self._control({"op": Op.EVAL_END, "epoch": epoch, "step": self.updates})
         self._wait_until(lambda: self.val_result is not None)

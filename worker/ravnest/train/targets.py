@@ -192,8 +192,9 @@ class FromLoaders:
         sizes = control["sizes"]
         if self.train_whole:
             return labels
-        item = self._train.item(int(control["epoch"]), int(control["batch"]), sum(sizes))
-        _check_size(self.name, "labels", item, sum(sizes), control)
+        n = sum(sizes)
+        item = self._train.item(int(control["epoch"]), int(control["batch"]), n)
+        _check_size(self.name, "labels", item, n, control)
         return split(item, sizes)[int(control["part"])]
 
     def validation(self, control: Mapping[str, Any], labels: Any) -> Any:
