@@ -26,7 +26,7 @@ def _train(folder: Path, ring_transport: str, tls: bool) -> tuple[dict[str, torc
                                                                    list[Node]]:
     node_data = folder / "node_data"
     node_data.mkdir(parents=True)
-    ports = free_ports(4)
+    ports = free_ports(4, span=2)  # each ring data plane listens one port above its provider
     (node_data / "node_configs.json").write_text(json.dumps({
         str(i): {"IP": f"127.0.0.1:{p}", "benchmarks": {"ram": 4, "bandwidth": 100}}
         for i, p in enumerate(ports)}))

@@ -53,3 +53,25 @@ def test_ring_data_plane_with_spaced_ports(tmp_path: Path) -> None:
     meta = NodeMetadata.load(node_data / "nodes" / "node_1.json")
     assert meta.ring_addresses == {"node_0": "127.0.0.1:8081", "node_1": "127.0.0.1:8091",
                                    "node_2": "127.0.0.1:8101"}
+
+
+def test_free_port_pairs_leave_room_for_each_ring_server() -> None:
+    """Tests and local runs pick seed ports with free_ports(n, span=2): the port above each one was
+    free too, and no pair overlaps another (a ring server once failed to bind port+1 because an
+    outgoing connection held it)."""
+    import socket
+
+    from ravnest.run.local import free_ports
+
+    ports = free_ports(8, span=2)
+    taken = [p + k for p in ports for k in (0, 1)]
+    assert len(set(taken)) == 16
+    socks = []
+    try:
+        for port in taken:  # each one still bindable, all at once
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", port))
+    finally:
+        for s in socks:
+            s.close()

@@ -79,19 +79,37 @@ class Terminated(BaseException):
                          f"its workers were stopped")
 
 
-def free_ports(n: int) -> list[int]:
-    """Ask the kernel for n free TCP ports on 127.0.0.1."""
-    socks, ports = [], []
+def free_ports(n: int, span: int = 1) -> list[int]:
+    """Ask the kernel for n free TCP ports on 127.0.0.1, each the first of `span` consecutive
+    free ports (span=2 for a seed provider whose ring data plane listens one port above it).
+    All are held until every one is found, so none is handed out twice."""
+    held: list[socket.socket] = []
+    ports: list[int] = []
     try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
+        while len(ports) < n:
+            first = socket.socket()
+            held.append(first)
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            rest = [_bound(port + k) for k in range(1, span)] if port + span <= 65536 else [None]
+            held.extend(s for s in rest if s is not None)
+            if all(s is not None for s in rest):
+                ports.append(port)
     finally:
-        for s in socks:
+        for s in held:
             s.close()
     return ports
+
+
+def _bound(port: int) -> socket.socket | None:
+    """A socket bound to 127.0.0.1:port, or None when that port is taken."""
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        s.close()
+        return None
+    return s
 
 
 def node_endpoints(names: Sequence[str], hosts: Mapping[str, str], tcp_ring: bool,
