@@ -15,16 +15,26 @@ Two conveniences favour the baseline: the model size it must cover is our full t
 rounds them to tenths, so 4 providers get 0.2/0.2/0.2/0.4).
 
     python bench/planner.py [--seeds 5] [--generations 500] [--pools 64 1000] [--repeats 3] [-v]
+
+`--resnet` instead plans ResNet-50 (`ravnest.examples.resnet`) on an example input of shape
+[100, 3, 224, 224] over 4 providers of 8 GB, in a child process per method so that each peak RSS
+(the child's VmHWM) is its own, and prints build, profile and plan seconds and the peak;
+`--resnet-reference` adds the reference, the example computed for real at its full batch
+(`profile(..., fake=False)`; slower and larger), and checks that both plans are the same.
+
+    python bench/planner.py --resnet [--resnet-reference] [--resnet-providers 4] [--resnet-ram 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import math
 import random
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +43,7 @@ import torch
 
 from ravnest.errors import PlanError
 from ravnest.examples.digits import build_model as digits_model
+from ravnest.examples.resnet import build_model as resnet_model
 from ravnest.examples.sorter import build_model as sorter_model
 from ravnest.plan.costs import Workload
 from ravnest.plan.partitioning import Profile, profile
@@ -269,6 +280,69 @@ def timing(sizes: Sequence[int], repeats: int) -> None:
            "est samples/s"), rows)
 
 
+RESNET_EXAMPLE = (100, 3, 224, 224)
+"""ResNet-50's example input: a batch of 100 ImageNet-sized images (60 MB)."""
+RESNET_WORK = Workload(batch_size=100, microbatches=4, optimizer="SGD")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set (VmHWM), in MB (10^6 bytes)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e6
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def resnet_child(method: str, providers: int, ram_gb: float) -> None:
+    """Plan ResNet-50 in this (child) process and print one JSON line of figures.
+
+    `method` "fake" is the planner's own `profile` (fake tensors where the model allows); "run"
+    computes the example for real at its full batch (`fake=False`), the reference. The example is
+    drawn as `building.example_inputs` draws it."""
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    model = resnet_model()
+    example = torch.rand(RESNET_EXAMPLE, generator=torch.Generator().manual_seed(0))
+    t1 = time.perf_counter()
+    _, prof = profile(model, [example], fake=method != "run")
+    t2 = time.perf_counter()
+    plan = make_plan(prof, [ProviderInfo(ram_gb, 100.0)] * providers, RESNET_WORK)
+    t3 = time.perf_counter()
+    print(json.dumps({
+        "method": prof.method, "build_s": t1 - t0, "profile_s": t2 - t1,
+        "plan_s": t3 - t2, "total_s": t3 - t0, "peak_rss_mb": peak_rss_mb(),
+        "layers": len(prof.layers), "params": sum(layer.params for layer in prof.layers),
+        "gflops": sum(layer.flops for layer in prof.layers) / 1e9,
+        "summary": plan.summary(), "memory_gb": plan.memory_bytes / GB,
+        "samples_per_second": plan.samples_per_second, "fingerprint": plan.fingerprint}))
+
+
+def resnet(reference: bool, providers: int, ram_gb: float) -> None:
+    """Plan ResNet-50 once per method, each in its own child process, and print the figures."""
+    print(f"ResNet-50, example {list(RESNET_EXAMPLE)}, {providers} providers of {ram_gb:g} GB, "
+          f"{RESNET_WORK}")
+    results = {}
+    for method in ("fake", "run") if reference else ("fake",):
+        w0 = time.perf_counter()
+        out = subprocess.run([sys.executable, __file__, "--resnet-child", method,
+                              "--resnet-providers", str(providers), "--resnet-ram", str(ram_gb)],
+                             check=True, capture_output=True, text=True)
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        row["child_wall_s"] = time.perf_counter() - w0
+        results[method] = row
+    table(("profiled by", "build s", "profile s", "plan s", "planning s", "child wall s",
+           "peak RSS MB", "layers", "GFLOPs", "plan", "train GB", "est samples/s", "fingerprint"),
+          [(r["method"], r["build_s"], r["profile_s"], r["plan_s"], r["total_s"],
+            r["child_wall_s"], r["peak_rss_mb"], r["layers"], r["gflops"], r["summary"],
+            r["memory_gb"], r["samples_per_second"], r["fingerprint"]) for r in results.values()])
+    if reference:
+        same = results["fake"]["fingerprint"] == results["run"]["fingerprint"]
+        print(f"same plan (fingerprint) both ways: {same}")
+        if not same:
+            sys.exit(1)
+
+
 def table(head: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     cells = [[fmt(v) for v in r] for r in rows]
     widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(head)]
@@ -287,9 +361,23 @@ def main() -> None:
                     help="pool sizes to time make_plan on (default 64 1000)")
     ap.add_argument("--repeats", type=int, default=3, help="timings per size; median printed")
     ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--resnet", action="store_true",
+                    help="only plan ResNet-50 on [100, 3, 224, 224] in a child process")
+    ap.add_argument("--resnet-reference", action="store_true",
+                    help="with --resnet: also profile the example for real at its full batch "
+                    "(slow and large)")
+    ap.add_argument("--resnet-providers", type=int, default=4, help="providers (default 4)")
+    ap.add_argument("--resnet-ram", type=float, default=8.0, help="GB each (default 8)")
+    ap.add_argument("--resnet-child", choices=("fake", "run"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s", stream=sys.stderr)
+    if args.resnet_child:
+        resnet_child(args.resnet_child, args.resnet_providers, args.resnet_ram)
+        return
+    if args.resnet or args.resnet_reference:
+        resnet(args.resnet_reference, args.resnet_providers, args.resnet_ram)
+        return
     quality(args.seeds, args.generations)
     print()
     timing(args.pools, args.repeats)
