@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ravnest.errors import PlanError, SpecError
-from ravnest.plan.building import plan_job
+from ravnest.errors import PlanError
+from ravnest.plan.handoff import decode
 from ravnest.plan.plans import Plan
 from ravnest.spec import Job
 
@@ -35,6 +35,7 @@ from .actions import (
     Event,
     ScrapeProgress,
 )
+from .planning import PlannerPod
 from .settings import Settings
 from .statuses import Observation, observe, parse_time, set_condition, timestamp
 
@@ -114,10 +115,16 @@ def decide(observed: Observed, now: dt.datetime, settings: Settings) -> Decision
         run.status["conditions"] = set_condition([], "Created", True, "Accepted",
                                                  "spec is valid", run.at)
         run.out.set({"phase": phase, "conditions": run.status["conditions"]})
+    if observed.plan is None and run.run_policy.get("suspend"):
+        _suspend(run, phase, run.status["conditions"], "not planned yet: plans when resumed")
+        return run.out
     plan = observed.plan if observed.plan is not None else _plan(run, observed.job)
     if plan is None:
         return run.out
-    if phase in (None, "Created"):
+    if observed.plan is not None and _planner_of(observed) is not None:
+        # an operator that stopped between creating the objects and deleting the planner
+        run.out.do(DeletePod(resources.planner_name(observed.name)))
+    if phase in (None, "Created", "Planning"):
         run.out.set({"phase": "Planned", "plan": _plan_status(plan),
                      "conditions": set_condition(run.status["conditions"], "Planned", True,
                                                  "Planned", plan.summary(), run.at)})
@@ -135,16 +142,62 @@ def _expire(run: _Pass) -> None:
 
 
 def _plan(run: _Pass, job: Job) -> Plan | None:
-    """Plan the job and create its objects (the plan ConfigMap last: it marks "planned");
-    None when it cannot be planned, which fails the job."""
-    try:
-        plan, _, _ = plan_job(job)
-    except (PlanError, SpecError) as e:
-        run.fail("PlanFailed", str(e))
+    """The job's plan, from a planner pod of the job's own image; the operator runs none of the
+    job's code. Starts the planner, waits for it, and once it succeeded creates the job's objects
+    from its plan (the plan ConfigMap last: it marks "planned") and deletes it. None until then,
+    and when planning failed, which fails the job."""
+    name = resources.planner_name(run.observed.name)
+    found = next((p for p in run.observed.pods if p["metadata"]["name"] == name), None)
+    if found is not None and found["metadata"].get("deletionTimestamp"):
+        # e.g. suspended while planning and resumed at once: its end is no verdict on this job
+        _planning(run, f"waiting for the earlier planner pod {name} to be deleted")
         return None
-    run.out.do(CreateJobObjects(job, plan),
-               Event("Planned", f"{plan.summary()} plan {plan.fingerprint}"))
-    return plan
+    if found is None:
+        owner = resources.Owner(run.observed.name, run.observed.namespace, run.observed.uid)
+        run.out.do(Create(resources.planner_configmap(owner, job)),
+                   Create(resources.planner_pod(owner, job, run.settings.worker_image)),
+                   Event("Planning", f"planner pod {name} started"))
+        _planning(run, f"planner pod {name} started")
+        return None
+    planner = PlannerPod.of(found)
+    if planner.phase == "Succeeded":
+        try:
+            plan = decode(planner.message, job.spec)
+        except PlanError as e:
+            run.fail("PlanFailed", f"planner pod {name} handed back no usable plan: {e}")
+            return None
+        run.out.do(CreateJobObjects(job, plan), DeletePod(name),
+                   Event("Planned", f"{plan.summary()} plan {plan.fingerprint} from pod {name}"))
+        return plan
+    if planner.phase == "Failed":
+        run.fail("PlanFailed", planner.failure(name))
+        return None
+    timeout = job.spec.plan.timeout_seconds
+    if planner.created and (run.now - parse_time(planner.created)).total_seconds() > timeout:
+        run.fail("PlanFailed", f"planner pod {name} did not finish within "
+                               f"spec.plan.timeoutSeconds={timeout} ({planner.describe()})")
+        run.out.do(DeletePod(name))
+        return None
+    _planning(run, f"planner pod {name} is {planner.describe()}")
+    return None
+
+
+def _planner_of(observed: Observed) -> dict[str, Any] | None:
+    """The job's planner pod, unless it is gone or going."""
+    name = resources.planner_name(observed.name)
+    return next((p for p in observed.pods if p["metadata"]["name"] == name
+                 and not p["metadata"].get("deletionTimestamp")), None)
+
+
+def _planning(run: _Pass, message: str) -> None:
+    """Phase Planning, its condition saying where the planner pod is (and a job created
+    suspended, resumed)."""
+    conditions = run.status.get("conditions") or []
+    if run.status.get("phase") == "Suspended":
+        conditions = set_condition(conditions, "Suspended", False, "Resumed", "", run.at)
+    run.status["conditions"] = set_condition(conditions, "Planned", False, "Planning", message,
+                                             run.at)
+    run.out.set({"phase": "Planning", "conditions": run.status["conditions"]})
 
 
 def _plan_status(plan: Plan) -> dict[str, Any]:
@@ -191,14 +244,17 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     _watch(run, plan, obs, phase, conditions)
 
 
-def _suspend(run: _Pass, phase: str, conditions: list[dict[str, Any]]) -> None:
-    run.out.do(*(DeletePod(p["metadata"]["name"]) for p in run.observed.pods))
+def _suspend(run: _Pass, phase: str | None, conditions: list[dict[str, Any]],
+             message: str = "pods deleted; resumes from the last checkpoint") -> None:
+    """No pods while suspended (a planner pod neither: a job created suspended is planned when
+    resumed)."""
+    run.out.do(*(DeletePod(p["metadata"]["name"]) for p in run.observed.pods
+                 if not p["metadata"].get("deletionTimestamp")))
     if phase != "Suspended":
         run.out.set({"phase": "Suspended",
                      "conditions": set_condition(conditions, "Suspended", True, "Suspended",
-                                                 "pods deleted; resumes from the last "
-                                                 "checkpoint", run.at)})
-        run.out.do(Event("Suspended", "pods deleted"))
+                                                 message, run.at)})
+        run.out.do(Event("Suspended", message))
 
 
 def _failed(run: _Pass, obs: Observation, restarts: int, conditions: list[dict[str, Any]],

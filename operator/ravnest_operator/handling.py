@@ -103,19 +103,30 @@ def _delete_pod(name: str, namespace: str) -> None:
                                       delay=5) from e
 
 
-def _pods(job: str, namespace: str) -> list[dict[str, Any]]:
+def _owned(metadata: Any, uid: str) -> bool:
+    """Whether an object belongs to the job with this uid, not to an earlier job of the same
+    name whose objects the garbage collector has yet to delete."""
+    return any(ref.uid == uid for ref in metadata.owner_references or [])
+
+
+def _pods(job: str, namespace: str, uid: str) -> list[dict[str, Any]]:
     api = _core()
     found = api.list_namespaced_pod(namespace, label_selector=f"ravnest.io/job={job}")
-    return [api.api_client.sanitize_for_serialization(p) for p in found.items]
+    return [api.api_client.sanitize_for_serialization(p) for p in found.items
+            if _owned(p.metadata, uid)]
 
 
-def _load_plan(job: str, namespace: str) -> Plan | None:
+def _load_plan(job: str, namespace: str, uid: str) -> Plan | None:
+    name = resources.plan_configmap_name(job)
     try:
-        cm = _core().read_namespaced_config_map(resources.plan_configmap_name(job), namespace)
+        cm = _core().read_namespaced_config_map(name, namespace)
     except ApiException as e:
         if e.status == 404:
             return None
         raise kopf.TemporaryError(f"reading the plan: {e.status} {e.reason}", delay=5) from e
+    if not _owned(cm.metadata, uid):
+        raise kopf.TemporaryError(f"ConfigMap {name} is an earlier job's of the same name; "
+                                  f"waiting for it to be garbage-collected", delay=5)
     return Plan.from_dict(json.loads((cm.data or {})["plan.json"]))
 
 
@@ -160,8 +171,8 @@ def _observe(body: kopf.Body, spec: dict[str, Any], status: dict[str, Any], name
                          "spec": dict(spec)})
     except SpecError as e:
         return replace(seen, problems=tuple(e.problems))
-    return replace(seen, job=job, plan=_load_plan(name, namespace),
-                   pods=tuple(_pods(name, namespace)))
+    return replace(seen, job=job, plan=_load_plan(name, namespace, uid),
+                   pods=tuple(_pods(name, namespace, uid)))
 
 
 def _carry_out(action: Action, body: kopf.Body, patch: kopf.Patch,

@@ -11,6 +11,7 @@ only the job's own worker pods reach its workers' gRPC port.
 from __future__ import annotations
 
 import base64
+import copy
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +32,24 @@ from ravnest.run.metadata import (
 from ravnest.spec import Job, Provider
 
 from .crds import GROUP, KIND, VERSION
+from .templating import merged
 
 DATA_DIR = "/ravnest"
 METADATA_DIR = "/etc/ravnest"
 TLS_DIR = "/etc/ravnest-tls"
 WORKER_UID = 10001
+POD_SECURITY: dict[str, Any] = {"runAsNonRoot": True, "runAsUser": WORKER_UID,
+                                "runAsGroup": WORKER_UID, "fsGroup": WORKER_UID,
+                                "seccompProfile": {"type": "RuntimeDefault"}}
+"""The pod security context of every pod of a job, workers and planner."""
+CONTAINER_SECURITY: dict[str, Any] = {"allowPrivilegeEscalation": False,
+                                      "readOnlyRootFilesystem": True,
+                                      "capabilities": {"drop": ["ALL"]}}
+"""The container security context of every pod of a job."""
+PLANNER_RESOURCES: dict[str, Any] = {"requests": {"cpu": "500m", "memory": "1Gi"},
+                                     "limits": {"memory": "4Gi"}}
+"""The planner pod's resources unless spec.plan.resources says otherwise."""
+JOB_FILE = "job.json"
 
 
 @dataclass(frozen=True)
@@ -66,6 +80,17 @@ def pod_name(job: str, node: str) -> str:
 
 def plan_configmap_name(job: str) -> str:
     return f"{job}-plan"
+
+
+def planner_name(job: str) -> str:
+    """The planner pod."""
+    return f"{job}-planner"
+
+
+def planner_configmap_name(owner: Owner) -> str:
+    """The ConfigMap that hands the planner pod the job: named for this job's uid, so that one
+    left by an earlier job of the same name, not yet garbage-collected, is never planned."""
+    return f"{owner.name}-planner-{owner.uid[:8]}"
 
 
 def token_secret_name(job: str) -> str:
@@ -176,6 +201,50 @@ def plan_configmap(owner: Owner, plan: Plan) -> dict[str, Any]:
     }
 
 
+def planner_labels(job: str) -> dict[str, str]:
+    return {**job_labels(job), "app.kubernetes.io/component": "planner"}
+
+
+def planner_configmap(owner: Owner, job: Job) -> dict[str, Any]:
+    """The job as the planner pod reads it (`ravnest plan job.json --termination-log`)."""
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": _meta(owner, planner_configmap_name(owner), planner_labels(owner.name)),
+        "data": {JOB_FILE: json.dumps(job.to_dict(), sort_keys=True)},
+    }
+
+
+def planner_pod(owner: Owner, job: Job, image: str) -> dict[str, Any]:
+    """The pod that plans the job in the job's own image (`spec.image`): the only place the
+    model's code is imported and traced before the workers start. It has no service-account
+    token and the workers' hardening; it hands the plan back as its termination message
+    (`ravnest.plan.handoff`), and spec.plan.timeoutSeconds bounds how long it may run."""
+    plan = job.spec.plan
+    return merged({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": _meta(owner, planner_name(owner.name), planner_labels(owner.name)),
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "activeDeadlineSeconds": plan.timeout_seconds,
+            "securityContext": copy.deepcopy(POD_SECURITY),
+            "containers": [{
+                "name": "planner",
+                "image": job.spec.image or image,
+                "command": ["ravnest"],
+                "args": ["plan", f"{METADATA_DIR}/{JOB_FILE}", "--termination-log"],
+                "resources": copy.deepcopy(plan.resources or PLANNER_RESOURCES),
+                "securityContext": copy.deepcopy(CONTAINER_SECURITY),
+                "volumeMounts": [{"name": "job", "mountPath": METADATA_DIR, "readOnly": True},
+                                 {"name": "tmp", "mountPath": "/tmp"}],
+            }],
+            "volumes": [{"name": "job", "configMap": {"name": planner_configmap_name(owner)}},
+                        {"name": "tmp", "emptyDir": {}}],
+        },
+    }, job.spec.template, resources=False)
+
+
 def node_metadata(owner: Owner, job: Job, plan: Plan, node: str) -> dict[str, Any]:
     """What `ravnest worker --metadata` reads (`ravnest.run.metadata.NodeMetadata`)."""
     return NodeMetadata(
@@ -224,9 +293,7 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": WORKER_UID,
-                            "runAsGroup": WORKER_UID, "fsGroup": WORKER_UID,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": copy.deepcopy(POD_SECURITY),
         "containers": [{
             "name": "worker",
             "image": provider.image or job.spec.image or image,
@@ -244,8 +311,7 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
                       *([{"name": "ring", "containerPort": RING_PORT}] if _tcp_ring(job) else [])],
             "readinessProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 2},
             "resources": _resources(provider),
-            "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                "capabilities": {"drop": ["ALL"]}},
+            "securityContext": copy.deepcopy(CONTAINER_SECURITY),
             "volumeMounts": [{"name": "node-metadata", "mountPath": METADATA_DIR, "readOnly": True},
                              {"name": "data", "mountPath": DATA_DIR},
                              {"name": "tmp", "mountPath": "/tmp"}],
@@ -260,10 +326,10 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
         spec["nodeSelector"] = dict(provider.node_selector)
     if provider.tolerations:
         spec["tolerations"] = list(provider.tolerations)
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": _meta(owner, pod_name(owner.name, node.name),
-                              node_labels(owner.name, node), annotations),
-            "spec": spec}
+    return merged({"apiVersion": "v1", "kind": "Pod",
+                   "metadata": _meta(owner, pod_name(owner.name, node.name),
+                                     node_labels(owner.name, node), annotations),
+                   "spec": spec}, job.spec.template)
 
 
 def _mount_tls(spec: dict[str, Any], owner: Owner, node: str) -> None:

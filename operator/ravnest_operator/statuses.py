@@ -11,7 +11,8 @@ from ravnest.run.progress import progress as job_progress
 
 from .resources import pod_name
 
-PHASES = ("Created", "Planned", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
+PHASES = ("Created", "Planning", "Planned", "Running", "Restarting", "Succeeded", "Failed",
+          "Suspended")
 
 
 def now() -> str:
@@ -24,7 +25,9 @@ def timestamp(at: dt.datetime) -> str:
 
 
 def parse_time(value: str) -> dt.datetime:
-    return dt.datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
+    """A time as the status writes it, or as the API client gives one (`...+00:00`)."""
+    at = dt.datetime.fromisoformat(value)
+    return at.replace(tzinfo=dt.UTC) if at.tzinfo is None else at.astimezone(dt.UTC)
 
 
 @dataclass

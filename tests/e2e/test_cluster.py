@@ -72,11 +72,14 @@ def test_operator_ready_and_helm_test_passes(cluster: Cluster, release: str):
     assert "Phase:          Succeeded" in result.stdout, result.stdout
 
 
+WORKERS = "ravnest.io/job=digits,app.kubernetes.io/component=worker"
+
+
 def test_digits_trains_on_the_cluster(cluster: Cluster, release: str):
     cluster.apply(digits_doc("digits"))
     # Pods are scheduled onto a node and run our image.
     def all_running() -> list[dict[str, Any]] | None:
-        pods = (cluster.get("pods", selector="ravnest.io/job=digits") or {}).get("items", [])
+        pods = (cluster.get("pods", selector=WORKERS) or {}).get("items", [])
         if len(pods) == 6 and all(p["status"].get("phase") == "Running" for p in pods):
             return pods
         return None
@@ -116,8 +119,14 @@ def test_digits_trains_on_the_cluster(cluster: Cluster, release: str):
     row = table.splitlines()[1].split()
     assert row[1] == "Succeeded" and row[4] == "66/66", table
     assert float(row[5]) > 0 and float(row[6]) >= 0.95, table
-    pods = cluster.get("pods", selector="ravnest.io/job=digits")["items"]
+    pods = cluster.get("pods", selector=WORKERS)["items"]
     assert len(pods) == 6 and all(p["status"]["phase"] == "Succeeded" for p in pods)
+    # planned by a pod of the job's image, deleted once it had handed the plan back
+    assert not cluster.get("pods", selector="ravnest.io/job=digits,"
+                                            "app.kubernetes.io/component=planner")["items"]
+    events = cluster.kubectl("get", "events", "-n", JOBS_NS, "-o",
+                             "jsonpath={.items[*].message}").stdout
+    assert "from pod digits-planner" in events
     log = cluster.kubectl("logs", "-n", JOBS_NS, "digits-node-0").stdout
     assert "Traceback" not in log
 

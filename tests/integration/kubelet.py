@@ -26,7 +26,9 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 
 from ravnest.run.metadata import TERMINATION_LOG_ENV, NodeMetadata
-from ravnest_operator.resources import METADATA_DIR, dns_label
+from ravnest_operator.resources import JOB_FILE, METADATA_DIR, dns_label
+
+MAX_PLANNERS = 2
 
 
 @dataclass
@@ -104,8 +106,18 @@ class FakeKubelet(threading.Thread):
                 if name not in self.running:
                     self._finalize_delete(p)
                 continue
-            if name not in self.running and (p.status.phase or "Pending") == "Pending":
+            if name not in self.running and (p.status.phase or "Pending") == "Pending" \
+                    and self._room_for(p):
                 self._start(p)
+
+    def _room_for(self, p: Any) -> bool:
+        """At most MAX_PLANNERS planner pods run at once; the others wait, Pending, as a
+        scheduler would keep them for their CPU requests (each plans a model with torch)."""
+        if p.metadata.labels.get("app.kubernetes.io/component") != "planner":
+            return True
+        busy = sum(1 for r in self.running.values()
+                   if r.pod.endswith("-planner") and r.proc.poll() is None)
+        return busy < MAX_PLANNERS
 
     def _finalize_delete(self, p: Any) -> None:
         try:
@@ -118,24 +130,12 @@ class FakeKubelet(threading.Thread):
     def _start(self, p: Any) -> None:
         job = p.metadata.labels["ravnest.io/job"]
         container = p.spec.containers[0]
-        cm_name = next(v.config_map.name for v in p.spec.volumes if v.config_map)
-        cm = self.api.read_namespaced_config_map(cm_name, p.metadata.namespace)
-        meta = NodeMetadata.from_dict(json.loads(cm.data["node.json"]))
-        ip = self.ip(job, p.spec.hostname)
-        # the gRPC addresses, and the ring data plane's (training.ringTransport: tcp)
-        meta = meta.rehosted({n: self.ip(job, dns_label(n)) for n in meta.addresses}, ip)
-        data = self.workdir / p.metadata.namespace / job
-        data.mkdir(parents=True, exist_ok=True)
-        meta = replace(meta, output_dir=str(data))
         pod_dir = self.workdir / "pods" / p.metadata.name / p.metadata.uid
         pod_dir.mkdir(parents=True, exist_ok=True)
-        mounts = {m.name: m.mount_path for m in container.volume_mounts or []}
-        for v in p.spec.volumes:
-            if v.secret and v.name in mounts:  # a Secret volume: its items as files
-                folder = self._secret_volume(v.secret, p.metadata.namespace, pod_dir / v.name)
-                if meta.tls_dir == mounts[v.name]:
-                    meta = replace(meta, tls_dir=str(folder))
-        meta.save(pod_dir / "node.json")
+        if p.metadata.labels.get("app.kubernetes.io/component") == "planner":
+            ip, mounted = self._planner_files(p, pod_dir)
+        else:
+            ip, mounted = self._worker_files(p, job, pod_dir), "node.json"
         env = {**os.environ, TERMINATION_LOG_ENV: str(pod_dir / "termination-log")}
         for e in container.env or []:
             if e.value_from and e.value_from.secret_key_ref:
@@ -144,7 +144,7 @@ class FakeKubelet(threading.Thread):
                 env[e.name] = base64.b64decode(secret.data[ref.key]).decode()
             elif e.value is not None:
                 env[e.name] = e.value
-        args = [a.replace(f"{METADATA_DIR}/node.json", str(pod_dir / "node.json"))
+        args = [a.replace(f"{METADATA_DIR}/{mounted}", str(pod_dir / mounted))
                 for a in container.args]
         log = open(pod_dir / "worker.log", "ab")
         proc = subprocess.Popen([sys.executable, "-m", "ravnest", *args], stdout=log,
@@ -164,6 +164,34 @@ class FakeKubelet(threading.Thread):
                                    "started": True,
                                    "state": {"running": {"startedAt": _now()}}}]}})
 
+    def _worker_files(self, p: Any, job: str, pod_dir: Path) -> str:
+        """A worker pod's node metadata, rewritten for this host: its IP."""
+        container = p.spec.containers[0]
+        cm_name = next(v.config_map.name for v in p.spec.volumes if v.config_map)
+        cm = self.api.read_namespaced_config_map(cm_name, p.metadata.namespace)
+        meta = NodeMetadata.from_dict(json.loads(cm.data["node.json"]))
+        ip = self.ip(job, p.spec.hostname)
+        # the gRPC addresses, and the ring data plane's (training.ringTransport: tcp)
+        meta = meta.rehosted({n: self.ip(job, dns_label(n)) for n in meta.addresses}, ip)
+        data = self.workdir / p.metadata.namespace / job
+        data.mkdir(parents=True, exist_ok=True)
+        meta = replace(meta, output_dir=str(data))
+        mounts = {m.name: m.mount_path for m in container.volume_mounts or []}
+        for v in p.spec.volumes:
+            if v.secret and v.name in mounts:  # a Secret volume: its items as files
+                folder = self._secret_volume(v.secret, p.metadata.namespace, pod_dir / v.name)
+                if meta.tls_dir == mounts[v.name]:
+                    meta = replace(meta, tls_dir=str(folder))
+        meta.save(pod_dir / "node.json")
+        return ip
+
+    def _planner_files(self, p: Any, pod_dir: Path) -> tuple[str, str]:
+        """A planner pod's job file, from its ConfigMap volume; it gets no address of its own."""
+        cm_name = next(v.config_map.name for v in p.spec.volumes if v.config_map)
+        cm = self.api.read_namespaced_config_map(cm_name, p.metadata.namespace)
+        (pod_dir / JOB_FILE).write_text(cm.data[JOB_FILE])
+        return "127.0.0.1", JOB_FILE
+
     def _secret_volume(self, source: Any, namespace: str, folder: Path) -> Path:
         secret = self.api.read_namespaced_secret(source.secret_name, namespace)
         folder.mkdir(exist_ok=True)
@@ -175,7 +203,9 @@ class FakeKubelet(threading.Thread):
         return folder
 
     def _terminated(self, p: Any, code: int, r: _Running) -> None:
-        message = r.termination.read_text() if r.termination.exists() else ""
+        # the kubelet keeps the first 4096 bytes of a termination message
+        message = r.termination.read_bytes()[:4096].decode(errors="replace") \
+            if r.termination.exists() else ""
         term = {"exitCode": code if code >= 0 else 128 - code,
                 "reason": "Completed" if code == 0 else "Error",
                 "startedAt": _now(), "finishedAt": _now()}

@@ -39,8 +39,11 @@ def test_digits_job_runs_to_success(cluster, tmp_path):
         return st.get("phase") == "Succeeded"
 
     wait_for("digits to succeed", succeeded, 400, kube, operator)
-    assert phases[0] in ("Created", "Planned") and phases[-1] == "Succeeded"
-    assert "Running" in phases
+    assert phases[0] in ("Created", "Planning") and phases[-1] == "Succeeded"
+    assert "Running" in phases and phases.index("Planned") > phases.index("Planning")
+    # the plan came from the job's planner pod, which ran before any worker and was then deleted
+    assert kubelet.started[0] == "digits-planner"
+    assert "handed back" in kubelet.log_of("digits-planner")
     assert len(set(steps)) >= 3 and steps == sorted(steps)  # progress moved while training
     status = get(kube, "rj", "digits")["status"]
     assert status["progress"]["validationMetric"] >= 0.95
@@ -53,8 +56,9 @@ def test_digits_job_runs_to_success(cluster, tmp_path):
     pods = get(kube, "pods", selector="ravnest.io/job=digits")["items"]
     assert len(pods) == 6 and all(p["status"]["phase"] == "Succeeded" for p in pods)
     cms = get(kube, "configmaps", selector="ravnest.io/job=digits")["items"]
+    uid = get(kube, "rj", "digits")["metadata"]["uid"]  # the planner's job, named for this job
     assert sorted(c["metadata"]["name"] for c in cms) == sorted(
-        ["digits-plan"] + [f"digits-node-{i}" for i in range(6)])
+        ["digits-plan", f"digits-planner-{uid[:8]}"] + [f"digits-node-{i}" for i in range(6)])
     assert get(kube, "service", "digits-workers")["spec"]["clusterIP"] == "None"
     assert get(kube, "secret", "digits-token") is not None
     roles = sorted(p["metadata"]["labels"]["ravnest.io/role"] for p in pods)
@@ -136,7 +140,12 @@ def test_operator_fails_invalid_jobs_with_a_clear_status(cluster, tmp_path, name
     status = get(kube, "rj", name)["status"]
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert message in failed["message"]
-    assert get(kube, "pods", selector=f"ravnest.io/job={name}")["items"] == []
+    pods = get(kube, "pods", selector=f"ravnest.io/job={name}")["items"]
+    # a spec refused by its form starts nothing; one its planner pod could not plan keeps that
+    # pod, failed, for `kubectl logs`, and starts no worker
+    planned = failed["reason"] == "PlanFailed"
+    assert [p["metadata"]["name"] for p in pods] == ([f"{name}-planner"] if planned else [])
+    assert all(p["status"]["phase"] == "Failed" for p in pods)
     kctl(kube, "delete", "rj", name, "--wait=false")
 
 
@@ -219,8 +228,10 @@ def test_operator_restart_mid_job_creates_no_duplicates(cluster, tmp_path):
     operator.start()
     wait_for("survivor to succeed", lambda: phase_of(kube, "survivor") == "Succeeded", 400,
              kube, operator)
-    assert sum(1 for p in kubelet.started if p.startswith("survivor-")) == 6
-    assert len(get(kube, "configmaps", selector="ravnest.io/job=survivor")["items"]) == 7
+    # the planner once, then each of the 6 workers once; its ConfigMap beside the plan's and 6
+    started = [p for p in kubelet.started if p.startswith("survivor-")]
+    assert started[0] == "survivor-planner" and len(started) == 7
+    assert len(get(kube, "configmaps", selector="ravnest.io/job=survivor")["items"]) == 8
 
 
 def test_deleting_a_running_job_leaves_nothing_behind(cluster, tmp_path):

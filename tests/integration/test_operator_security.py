@@ -24,7 +24,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, ...
 def test_a_tls_job_trains_and_no_secret_leaks(cluster, tmp_path):
     kube, kubelet, operator = cluster
     doc = job_doc("sealed", epochs=1, security__tls=True,
-                  providers=[{"ram": 2, "bandwidth": 1000, "replicas": 4}])
+                  providers=[{"ram": 2, "bandwidth": 1000, "replicas": 4}],
+                  # a pod template, merged over the workers' pods, as the real apiserver takes it
+                  template={"metadata": {"labels": {"team": "vision"}},
+                            "spec": {"containers": [{"env": [{"name": "TEAM", "value": "v"}]}],
+                                     "tolerations": [{"key": "gpu", "operator": "Exists"}]}})
     assert apply(kube, doc, tmp_path).returncode == 0
 
     def succeeded() -> bool:
@@ -47,6 +51,11 @@ def test_a_tls_job_trains_and_no_secret_leaks(cluster, tmp_path):
 
     pods = get(kube, "pods", selector="ravnest.io/job=sealed")["items"]
     assert len(pods) == 4
+    for p in pods:
+        assert p["metadata"]["labels"]["team"] == "vision"
+        assert {"name": "TEAM", "value": "v"} in p["spec"]["containers"][0]["env"]
+        assert {"key": "gpu", "operator": "Exists"} in p["spec"]["tolerations"]
+        assert p["spec"]["securityContext"]["runAsNonRoot"] is True
     for p in pods:  # each pod mounts the CA, its own certificate and its own key only
         node = p["metadata"]["labels"]["ravnest.io/node"].replace("-", "_")
         (volume,) = [v for v in p["spec"]["volumes"] if v["name"] == "tls"]
@@ -75,3 +84,46 @@ def test_a_tls_job_trains_and_no_secret_leaks(cluster, tmp_path):
              for what, secret in secrets.items() if secret in text]
     assert not leaks, leaks
     assert not [where for where, text in places.items() if "PRIVATE KEY" in text]
+
+
+def test_code_a_job_names_runs_in_its_planner_pod_never_in_the_operator(cluster, tmp_path):
+    """The trick that once ran in the operator (whose ClusterRole creates pods and secrets
+    anywhere): `os:system` as the model entrypoint, as the data entrypoint, and a criterion whose
+    module does something when imported (`this` prints the Zen of Python). Each command writes the
+    id of the process that ran it: only the job's own planner pod ran them, the operator nothing.
+    Each job fails, saying why, with its planner pod named and no worker pod started."""
+    kube, kubelet, operator = cluster
+    ran = tmp_path / "ran"
+    command = f"echo $PPID >> {ran}"
+    jobs = {
+        "evil-model": job_doc("evil-model", model__entrypoint="os:system",
+                              model__kwargs={"command": command}),
+        "evil-data": job_doc("evil-data", data__entrypoint="os:system",
+                             data__kwargs={"command": command}),
+        "evil-loss": job_doc("evil-loss", training__criterion={"name": "this:s"}),
+    }
+    for doc in jobs.values():
+        assert apply(kube, doc, tmp_path).returncode == 0
+    says = {"evil-model": "spec.model.entrypoint: os:system returned",
+            "evil-data": "spec.data.entrypoint: os:system must return",
+            "evil-loss": "spec.training.criterion.name: 'this:s' is not callable"}
+    for name, text in says.items():
+        def failed(name: str = name) -> bool:
+            st = (get(kube, "rj", name) or {}).get("status", {})
+            return st.get("phase") == "Failed"
+
+        wait_for(f"{name} to fail", failed, 300, kube, operator)
+        cond = {c["type"]: c for c in get(kube, "rj", name)["status"]["conditions"]}["Failed"]
+        assert cond["reason"] == "PlanFailed", cond
+        assert cond["message"].startswith(f"planner pod {name}-planner failed with exit code "), \
+            cond
+        assert text in cond["message"], cond
+        pods = get(kube, "pods", selector=f"ravnest.io/job={name}")["items"]
+        assert [p["metadata"]["name"] for p in pods] == [f"{name}-planner"]
+    planners = {kubelet.running[f"{n}-planner"].proc.pid for n in ("evil-model", "evil-data")}
+    assert operator.proc is not None
+    assert sorted(int(line) for line in ran.read_text().split()) == sorted(planners)
+    assert operator.proc.pid not in planners
+    zen = "Beautiful is better than ugly"
+    assert zen in kubelet.log_of("evil-loss-planner")
+    assert zen not in operator.log.read_text(errors="replace")

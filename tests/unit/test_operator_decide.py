@@ -5,6 +5,7 @@ the operator's settings read from the environment."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime as dt
 import json
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 import yaml
 
 from ravnest import parse_job, plan_job
+from ravnest.plan.handoff import encode
 from ravnest_operator import resources
 from ravnest_operator.actions import (
     CountFinished,
@@ -135,21 +137,99 @@ def test_an_invalid_spec_fails_with_its_problems(digits):
                          CountFinished(None, "Failed", None)]
 
 
-def test_a_new_job_is_accepted_planned_and_its_objects_created(digits):
-    _, job, plan = digits
+def _planner(phase: str, code: int | None = None, reason: str | None = None,
+             message: str | None = None, waiting: dict | None = None,
+             created: str | None = None) -> dict:
+    """The planner pod as the API returns it."""
+    status: dict[str, Any] = {"phase": phase}
+    if code is not None:
+        status["containerStatuses"] = [{"state": {"terminated": {
+            "exitCode": code, "reason": reason, "message": message}}}]
+    elif waiting:
+        status["containerStatuses"] = [{"state": {"waiting": waiting}}]
+    return {"metadata": {"name": "digits-planner",  # as the API client gives it
+                         "creationTimestamp": (created or _ago(10)).replace("Z", "+00:00")},
+            "status": status}
+
+
+def _planning(phase: str = "Planning") -> dict:
+    return {"phase": phase, "conditions": [_cond("Created"), _cond("Planned", "False")]}
+
+
+def test_a_new_job_is_accepted_and_planned_in_a_pod_of_its_own_image(digits):
+    _, job, _ = digits
     d = decide(_observed(digits, {}, plan=False), NOW, SETTINGS)
+    assert d.status["phase"] == "Planning" and "plan" not in d.status
+    conds = _conditions(d)
+    assert conds["Created"] == {"type": "Created", "status": "True", "reason": "Accepted",
+                                "message": "spec is valid", "lastTransitionTime": AT}
+    assert conds["Planned"] == {"type": "Planned", "status": "False", "reason": "Planning",
+                                "message": "planner pod digits-planner started",
+                                "lastTransitionTime": AT}
+    owner = resources.Owner("digits", "team-a", "uid-1")
+    assert d.actions == [Create(resources.planner_configmap(owner, job)),
+                         Create(resources.planner_pod(owner, job, "ravnest:test")),
+                         Event("Planning", "planner pod digits-planner started")]
+    assert d.steps[0] == SetStatus({"phase": "Created", "conditions": [conds["Created"]]})
+
+
+def test_the_planner_pod_runs_the_job_image_with_no_token_and_hardened(digits):
+    doc, job, _ = digits
+    owner = resources.Owner("digits", "team-a", "uid-1")
+    cm = resources.planner_configmap(owner, job)
+    assert parse_job(json.loads(cm["data"]["job.json"])) == job
+    pod = resources.planner_pod(owner, job, "ravnest:test")
+    spec = pod["spec"]
+    (c,) = spec["containers"]
+    assert c["image"] == "ravnest:test"  # no spec.image: the operator's worker image
+    assert c["command"] == ["ravnest"]
+    assert c["args"] == ["plan", "/etc/ravnest/job.json", "--termination-log"]
+    assert spec["automountServiceAccountToken"] is False and spec["restartPolicy"] == "Never"
+    assert spec["activeDeadlineSeconds"] == 600
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False,
+                                    "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}}
+    assert c["resources"] == {"requests": {"cpu": "500m", "memory": "1Gi"},
+                              "limits": {"memory": "4Gi"}}
+    assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "planner"
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    own = parse_job({**doc, "spec": {**doc["spec"], "image": "me/model:1", "plan": {
+        "resources": {"limits": {"memory": "8Gi"}}, "timeoutSeconds": 60}}})
+    pod = resources.planner_pod(owner, own, "ravnest:test")
+    assert pod["spec"]["containers"][0]["image"] == "me/model:1"
+    assert pod["spec"]["containers"][0]["resources"] == {"limits": {"memory": "8Gi"}}
+    assert pod["spec"]["activeDeadlineSeconds"] == 60
+
+
+def test_while_the_planner_works_the_job_says_where_it_is(digits):
+    d = decide(_observed(digits, _planning(), pods=[_planner("Running")], plan=False), NOW,
+               SETTINGS)
+    assert d.status["phase"] == "Planning" and d.actions == []
+    assert _conditions(d)["Planned"]["message"] == "planner pod digits-planner is Running"
+    pulling = _planner("Pending", waiting={"reason": "ImagePullBackOff",
+                                           "message": "Back-off pulling image me/model:1"})
+    d = decide(_observed(digits, _planning(), pods=[pulling], plan=False), NOW, SETTINGS)
+    assert _conditions(d)["Planned"]["message"] == (
+        "planner pod digits-planner is Pending (ImagePullBackOff: Back-off pulling image "
+        "me/model:1)")
+    assert d.status["phase"] == "Planning" and d.actions == []
+
+
+def test_the_planners_plan_creates_the_job_objects(digits):
+    _, job, plan = digits
+    done = _planner("Succeeded", 0, "Completed", encode(plan))
+    d = decide(_observed(digits, _planning(), pods=[done], plan=False), NOW, SETTINGS)
     assert d.status["phase"] == "Planned"
     assert d.status["plan"] == {
         "fingerprint": plan.fingerprint, "summary": plan.summary(),
         "clusters": [{"id": c.id, "nodes": list(c.nodes)} for c in plan.clusters],
         "stages": {n.name: f"{n.first_layer}..{n.last_layer}" for n in plan.nodes}}
-    conds = _conditions(d)
-    assert conds["Created"] == {"type": "Created", "status": "True", "reason": "Accepted",
-                                "message": "spec is valid", "lastTransitionTime": AT}
-    assert conds["Planned"]["message"] == plan.summary()
-    assert d.actions == [CreateJobObjects(job, plan),
-                         Event("Planned", f"{plan.summary()} plan {plan.fingerprint}")]
-    assert d.steps[0] == SetStatus({"phase": "Created", "conditions": [conds["Created"]]})
+    assert _conditions(d)["Planned"]["status"] == "True"
+    assert _conditions(d)["Planned"]["message"] == plan.summary()
+    assert d.actions == [CreateJobObjects(job, plan), DeletePod("digits-planner"),
+                         Event("Planned", f"{plan.summary()} plan {plan.fingerprint} from pod "
+                                          f"digits-planner")]
 
 
 def test_a_stored_plan_is_not_made_again(digits):
@@ -158,14 +238,88 @@ def test_a_stored_plan_is_not_made_again(digits):
     assert d.status["phase"] == "Planned" and d.actions == []
 
 
-def test_a_job_that_cannot_be_planned_fails(digits):
-    seen = _observed(digits, {}, plan=False, providers=[{"ram": "1Ki", "replicas": 2}])
-    d = decide(seen, NOW, SETTINGS)
+@pytest.mark.parametrize(("code", "reason", "message", "says"), [
+    (1, "Error", "ModuleNotFoundError: No module named 'mymodel'",
+     "planner pod digits-planner failed with exit code 1 (Error): ModuleNotFoundError: No "
+     "module named 'mymodel'"),
+    (1, "Error", "PlanError: the providers' total RAM (0.0 GB) cannot hold the model",
+     "planner pod digits-planner failed with exit code 1 (Error): PlanError: the providers' "
+     "total RAM (0.0 GB) cannot hold the model"),
+    (137, "OOMKilled", None, "planner pod digits-planner failed with exit code 137 "
+                             "(OOMKilled); give it more memory in spec.plan.resources"),
+])
+def test_a_failed_planner_fails_the_job_naming_pod_exit_code_and_reason(digits, code, reason,
+                                                                        message, says):
+    failed = _planner("Failed", code, reason, message)
+    d = decide(_observed(digits, _planning(), pods=[failed], plan=False), NOW, SETTINGS)
     assert d.status["phase"] == "Failed"
-    failed = _conditions(d)["Failed"]
-    assert failed["reason"] == "PlanFailed" and "total RAM" in failed["message"]
-    assert "Created" in _conditions(d)  # accepted first, in the same pass
-    assert [type(a) for a in d.actions] == [Event, CountFinished]
+    cond = _conditions(d)["Failed"]
+    assert (cond["reason"], cond["message"]) == ("PlanFailed", says)
+    assert d.actions == [Event("PlanFailed", says, warning=True),
+                         CountFinished("Planning", "Failed", None)]
+
+
+def test_a_planner_that_hands_back_a_foreign_plan_fails_the_job(digits):
+    _, _, plan = digits
+    other = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, provider=0)
+                                                  for n in plan.nodes))
+    for message in ("not a plan", encode(other), "ravnest-plan/v1\n!!!"):
+        done = _planner("Succeeded", 0, "Completed", message)
+        d = decide(_observed(digits, _planning(), pods=[done], plan=False), NOW, SETTINGS)
+        cond = _conditions(d)["Failed"]
+        assert cond["reason"] == "PlanFailed", message
+        assert cond["message"].startswith("planner pod digits-planner handed back no usable "
+                                          "plan: "), cond["message"]
+        assert not any(isinstance(a, CreateJobObjects) for a in d.actions)
+
+
+def test_a_job_created_suspended_starts_no_planner_until_resumed(digits):
+    d = decide(_observed(digits, {}, plan=False, runPolicy={"suspend": True}), NOW, SETTINGS)
+    assert d.status["phase"] == "Suspended"
+    assert _conditions(d)["Suspended"]["message"] == "not planned yet: plans when resumed"
+    assert d.actions == [Event("Suspended", "not planned yet: plans when resumed")]
+    suspended = {"phase": "Suspended", "conditions": d.status["conditions"]}
+    d = decide(_observed(digits, suspended, plan=False), NOW, SETTINGS)
+    assert d.status["phase"] == "Planning"
+    assert _conditions(d)["Suspended"]["status"] == "False"
+    assert [type(a) for a in d.actions] == [Create, Create, Event]
+    # suspended while planning: the planner pod goes
+    d = decide(_observed(digits, _planning(), pods=[_planner("Running")], plan=False,
+                         runPolicy={"suspend": True}), NOW, SETTINGS)
+    assert d.status["phase"] == "Suspended" and DeletePod("digits-planner") in d.actions
+
+
+def test_a_planner_pod_being_deleted_is_waited_for_not_read(digits):
+    """Suspended while planning, resumed before the old planner was gone: its exit (SIGTERM) is
+    no verdict on the job, and no second planner starts beside it."""
+    going = _planner("Failed", 143, "Error", "Terminated")
+    going["metadata"]["deletionTimestamp"] = AT
+    d = decide(_observed(digits, _planning(), pods=[going], plan=False), NOW, SETTINGS)
+    assert d.status["phase"] == "Planning" and d.actions == []
+    assert "waiting for the earlier planner pod" in _conditions(d)["Planned"]["message"]
+
+
+def test_a_planner_pod_left_behind_is_deleted_once_planned(digits):
+    """An operator that died between creating the job's objects and deleting the planner."""
+    _, _, plan = digits
+    status = {"phase": "Planned", "conditions": [_cond("Created"), _cond("Planned")]}
+    done = _planner("Succeeded", 0, "Completed", encode(plan))
+    d = decide(_observed(digits, status, pods=[done]), NOW, SETTINGS)
+    assert d.actions[0] == DeletePod("digits-planner")
+    assert not any(isinstance(a, CreateJobObjects) for a in d.actions)
+
+
+def test_a_planner_past_its_timeout_fails_the_job_and_is_deleted(digits):
+    stuck = _planner("Pending", created=_ago(601), waiting={"reason": "ContainerCreating"})
+    d = decide(_observed(digits, _planning(), pods=[stuck], plan=False), NOW, SETTINGS)
+    cond = _conditions(d)["Failed"]
+    assert cond["reason"] == "PlanFailed"
+    assert cond["message"] == ("planner pod digits-planner did not finish within "
+                               "spec.plan.timeoutSeconds=600 (Pending (ContainerCreating))")
+    assert DeletePod("digits-planner") in d.actions
+    in_time = _planner("Pending", created=_ago(599))
+    d = decide(_observed(digits, _planning(), pods=[in_time], plan=False), NOW, SETTINGS)
+    assert d.status["phase"] == "Planning"
 
 
 # --- pods --------------------------------------------------------------------------------------
@@ -336,7 +490,7 @@ def test_suspend_deletes_the_pods_once_and_says_so(digits):
         {"type": "Suspended", "status": "True", "reason": "Suspended",
          "message": "pods deleted; resumes from the last checkpoint", "lastTransitionTime": AT}]}
     assert d.actions == [*(DeletePod(p["metadata"]["name"]) for p in pods),
-                         Event("Suspended", "pods deleted")]
+                         Event("Suspended", "pods deleted; resumes from the last checkpoint")]
     suspended = {**_running(), "phase": "Suspended"}
     again = decide(_observed(digits, suspended, pods[:2], runPolicy={"suspend": True}), NOW,
                    SETTINGS)

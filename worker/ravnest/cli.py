@@ -15,7 +15,7 @@ from typing import Any
 
 from ravnest._version import __version__
 from ravnest.errors import RavnestError, SpecError
-from ravnest.run.metadata import TOKEN_ENV, TORCH_THREADS_ENV, NodeMetadata
+from ravnest.run.metadata import TERMINATION_LOG_ENV, TOKEN_ENV, TORCH_THREADS_ENV, NodeMetadata
 
 
 def _stop_on(*signums: int) -> None:
@@ -57,11 +57,35 @@ def _run(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from ravnest.spec import load_job
 
+    if args.termination_log:
+        return _plan_pod(args.job)
     job = load_job(args.job)  # a bad file is refused before torch is loaded
     from ravnest.plan.building import preflight
 
     plan, _, _ = preflight(job)
     print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.table())
+    return 0
+
+
+def _plan_pod(job_file: str) -> int:
+    """A planner pod's work: plan the job, leave the plan (or what went wrong) as the container's
+    termination message for the operator, and show the table in the pod's log."""
+    from ravnest.plan.building import preflight
+    from ravnest.plan.handoff import encode
+    from ravnest.spec import load_job
+
+    message = Path(os.environ.get(TERMINATION_LOG_ENV, "/dev/termination-log"))
+    try:
+        plan, _, _ = preflight(load_job(job_file))
+        message.write_text(encode(plan))
+    except SpecError as e:
+        message.write_text("invalid job: " + "; ".join(e.problems)[:4000])
+        raise
+    except Exception as e:  # the job's own code failed: say what, then the traceback in the log
+        message.write_text(f"{type(e).__name__}: {e}"[:4000])
+        raise
+    print(plan.table())
+    print(f"plan {plan.fingerprint} handed back in {message}")
     return 0
 
 
@@ -153,6 +177,9 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="print the clusters and stages of a job")
     pl.add_argument("job")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.add_argument("--termination-log", action="store_true",
+                    help="as a planner pod: hand the plan (or the error) back as the container's "
+                         f"termination message (${TERMINATION_LOG_ENV} or /dev/termination-log)")
     pl.set_defaults(func=_plan)
     v = sub.add_parser("validate", help="check a job file")
     v.add_argument("job")

@@ -312,6 +312,11 @@ class PlanSpec(_Model):
     clusters: int | None = Field(None, gt=0)
     """Number of clusters; chosen by the planner when left out."""
     max_clusters: int | None = Field(None, gt=0)
+    resources: dict[str, Any] | None = None
+    """On Kubernetes, the planner pod's resources (requests and limits, as in a container); by
+    default 1 CPU and 2Gi requested, 4Gi memory limit."""
+    timeout_seconds: int = Field(600, gt=0, le=86400)
+    """On Kubernetes, how long the planner pod may take, from its creation, before the job fails."""
 
 
 class CheckpointSpec(_Model):
@@ -340,6 +345,97 @@ class SecuritySpec(_Model):
     operator, or by `ravnest run`); the job token is checked on top."""
 
 
+RESERVED_VOLUMES = ("node-metadata", "data", "tmp", "tls", "job")
+"""Volume names of the job's pods the operator sets; a pod template may not reuse them."""
+RESERVED_MOUNTS = ("/etc/ravnest", "/ravnest", "/tmp", "/etc/ravnest-tls")
+"""Mount paths of the job's containers the operator sets."""
+
+
+class TemplateMetadata(_Model):
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+
+
+class TemplateContainer(_Model):
+    """What a pod template may set on the job's container (`ravnest`, the worker or planner):
+    merged over the operator's; command, args, image and ports stay the operator's."""
+
+    name: Literal["ravnest"] = "ravnest"
+    env: list[dict[str, Any]] | None = None
+    env_from: list[dict[str, Any]] | None = None
+    resources: dict[str, Any] | None = None
+    """Merged over the operator's requests and limits (e.g. `nvidia.com/gpu: 1`)."""
+    volume_mounts: list[dict[str, Any]] | None = None
+    volume_devices: list[dict[str, Any]] | None = None
+    security_context: dict[str, Any] | None = None
+    """Merged over the operator's hardening: a key set here overrides it."""
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    working_dir: str | None = None
+
+    @field_validator("env")
+    @classmethod
+    def _own_env(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, e in enumerate(v or []):
+            name = e.get("name")
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"env[{i}] needs a name")
+            if name.startswith("RAVNEST_"):
+                raise ValueError(f"env[{i}]: {name} is set by the operator")
+        return v
+
+    @field_validator("volume_mounts")
+    @classmethod
+    def _own_mounts(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, m in enumerate(v or []):
+            path = str(m.get("mountPath", "")).rstrip("/")
+            if path in RESERVED_MOUNTS:
+                raise ValueError(f"volumeMounts[{i}]: {path} is mounted by the operator")
+        return v
+
+
+class TemplatePodSpec(_Model):
+    """The pod fields a template may set; the rest (hostname, subdomain, restartPolicy, the
+    container's command) is the operator's. Lists are added to the operator's, mappings merged."""
+
+    containers: list[TemplateContainer] | None = Field(None, max_length=1)
+    init_containers: list[dict[str, Any]] | None = None
+    volumes: list[dict[str, Any]] | None = None
+    node_selector: dict[str, str] | None = None
+    tolerations: list[dict[str, Any]] | None = None
+    affinity: dict[str, Any] | None = None
+    topology_spread_constraints: list[dict[str, Any]] | None = None
+    image_pull_secrets: list[dict[str, Any]] | None = None
+    service_account_name: str | None = None
+    automount_service_account_token: bool | None = None
+    priority_class_name: str | None = None
+    priority: int | None = None
+    preemption_policy: str | None = None
+    runtime_class_name: str | None = None
+    scheduler_name: str | None = None
+    security_context: dict[str, Any] | None = None
+    """Merged over the operator's pod security context: a key set here overrides it."""
+    dns_policy: str | None = None
+    dns_config: dict[str, Any] | None = None
+    host_aliases: list[dict[str, Any]] | None = None
+    termination_grace_period_seconds: int | None = Field(None, ge=0)
+
+    @field_validator("volumes")
+    @classmethod
+    def _own_volumes(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, vol in enumerate(v or []):
+            if vol.get("name") in RESERVED_VOLUMES:
+                raise ValueError(f"volumes[{i}]: the name {vol['name']!r} is the operator's")
+        return v
+
+
+class PodTemplate(_Model):
+    """`spec.template`: merged over the job's worker and planner pods (see the operator's
+    `templating`)."""
+
+    metadata: TemplateMetadata | None = None
+    spec: TemplatePodSpec | None = None
+
+
 class JobSpec(_Model):
     model: ModelSpec
     data: DataSpec
@@ -350,6 +446,8 @@ class JobSpec(_Model):
     run_policy: RunPolicy = RunPolicy()
     security: SecuritySpec = SecuritySpec()
     image: str | None = None
+    template: PodTemplate | None = None
+    """On Kubernetes, a pod template merged over the job's worker and planner pods."""
 
     def expanded_providers(self) -> list[Provider]:
         """Providers with ``replicas`` expanded, in declaration order."""
@@ -435,6 +533,10 @@ def _message(err: dict[str, Any]) -> str:
     kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
     if kind == "missing":
         return "is required"
+    if kind == "extra_forbidden" and "template" in err["loc"]:
+        return ("not a field a pod template may set: the operator sets hostname, subdomain, "
+                "restartPolicy and the container's command, args, image and ports (or check its "
+                "spelling; fields are camelCase)")
     if kind == "extra_forbidden":
         return "unknown field; check its spelling (fields are camelCase)"
     if kind in ("value_error", "assertion_error"):

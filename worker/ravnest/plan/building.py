@@ -24,6 +24,7 @@ from torch import nn
 
 from ravnest.errors import PlanError, SpecError, shown
 from ravnest.plan.costs import Workload
+from ravnest.plan.handoff import identity
 from ravnest.plan.partitioning import Profile, profile
 from ravnest.plan.planning import make_plan
 from ravnest.plan.plans import Plan, ProviderInfo
@@ -261,8 +262,3 @@ def profile_example(spec: JobSpec, model: nn.Module) -> tuple[nn.Module, Profile
         raise SpecError([f"spec.model.exampleInput: the model fails on an input of shape "
                          f"{shown(ex.shape)} and dtype {ex.dtype} ({type(cause).__name__}: "
                          f"{first}); give the shape and dtype of one batch it takes"]) from e
-
-
-def identity(spec: JobSpec) -> dict[str, Any]:
-    """What defines the model and its data, hashed into the plan fingerprint."""
-    return {"model": spec.model.model_dump(mode="json"), "data": spec.data.model_dump(mode="json")}

@@ -1,0 +1,127 @@
+"""`spec.template` merged over the job's worker and planner pods: what users expect of a pod
+template (env, envFrom, imagePullSecrets, serviceAccountName, scheduling, volumes, extended
+resources) lands on both, the operator's hardening and own fields stay unless a key is set
+explicitly, and what a template may not set is refused by path when the job is validated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ravnest import parse_job, plan_job
+from ravnest.errors import SpecError
+from ravnest_operator import resources
+
+ROOT = Path(__file__).resolve().parents[2]
+OWNER = resources.Owner("digits", "team-a", "uid-12345678")
+TEMPLATE: dict[str, Any] = {
+    "metadata": {"labels": {"team": "vision", "ravnest.io/job": "stolen"},
+                 "annotations": {"cost-center": "42"}},
+    "spec": {
+        "containers": [{"name": "ravnest",
+                        "env": [{"name": "HF_HOME", "value": "/cache"}],
+                        "envFrom": [{"secretRef": {"name": "s3-credentials"}}],
+                        "resources": {"limits": {"nvidia.com/gpu": 1, "memory": "16Gi"}},
+                        "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
+                        "securityContext": {"readOnlyRootFilesystem": False}}],
+        "volumes": [{"name": "cache", "persistentVolumeClaim": {"claimName": "hf-cache"}}],
+        "imagePullSecrets": [{"name": "registry"}],
+        "serviceAccountName": "trainer",
+        "nodeSelector": {"gpu": "a100"},
+        "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {"nodeAffinity": {}},
+        "priorityClassName": "research",
+    },
+}
+
+
+def _job(template: Any = None, **spec: Any):
+    doc = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
+    doc["spec"].update(spec)
+    if template is not None:
+        doc["spec"]["template"] = template
+    return parse_job(doc)
+
+
+@pytest.fixture(scope="module")
+def pods() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    plain = _job()
+    plan = plan_job(plain)[0]
+    job = _job(TEMPLATE)
+    bare = resources.pod(OWNER, plain, plan, plan.nodes[0], "ravnest:test")
+    return (bare, resources.pod(OWNER, job, plan, plan.nodes[0], "ravnest:test"),
+            resources.planner_pod(OWNER, job, "ravnest:test"))
+
+
+def test_the_template_lands_on_worker_and_planner_pods(pods):
+    _, worker, planner = pods
+    for pod in (worker, planner):
+        spec, (c,) = pod["spec"], pod["spec"]["containers"]
+        assert pod["metadata"]["labels"]["team"] == "vision"
+        assert pod["metadata"]["labels"]["ravnest.io/job"] == "digits"  # ours win
+        assert pod["metadata"]["annotations"]["cost-center"] == "42"
+        assert {"name": "HF_HOME", "value": "/cache"} in c["env"]
+        assert c["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
+        assert {"name": "cache", "mountPath": "/cache"} in c["volumeMounts"]
+        assert {"name": "cache", "persistentVolumeClaim": {"claimName": "hf-cache"}} in \
+            spec["volumes"]
+        assert spec["imagePullSecrets"] == [{"name": "registry"}]
+        assert spec["serviceAccountName"] == "trainer"
+        assert spec["nodeSelector"] == {"gpu": "a100"}
+        assert spec["tolerations"][-1]["key"] == "gpu"
+        assert spec["priorityClassName"] == "research" and spec["affinity"]
+        # the operator's own fields and the hardening the template did not name stay
+        assert c["command"] == ["ravnest"] and spec["restartPolicy"] == "Never"
+        assert spec["automountServiceAccountToken"] is False
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False,
+                                        "readOnlyRootFilesystem": False,
+                                        "capabilities": {"drop": ["ALL"]}}
+    # a worker's resources merged key by key; the planner's are spec.plan.resources alone
+    limits = worker["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {"nvidia.com/gpu": 1, "memory": "16Gi"}
+    assert worker["spec"]["containers"][0]["resources"]["requests"]["memory"].endswith("Mi")
+    assert planner["spec"]["containers"][0]["resources"] == resources.PLANNER_RESOURCES
+    assert any(e["name"] == "RAVNEST_TOKEN" for e in worker["spec"]["containers"][0]["env"])
+
+
+def test_without_a_template_the_pod_is_the_operators_own(pods):
+    bare, worker, _ = pods
+    assert "team" not in bare["metadata"]["labels"]
+    assert bare["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "serviceAccountName" not in bare["spec"]
+    assert len(worker["spec"]["volumes"]) == len(bare["spec"]["volumes"]) + 1
+
+
+def test_a_provider_node_selector_wins_over_the_templates():
+    job = _job({"spec": {"nodeSelector": {"gpu": "a100", "zone": "b"}}},
+               providers=[{"ram": 4, "replicas": 2, "nodeSelector": {"gpu": "h100"}}])
+    plan = plan_job(job)[0]
+    pod = resources.pod(OWNER, job, plan, plan.nodes[0], "ravnest:test")
+    assert pod["spec"]["nodeSelector"] == {"gpu": "h100", "zone": "b"}
+
+
+@pytest.mark.parametrize(("template", "says"), [
+    ({"spec": {"containers": [{"name": "ravnest", "command": ["sh"]}]}},
+     "spec.template.spec.containers[0].command: not a field a pod template may set"),
+    ({"spec": {"hostname": "x"}}, "spec.template.spec.hostname: not a field a pod template"),
+    ({"spec": {"restartPolicy": "Always"}}, "spec.template.spec.restartPolicy: not a field"),
+    ({"spec": {"volumes": [{"name": "data", "emptyDir": {}}]}},
+     "spec.template.spec.volumes: volumes[0]: the name 'data' is the operator's"),
+    ({"spec": {"containers": [{"volumeMounts": [{"name": "x", "mountPath": "/tmp/"}]}]}},
+     "volumeMounts[0]: /tmp is mounted by the operator"),
+    ({"spec": {"containers": [{"env": [{"name": "RAVNEST_TOKEN", "value": "x"}]}]}},
+     "env[0]: RAVNEST_TOKEN is set by the operator"),
+    ({"spec": {"containers": [{"name": "sidecar"}]}},
+     "spec.template.spec.containers[0].name: must be 'ravnest'"),
+    ({"spec": {"containers": [{}, {}]}}, "spec.template.spec.containers"),
+    ({"spec": {"nodeSelector": {"gpu": 1}}}, "spec.template.spec.nodeSelector.gpu"),
+    ({"spec": "nope"}, "spec.template.spec"),
+])
+def test_what_a_template_may_not_set_is_refused_by_path(template, says):
+    with pytest.raises(SpecError) as e:
+        _job(template)
+    assert any(says in p for p in e.value.problems), e.value.problems

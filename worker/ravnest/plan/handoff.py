@@ -1,0 +1,153 @@
+"""The plan as a planner pod hands it to the operator, and the operator's checks on it.
+
+The operator never runs code a job names: a planner pod of the job's own image plans the job
+(`ravnest plan-pod`) and leaves the plan as its container's termination message, which the kubelet
+hands to the API and needs no credentials to write. The message is a one-line header and the plan's
+JSON, gzip-compressed and base64-encoded, so plans of hundreds of nodes fit Kubernetes' 4096 bytes
+(a 48-block transformer over 16 providers: 46 kB of JSON, 3.6 kB of message).
+
+The operator reads the message as data from a process it does not trust: every field's type is
+checked, its size bounded, the nodes, clusters and rings must agree with each other and with the
+job's providers, and the fingerprint must be the plan's content hashed with the job's identity.
+Anything else is refused with a `PlanError` that says what.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import zlib
+from typing import Any
+
+import pydantic
+
+from ravnest.errors import PlanError
+from ravnest.plan.plans import Plan, fingerprint
+from ravnest.spec import JobSpec
+
+HEADER = "ravnest-plan/v1"
+MESSAGE_LIMIT = 4096
+"""Bytes of a container's termination message the kubelet keeps."""
+PLAN_LIMIT = 16 << 20
+"""Bytes of plan JSON the operator decompresses at most."""
+NODE_NAME = re.compile(r"node_(0|[1-9][0-9]{0,5})")
+ROLES = ("root", "stem", "leaf", "root-leaf")
+_PLAN = pydantic.TypeAdapter(Plan)
+
+
+def identity(spec: JobSpec) -> dict[str, Any]:
+    """What defines the model and its data, hashed into the plan fingerprint."""
+    return {"model": spec.model.model_dump(mode="json"), "data": spec.data.model_dump(mode="json")}
+
+
+def encode(plan: Plan) -> str:
+    """The termination message that carries `plan`; PlanError when it would not fit."""
+    packed = base64.b64encode(zlib.compress(plan.to_json().encode(), 9)).decode()
+    message = f"{HEADER}\n{packed}"
+    if len(message) > MESSAGE_LIMIT:
+        raise PlanError(f"the plan of {len(plan.nodes)} nodes takes {len(message)} bytes "
+                        f"compressed, more than the {MESSAGE_LIMIT} bytes of a termination "
+                        f"message the planner pod hands it back in; use fewer providers")
+    return message
+
+
+def is_plan(message: str) -> bool:
+    return message.startswith(HEADER + "\n")
+
+
+def decode(message: str, spec: JobSpec) -> Plan:
+    """The plan a planner pod's termination message carries, checked against the job."""
+    if not is_plan(message):
+        raise PlanError(f"the planner's message does not start with {HEADER!r}")
+    try:
+        packed = base64.b64decode(message[len(HEADER) + 1:].strip(), validate=True)
+        inflate = zlib.decompressobj()
+        raw = inflate.decompress(packed, PLAN_LIMIT)
+    except (binascii.Error, zlib.error) as e:
+        raise PlanError(f"the planner's message is not a compressed plan ({e})") from e
+    if inflate.unconsumed_tail:
+        raise PlanError(f"the planner's plan is larger than {PLAN_LIMIT} bytes")
+    try:
+        plan = _PLAN.validate_json(raw, strict=True)
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise PlanError(f"the planner's plan is malformed: plan.{where}: {first['msg']} "
+                        f"({e.error_count()} problem(s))") from None
+    check(plan, spec)
+    return plan
+
+
+def check(plan: Plan, spec: JobSpec) -> None:
+    """Refuse a plan that does not fit the job: each problem named, PlanError."""
+    problems = [*_node_problems(plan, len(spec.expanded_providers())),
+                *_cluster_problems(plan, spec.plan.clusters), *_ring_problems(plan)]
+    if not problems and plan.fingerprint != fingerprint(plan, identity(spec)):
+        problems.append(f"fingerprint {plan.fingerprint!r} is not this job's plan's")
+    if problems:
+        raise PlanError("the planner's plan does not fit the job: " + "; ".join(problems[:5])
+                        + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+
+
+def _node_problems(plan: Plan, providers: int) -> list[str]:
+    out, seen = [], set()
+    for i, n in enumerate(plan.nodes):
+        where = f"plan.nodes[{i}]"
+        if not NODE_NAME.fullmatch(n.name) or n.name != f"node_{n.provider}":
+            out.append(f"{where}.name: {n.name[:40]!r} is not node_<provider>")
+        if not 0 <= n.provider < providers:
+            out.append(f"{where}.provider: {n.provider} is not one of the job's {providers} "
+                       f"providers")
+        if n.provider in seen:
+            out.append(f"{where}.provider: provider {n.provider} has two nodes")
+        seen.add(n.provider)
+        if n.role not in ROLES:
+            out.append(f"{where}.role: {n.role[:20]!r} is not one of {', '.join(ROLES)}")
+        if not 0 <= n.start < n.end:
+            out.append(f"{where}: layers {n.start}..{n.end} are not a range")
+    return out
+
+
+def _cluster_problems(plan: Plan, wanted: int | None) -> list[str]:
+    out: list[str] = []
+    if wanted is not None and len(plan.clusters) != wanted:
+        out.append(f"{len(plan.clusters)} clusters where spec.plan.clusters asks for {wanted}")
+    nodes = {n.name: n for n in plan.nodes}
+    placed: list[str] = []
+    ends = set()
+    for c_i, c in enumerate(plan.clusters):
+        where = f"plan.clusters[{c_i}]"
+        if c.id != c_i or not c.nodes:
+            out.append(f"{where}: id {c.id} with {len(c.nodes)} nodes")
+            continue
+        members = [nodes[m] for m in c.nodes if m in nodes]
+        if len(members) != len(c.nodes):
+            out.append(f"{where}.nodes: names a node the plan does not have")
+            continue
+        placed.extend(c.nodes)
+        last = len(members) - 1
+        for s, n in enumerate(members):
+            role = ("root-leaf" if last == 0 else "root" if s == 0 else
+                    "leaf" if s == last else "stem")
+            if (n.cluster, n.stage, n.role) != (c.id, s, role):
+                out.append(f"{where}: {n.name} is cluster {n.cluster} stage {n.stage} "
+                           f"{n.role}, not cluster {c.id} stage {s} {role}")
+            if n.start != (members[s - 1].end if s else 0):
+                out.append(f"{where}: {n.name}'s layers do not follow on from the stage before")
+        ends.add(members[-1].end)
+    if sorted(placed) != sorted(nodes) or len(placed) != len(plan.nodes):
+        out.append("every node must be in exactly one cluster")
+    if len(ends) > 1:
+        out.append(f"the clusters end at different layers ({sorted(ends)})")
+    return out
+
+
+def _ring_problems(plan: Plan) -> list[str]:
+    names = set(plan.names())
+    ids = [r.id for r in plan.rings]
+    out = [f"plan.rings[{i}].members: not nodes of the plan" for i, r in enumerate(plan.rings)
+           if not set(r.members) <= names or len(set(r.members)) != len(r.members)]
+    if len(set(ids)) != len(ids):
+        out.append("plan.rings: two rings share an id")
+    return out
