@@ -25,17 +25,20 @@ class PlannerPod:
     @classmethod
     def of(cls, pod: dict[str, Any]) -> PlannerPod:
         status = pod.get("status") or {}
-        code, reason, message, waiting = None, status.get("reason"), "", ""
+        code, reason, message, waiting = None, None, "", ""
         for cs in status.get("containerStatuses") or []:
             state = cs.get("state") or {}
             term = state.get("terminated")
             if term:
-                code, reason = term.get("exitCode"), term.get("reason") or reason
+                code, reason = term.get("exitCode"), term.get("reason")
                 message = term.get("message") or ""
             wait = state.get("waiting")
             if wait:
-                reason = wait.get("reason") or reason
+                reason = wait.get("reason")
                 waiting = f"{wait.get('reason')}: {wait.get('message') or ''}".strip(": ")
+        # the pod's own reason says more when it has one (DeadlineExceeded, Evicted)
+        reason = status.get("reason") or reason
+        message = message or status.get("message") or ""
         return cls(phase=status.get("phase") or "Pending",
                    created=(pod.get("metadata") or {}).get("creationTimestamp"),
                    exit_code=code, reason=reason, message=message,

@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TOOLS = Path(os.environ.get("RAVNEST_TOOLS") or Path.home() / ".cache" / "ravnest-tools")
 BIN = TOOLS / "bin"
 IMAGE = os.environ.get("RAVNEST_E2E_IMAGE", "ravnest-k8s:test")
+BYO_IMAGE = os.environ.get("RAVNEST_E2E_BYO_IMAGE", "ravnest-byo:test")
+"""A user's image FROM ours with their own model package (tests/e2e/byo)."""
 RELEASE = "ravnest"
 SYSTEM_NS = "ravnest-e2e-system"
 JOBS_NS = "ravnest-e2e"
@@ -150,3 +152,23 @@ def ensure_docker_image() -> None:
         context = test_image.build_context(Path(tmp) / "context", test_image.wheelhouse())
         test_image.docker_build(context, "--target", "builder", "--tag", f"{IMAGE}-builder")
         test_image.docker_build(context, "--tag", IMAGE, "--label", f"io.ravnest.source={source}")
+
+
+def ensure_byo_image(cluster: Cluster) -> None:
+    """The user image of tests/e2e/byo on the cluster's node: built FROM the project image offline
+    (`docker build --network none`) and imported into the local cluster's containerd. A cluster
+    given by kubeconfig must have it already (scripts/kind-e2e builds and loads it)."""
+    if not cluster.local:
+        return
+    build = subprocess.run(["docker", "build", "--network", "none", "--build-arg",
+                            f"RAVNEST_IMAGE={IMAGE}", "-t", BYO_IMAGE,
+                            str(ROOT / "tests" / "e2e" / "byo")],
+                           capture_output=True, text=True, timeout=900)
+    if build.returncode != 0:
+        pytest.fail(f"docker build of {BYO_IMAGE} exited {build.returncode}:\n"
+                    f"{build.stderr[-3000:]}")
+    load = subprocess.run(["bash", str(ROOT / "scripts" / "local-cluster"), "import", BYO_IMAGE],
+                          capture_output=True, text=True, timeout=1800)
+    if load.returncode != 0:
+        pytest.fail(f"scripts/local-cluster import {BYO_IMAGE} exited {load.returncode}:\n"
+                    f"{load.stderr[-3000:]}")

@@ -4,7 +4,8 @@ In order: the operator becomes Ready and `helm test` passes; the digits example 
 providers shrunk to fit one node, see `digits_doc`) trains to >= 95% validation accuracy with its
 pods scheduled by the scheduler and run from our image by the kubelet, finding each other through
 the headless Service's DNS names; a worker pod deleted mid-run makes the job restart from its
-checkpoint and still succeed; `helm uninstall` and deleting the namespaces leave nothing behind.
+checkpoint and still succeed; a model of the user's own, from a user image FROM ours, trains; `helm
+uninstall` and deleting the namespaces leave nothing behind.
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ from typing import Any
 
 import pytest
 import yaml
-from e2e_cluster import IMAGE, JOBS_NS, RELEASE, SYSTEM_NS, TIMINGS, Cluster
+from e2e_cluster import (
+    BYO_IMAGE,
+    IMAGE,
+    JOBS_NS,
+    RELEASE,
+    SYSTEM_NS,
+    TIMINGS,
+    Cluster,
+    ensure_byo_image,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -196,6 +206,44 @@ def test_deleted_worker_pod_restarts_job_from_checkpoint(cluster: Cluster, relea
                         timeout=120, check=False)
         cluster.kubectl("delete", "pv", f"{JOBS_NS}-{name}", "--ignore-not-found",
                         "--wait=true", timeout=120, check=False)
+
+
+def test_your_own_model_trains_from_its_own_image(cluster: Cluster, release: str):
+    """A model and dataset that exist nowhere in our image (tests/e2e/byo: an MLP telling three
+    spiral arms apart), installed in a user image FROM ours and named in spec.image: the planner
+    pod and the workers run that image, the operator (which cannot even import the package) plans
+    nothing itself, and the job trains to >= 95% validation accuracy."""
+    ensure_byo_image(cluster)
+    doc = {"apiVersion": "ravnest.io/v1alpha1", "kind": "RavnestJob",
+           "metadata": {"name": "spirals", "namespace": JOBS_NS},
+           "spec": {"image": BYO_IMAGE,
+                    "model": {"entrypoint": "spirals.model:build",
+                              "exampleInput": {"shape": [64, 2]}},
+                    "data": {"entrypoint": "spirals.data:datasets", "batchSize": 64, "seed": 1},
+                    "training": {"epochs": 4, "criterion": {"name": "CrossEntropyLoss"},
+                                 "optimizer": {"name": "Adam", "params": {"lr": 0.003}}},
+                    "plan": {"clusters": 1},
+                    "providers": [{"ram": 1, "bandwidth": 1000, "compute": 0.1,
+                                   "replicas": 2}]}}
+    cluster.apply(doc)
+    start = time.monotonic()
+    cluster.wait_for("spirals to succeed", lambda: succeeded(cluster, "spirals"), 600)
+    TIMINGS["byo_job_s"] = time.monotonic() - start
+    st = status_of(cluster, "spirals")
+    assert st["progress"]["validationMetric"] >= 0.95, st["progress"]
+    assert st["plan"]["summary"] == "1x2", st["plan"]
+    pods = cluster.get("pods", selector="ravnest.io/job=spirals,"
+                                        "app.kubernetes.io/component=worker")["items"]
+    assert len(pods) == 2
+    assert all(p["spec"]["containers"][0]["image"] == BYO_IMAGE for p in pods)
+    events = cluster.kubectl("get", "events", "-n", JOBS_NS, "-o",
+                             "jsonpath={.items[*].message}").stdout
+    assert "from pod spirals-planner" in events
+    operator = cluster.get("pods", namespace=SYSTEM_NS,
+                           selector="app.kubernetes.io/name=ravnest")["items"][0]
+    probe = cluster.kubectl("exec", "-n", SYSTEM_NS, operator["metadata"]["name"], "--",
+                            "python", "-c", "import spirals", check=False)
+    assert probe.returncode != 0 and "No module named 'spirals'" in probe.stderr
 
 
 def test_uninstall_leaves_nothing_behind(cluster: Cluster, release: str):

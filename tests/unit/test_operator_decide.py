@@ -259,6 +259,19 @@ def test_a_failed_planner_fails_the_job_naming_pod_exit_code_and_reason(digits, 
                          CountFinished("Planning", "Failed", None)]
 
 
+def test_a_planner_past_its_active_deadline_says_so(digits):
+    """The kubelet ends a planner at spec.plan.timeoutSeconds (activeDeadlineSeconds): the pod's
+    own reason names it."""
+    late = _planner("Failed", 137, "Error")
+    late["status"].update({"reason": "DeadlineExceeded",
+                           "message": "Pod was active on the node longer than the specified "
+                                      "deadline"})
+    d = decide(_observed(digits, _planning(), pods=[late], plan=False), NOW, SETTINGS)
+    assert _conditions(d)["Failed"]["message"] == (
+        "planner pod digits-planner failed with exit code 137 (DeadlineExceeded): Pod was "
+        "active on the node longer than the specified deadline")
+
+
 def test_a_planner_that_hands_back_a_foreign_plan_fails_the_job(digits):
     _, _, plan = digits
     other = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, provider=0)

@@ -65,7 +65,7 @@ def _packed(raw: bytes) -> str:
     (f"{HEADER}\n{base64.b64encode(b'not zlib').decode()}", "is not a compressed plan"),
     (_packed(b"[1, 2]"), "malformed"),
     (_packed(b'{"clusters": "x"}'), "malformed: plan.clusters"),
-    (_packed(b" " * (17 << 20)), "larger than 16777216 bytes"),
+    (_packed(b" " * (600 << 10)), "larger than 524288 bytes"),
 ])
 def test_what_is_not_a_plan_is_refused(sorter, message, says):
     _, job, _ = sorter
@@ -93,6 +93,7 @@ def _nodes(plan: Plan, i: int, **changes) -> tuple:
     (lambda p: {"nodes": _nodes(p, 0, provider=9, name="node_9")},
      "is not one of the job's 4 providers"),
     (lambda p: {"nodes": _nodes(p, 0, role="boss")}, "is not one of root, stem, leaf"),
+    (lambda p: {"nodes": _nodes(p, 0, first_layer="x" * 300)}, "longer than 256 characters"),
     (lambda p: {"nodes": _nodes(p, 0, end=p.nodes[0].start)}, "are not a range"),
     (lambda p: {"nodes": _nodes(p, 1, start=p.nodes[1].start + 1)}, "do not follow on"),
     (lambda p: {"clusters": p.clusters[:1]}, "1 clusters where spec.plan.clusters asks for 2"),

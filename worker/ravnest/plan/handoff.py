@@ -29,8 +29,11 @@ from ravnest.spec import JobSpec
 HEADER = "ravnest-plan/v1"
 MESSAGE_LIMIT = 4096
 """Bytes of a container's termination message the kubelet keeps."""
-PLAN_LIMIT = 16 << 20
-"""Bytes of plan JSON the operator decompresses at most."""
+PLAN_LIMIT = 512 << 10
+"""Bytes of plan JSON the operator takes at most: it is stored in the plan ConfigMap (1 MiB with
+its table) and every node's."""
+NAME_LIMIT = 256
+"""Characters of a layer name the operator takes (they go into the job's status)."""
 NODE_NAME = re.compile(r"node_(0|[1-9][0-9]{0,5})")
 ROLES = ("root", "stem", "leaf", "root-leaf")
 _PLAN = pydantic.TypeAdapter(Plan)
@@ -106,6 +109,8 @@ def _node_problems(plan: Plan, providers: int) -> list[str]:
             out.append(f"{where}.role: {n.role[:20]!r} is not one of {', '.join(ROLES)}")
         if not 0 <= n.start < n.end:
             out.append(f"{where}: layers {n.start}..{n.end} are not a range")
+        if max(len(n.first_layer), len(n.last_layer)) > NAME_LIMIT:
+            out.append(f"{where}: a layer name is longer than {NAME_LIMIT} characters")
     return out
 
 
