@@ -40,6 +40,9 @@ from .settings import Settings
 from .statuses import Observation, observe, parse_time, set_condition, timestamp
 
 FINISHED = ("Succeeded", "Failed")
+NOT_DURABLE = ("checkpoints are on the pods' emptyDir volumes: a restart or a suspend starts over "
+               "from step 0; set spec.checkpoint.volume (e.g. a persistentVolumeClaim) to keep "
+               "them")
 
 
 @dataclass(frozen=True)
@@ -125,12 +128,24 @@ def decide(observed: Observed, now: dt.datetime, settings: Settings) -> Decision
         # an operator that stopped between creating the objects and deleting the planner
         run.out.do(DeletePod(resources.planner_name(observed.name)))
     if phase in (None, "Created", "Planning"):
-        run.out.set({"phase": "Planned", "plan": _plan_status(plan),
-                     "conditions": set_condition(run.status["conditions"], "Planned", True,
-                                                 "Planned", plan.summary(), run.at)})
+        _planned(run, observed.job, plan)
         return run.out
     _run(run, observed.job, plan, phase)
     return run.out
+
+
+def _planned(run: _Pass, job: Job, plan: Plan) -> None:
+    """Phase Planned; and whether a restart keeps the job's progress: without a volume its
+    checkpoints live on the pods' emptyDir, which the job says in a condition and a Warning."""
+    conds = set_condition(run.status["conditions"], "Planned", True, "Planned", plan.summary(),
+                          run.at)
+    durable = bool(job.spec.checkpoint.volume)
+    conds = set_condition(conds, "DurableCheckpoints", durable,
+                          "Volume" if durable else "EmptyDir", "" if durable else NOT_DURABLE,
+                          run.at)
+    run.out.set({"phase": "Planned", "plan": _plan_status(plan), "conditions": conds})
+    if not durable:
+        run.out.do(Event("NoDurableCheckpoints", NOT_DURABLE, warning=True))
 
 
 def _expire(run: _Pass) -> None:
@@ -211,7 +226,7 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     finish, or create the missing pods and watch the running ones."""
     conditions = run.status.get("conditions") or []
     if run.run_policy.get("suspend"):
-        _suspend(run, phase, conditions)
+        _suspend(run, phase, conditions, f"pods deleted; {_resumes(job)}")
         return
     if phase == "Suspended":
         conditions = set_condition(conditions, "Suspended", False, "Resumed", "", run.at)
@@ -230,7 +245,7 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     if obs.failed or lost:
         message = "; ".join(filter(None, [obs.failure_message(),
                                           *(f"pod {s.pod} was deleted" for s in lost)]))
-        _failed(run, obs, restarts, conditions, message)
+        _failed(run, job, obs, restarts, conditions, message)
         return
     if obs.all_succeeded:
         _succeeded(run, plan, phase, conditions)
@@ -244,8 +259,15 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     _watch(run, plan, obs, phase, conditions)
 
 
+def _resumes(job: Job) -> str:
+    """What a restart or resume of the job's pods continues from."""
+    if job.spec.checkpoint.volume:
+        return "resumes from the last checkpoint"
+    return "starts over from step 0 (its checkpoints were on the pods' emptyDir volumes)"
+
+
 def _suspend(run: _Pass, phase: str | None, conditions: list[dict[str, Any]],
-             message: str = "pods deleted; resumes from the last checkpoint") -> None:
+             message: str) -> None:
     """No pods while suspended (a planner pod neither: a job created suspended is planned when
     resumed)."""
     run.out.do(*(DeletePod(p["metadata"]["name"]) for p in run.observed.pods
@@ -257,8 +279,8 @@ def _suspend(run: _Pass, phase: str | None, conditions: list[dict[str, Any]],
         run.out.do(Event("Suspended", message))
 
 
-def _failed(run: _Pass, obs: Observation, restarts: int, conditions: list[dict[str, Any]],
-            message: str) -> None:
+def _failed(run: _Pass, job: Job, obs: Observation, restarts: int,
+            conditions: list[dict[str, Any]], message: str) -> None:
     """Restart every pod from the last checkpoint, or past backoffLimit fail the job."""
     if restarts < int(run.run_policy.get("backoffLimit", 3)):
         run.out.do(*(DeletePod(s.pod) for s in obs.nodes.values()
@@ -266,7 +288,7 @@ def _failed(run: _Pass, obs: Observation, restarts: int, conditions: list[dict[s
         run.out.set({"restarts": restarts + 1, "phase": "Restarting",
                      "conditions": set_condition(
                          conditions, "Restarting", True, "WorkerFailed",
-                         f"{message}; restart {restarts + 1} resumes from the last checkpoint",
+                         f"{message}; restart {restarts + 1} {_resumes(job)}",
                          run.at)})
         run.out.do(Event("Restarting", message, warning=True), CountRestart())
         return

@@ -5,7 +5,8 @@ It watches the job pods the operator creates in a real kube-apiserver, runs one 
 and Secret volumes), and writes pod phase, IP and exit code back through the API, as a kubelet
 would. Each pod gets its own loopback address (127.1.x.y), which also plays the headless
 Service's DNS: the worker's peer addresses are rewritten from DNS names to those addresses. The
-job's data volume is one shared folder per job, as a ReadWriteMany volume would be.
+job's data volume is a folder per job and claim when it is a persistentVolumeClaim (shared, as a
+ReadWriteMany volume would be), and the pod's own when it is an emptyDir (gone with the pod).
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ class FakeKubelet(threading.Thread):
         ip = self.ip(job, p.spec.hostname)
         # the gRPC addresses, and the ring data plane's (training.ringTransport: tcp)
         meta = meta.rehosted({n: self.ip(job, dns_label(n)) for n in meta.addresses}, ip)
-        data = self.workdir / p.metadata.namespace / job
+        data = self._data_volume(p, job, pod_dir)
         data.mkdir(parents=True, exist_ok=True)
         meta = replace(meta, output_dir=str(data))
         mounts = {m.name: m.mount_path for m in container.volume_mounts or []}
@@ -184,6 +185,16 @@ class FakeKubelet(threading.Thread):
                     meta = replace(meta, tls_dir=str(folder))
         meta.save(pod_dir / "node.json")
         return ip
+
+    def _data_volume(self, p: Any, job: str, pod_dir: Path) -> Path:
+        """The folder behind the pod's data volume: a claim's is one per job and claim, shared by
+        its pods as a ReadWriteMany volume would be and kept across restarts; an emptyDir is the
+        pod's own and goes with it."""
+        (volume,) = [v for v in p.spec.volumes if v.name == "data"]
+        claim = volume.persistent_volume_claim
+        if claim is not None:
+            return self.workdir / p.metadata.namespace / job / claim.claim_name
+        return pod_dir / "data"
 
     def _planner_files(self, p: Any, pod_dir: Path) -> tuple[str, str]:
         """A planner pod's job file, from its ConfigMap volume; it gets no address of its own."""

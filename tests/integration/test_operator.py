@@ -52,6 +52,7 @@ def test_digits_job_runs_to_success(cluster, tmp_path):
     assert status["startTime"] and status["completionTime"]
     conds = {c["type"]: c["status"] for c in status["conditions"]}
     assert conds["Created"] == conds["Planned"] == conds["Succeeded"] == "True"
+    assert conds["DurableCheckpoints"] == "False"  # no spec.checkpoint.volume: said, not hidden
 
     pods = get(kube, "pods", selector="ravnest.io/job=digits")["items"]
     assert len(pods) == 6 and all(p["status"]["phase"] == "Succeeded" for p in pods)
@@ -149,6 +150,11 @@ def test_operator_fails_invalid_jobs_with_a_clear_status(cluster, tmp_path, name
     kctl(kube, "delete", "rj", name, "--wait=false")
 
 
+CLAIM = {"persistentVolumeClaim": {"claimName": "checkpoints"}}
+"""A checkpoint volume that outlives the pods (the harness kubelet shares a claim's folder across
+a job's pods and restarts; an emptyDir is each pod's own and goes with it)."""
+
+
 def _kill_when(kube, kubelet, operator, job: str, pod: str, step: int) -> None:
     def far_enough() -> bool:
         st = (get(kube, "rj", job) or {}).get("status", {})
@@ -159,7 +165,7 @@ def _kill_when(kube, kubelet, operator, job: str, pod: str, step: int) -> None:
 
 def test_killed_worker_restarts_from_checkpoint(cluster, tmp_path):
     kube, kubelet, operator = cluster
-    doc = job_doc("restart", epochs=4, checkpoint__everySteps=10)
+    doc = job_doc("restart", epochs=4, checkpoint__everySteps=10, checkpoint__volume=CLAIM)
     assert apply(kube, doc, tmp_path).returncode == 0
     # progress.step is the roots'; the other nodes trail it by the micro-batches in flight, so
     # by step 30 every node has written step 20's checkpoint
@@ -198,7 +204,7 @@ def test_backoff_limit_zero_fails_naming_pod_and_exit_code(cluster, tmp_path):
 
 def test_suspend_then_resume_continues_from_checkpoint(cluster, tmp_path):
     kube, kubelet, operator = cluster
-    doc = job_doc("pause", epochs=4, checkpoint__everySteps=10)
+    doc = job_doc("pause", epochs=4, checkpoint__everySteps=10, checkpoint__volume=CLAIM)
     assert apply(kube, doc, tmp_path).returncode == 0
 
     def step() -> int:

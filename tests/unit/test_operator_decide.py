@@ -30,7 +30,7 @@ from ravnest_operator.actions import (
     ScrapeProgress,
     SetStatus,
 )
-from ravnest_operator.deciding import Observed, decide
+from ravnest_operator.deciding import NOT_DURABLE, Observed, decide
 from ravnest_operator.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +38,8 @@ NOW = dt.datetime(2026, 1, 2, 3, 4, 5, 250_000, tzinfo=dt.UTC)
 AT = "2026-01-02T03:04:05Z"
 SETTINGS = Settings(worker_image="ravnest:test", final_scrape_seconds=30)
 EARLIER = "2000-01-01T00:00:00Z"
+EMPTY = "starts over from step 0 (its checkpoints were on the pods' emptyDir volumes)"
+"""What a restart or resume of the digits example (no checkpoint volume) continues from."""
 
 
 def _ago(seconds: float) -> str:
@@ -229,13 +231,39 @@ def test_the_planners_plan_creates_the_job_objects(digits):
     assert _conditions(d)["Planned"]["message"] == plan.summary()
     assert d.actions == [CreateJobObjects(job, plan), DeletePod("digits-planner"),
                          Event("Planned", f"{plan.summary()} plan {plan.fingerprint} from pod "
-                                          f"digits-planner")]
+                                          f"digits-planner"),
+                         Event("NoDurableCheckpoints", NOT_DURABLE, warning=True)]
 
 
 def test_a_stored_plan_is_not_made_again(digits):
     status = {"phase": "Created", "conditions": [_cond("Created")]}
     d = decide(_observed(digits, status), NOW, SETTINGS)
-    assert d.status["phase"] == "Planned" and d.actions == []
+    assert d.status["phase"] == "Planned"
+    assert d.actions == [Event("NoDurableCheckpoints", NOT_DURABLE, warning=True)]
+
+
+def test_a_job_says_whether_a_restart_keeps_its_progress(digits):
+    """Checkpoints on the pods' emptyDir die with them: the job says so when planned (a condition
+    and a Warning), and its restart and suspend messages do not promise a resume."""
+    status = {"phase": "Created", "conditions": [_cond("Created")]}
+    d = decide(_observed(digits, status), NOW, SETTINGS)
+    cond = _conditions(d)["DurableCheckpoints"]
+    assert (cond["status"], cond["reason"], cond["message"]) == ("False", "EmptyDir", NOT_DURABLE)
+    assert "starts over from step 0" in NOT_DURABLE and "spec.checkpoint.volume" in NOT_DURABLE
+    volume = {"volume": {"persistentVolumeClaim": {"claimName": "ckpt"}}}
+    d = decide(_observed(digits, status, checkpoint=volume), NOW, SETTINGS)
+    cond = _conditions(d)["DurableCheckpoints"]
+    assert (cond["status"], cond["reason"]) == ("True", "Volume") and d.actions == []
+    _, _, plan = digits
+    pods = _pods(plan, "Running")
+    pods[1] = _pod(plan, 1, "Failed", code=1)
+    d = decide(_observed(digits, _running(), pods, checkpoint=volume), NOW, SETTINGS)
+    assert _conditions(d)["Restarting"]["message"].endswith(
+        "restart 1 resumes from the last checkpoint")
+    d = decide(_observed(digits, _running(), _pods(plan, "Running"), checkpoint=volume,
+                         runPolicy={"suspend": True}), NOW, SETTINGS)
+    assert _conditions(d)["Suspended"]["message"] == \
+        "pods deleted; resumes from the last checkpoint"
 
 
 @pytest.mark.parametrize(("code", "reason", "message", "says"), [
@@ -413,7 +441,7 @@ def test_a_failed_pod_restarts_the_job_within_backoff_limit(digits):
     message = f"pod {failed} failed with exit code 137 (Error)"
     assert d.status["phase"] == "Restarting" and d.status["restarts"] == 2
     assert _conditions(d)["Restarting"]["message"] == (
-        f"{message}; restart 2 resumes from the last checkpoint")
+        f"{message}; restart 2 {EMPTY}")
     assert d.status["nodes"][plan.names()[2]] == {"pod": failed, "phase": "Failed",
                                                  "exitCode": 137, "reason": "Error"}
     assert d.actions == [*(DeletePod(p["metadata"]["name"]) for p in pods),
@@ -429,8 +457,7 @@ def test_a_pod_lost_from_a_running_job_restarts_it(digits):
     assert d.status["phase"] == "Restarting"
     deleting = pods[0]["metadata"]["name"]
     assert _conditions(d)["Restarting"]["message"] == (
-        f"pod {deleting} was deleted; pod {gone} was deleted; restart 1 resumes from the last "
-        f"checkpoint")
+        f"pod {deleting} was deleted; pod {gone} was deleted; restart 1 {EMPTY}")
     assert d.actions[:-2] == [DeletePod(p["metadata"]["name"]) for p in pods[1:]]
 
 
@@ -501,9 +528,9 @@ def test_suspend_deletes_the_pods_once_and_says_so(digits):
     assert d.status == {"phase": "Suspended", "conditions": [
         *_running()["conditions"],
         {"type": "Suspended", "status": "True", "reason": "Suspended",
-         "message": "pods deleted; resumes from the last checkpoint", "lastTransitionTime": AT}]}
+         "message": f"pods deleted; {EMPTY}", "lastTransitionTime": AT}]}
     assert d.actions == [*(DeletePod(p["metadata"]["name"]) for p in pods),
-                         Event("Suspended", "pods deleted; resumes from the last checkpoint")]
+                         Event("Suspended", f"pods deleted; {EMPTY}")]
     suspended = {**_running(), "phase": "Suspended"}
     again = decide(_observed(digits, suspended, pods[:2], runPolicy={"suspend": True}), NOW,
                    SETTINGS)
