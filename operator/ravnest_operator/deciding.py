@@ -124,7 +124,8 @@ def decide(observed: Observed, now: dt.datetime, settings: Settings) -> Decision
     plan = observed.plan if observed.plan is not None else _plan(run, observed.job)
     if plan is None:
         return run.out
-    if observed.plan is not None and _planner_of(observed) is not None:
+    left = _planner_of(observed)
+    if observed.plan is not None and left is not None and not _going(left):
         # an operator that stopped between creating the objects and deleting the planner
         run.out.do(DeletePod(resources.planner_name(observed.name)))
     if phase in (None, "Created", "Planning"):
@@ -162,8 +163,8 @@ def _plan(run: _Pass, job: Job) -> Plan | None:
     from its plan (the plan ConfigMap last: it marks "planned") and deletes it. None until then,
     and when planning failed, which fails the job."""
     name = resources.planner_name(run.observed.name)
-    found = next((p for p in run.observed.pods if p["metadata"]["name"] == name), None)
-    if found is not None and found["metadata"].get("deletionTimestamp"):
+    found = _planner_of(run.observed)
+    if found is not None and _going(found):
         # e.g. suspended while planning and resumed at once: its end is no verdict on this job
         _planning(run, f"waiting for the earlier planner pod {name} to be deleted")
         return None
@@ -198,10 +199,14 @@ def _plan(run: _Pass, job: Job) -> Plan | None:
 
 
 def _planner_of(observed: Observed) -> dict[str, Any] | None:
-    """The job's planner pod, unless it is gone or going."""
+    """The job's planner pod, if it has one."""
     name = resources.planner_name(observed.name)
-    return next((p for p in observed.pods if p["metadata"]["name"] == name
-                 and not p["metadata"].get("deletionTimestamp")), None)
+    return next((p for p in observed.pods if p["metadata"]["name"] == name), None)
+
+
+def _going(pod: dict[str, Any]) -> bool:
+    """Whether a pod is being deleted."""
+    return bool(pod["metadata"].get("deletionTimestamp"))
 
 
 def _planning(run: _Pass, message: str) -> None:
@@ -270,8 +275,7 @@ def _suspend(run: _Pass, phase: str | None, conditions: list[dict[str, Any]],
              message: str) -> None:
     """No pods while suspended (a planner pod neither: a job created suspended is planned when
     resumed)."""
-    run.out.do(*(DeletePod(p["metadata"]["name"]) for p in run.observed.pods
-                 if not p["metadata"].get("deletionTimestamp")))
+    run.out.do(*(DeletePod(p["metadata"]["name"]) for p in run.observed.pods if not _going(p)))
     if phase != "Suspended":
         run.out.set({"phase": "Suspended",
                      "conditions": set_condition(conditions, "Suspended", True, "Suspended",

@@ -220,29 +220,37 @@ def planner_pod(owner: Owner, job: Job, image: str) -> dict[str, Any]:
     token and the workers' hardening; it hands the plan back as its termination message
     (`ravnest.plan.handoff`), and spec.plan.timeoutSeconds bounds how long it may run."""
     plan = job.spec.plan
-    return merged({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": _meta(owner, planner_name(owner.name), planner_labels(owner.name)),
-        "spec": {
-            "restartPolicy": "Never",
-            "automountServiceAccountToken": False,
-            "enableServiceLinks": False,
-            "activeDeadlineSeconds": plan.timeout_seconds,
-            "securityContext": copy.deepcopy(POD_SECURITY),
-            "containers": [{
-                "name": "planner",
-                "image": job.spec.image or image,
-                "command": ["ravnest"],
-                "args": ["plan", f"{METADATA_DIR}/{JOB_FILE}", "--termination-log"],
-                "resources": copy.deepcopy(plan.resources or PLANNER_RESOURCES),
-                "securityContext": copy.deepcopy(CONTAINER_SECURITY),
-                "volumeMounts": [{"name": "job", "mountPath": METADATA_DIR, "readOnly": True},
-                                 {"name": "tmp", "mountPath": "/tmp"}],
-            }],
-            "volumes": [{"name": "job", "configMap": {"name": planner_configmap_name(owner)}},
-                        {"name": "tmp", "emptyDir": {}}],
-        },
-    }, job.spec.template, resources=False)
+    container = {"name": "planner", "image": job.spec.image or image,
+                 "command": ["ravnest"],
+                 "args": ["plan", f"{METADATA_DIR}/{JOB_FILE}", "--termination-log"],
+                 "resources": copy.deepcopy(plan.resources or PLANNER_RESOURCES),
+                 "volumeMounts": [{"name": "job", "mountPath": METADATA_DIR, "readOnly": True}]}
+    spec = _hardened(container, [{"name": "job",
+                                  "configMap": {"name": planner_configmap_name(owner)}}],
+                     activeDeadlineSeconds=plan.timeout_seconds)
+    return merged({"apiVersion": "v1", "kind": "Pod",
+                   "metadata": _meta(owner, planner_name(owner.name), planner_labels(owner.name)),
+                   "spec": spec}, job.spec.template, resources=False)
+
+
+def _hardened(container: dict[str, Any], volumes: list[dict[str, Any]],
+              **fields: Any) -> dict[str, Any]:
+    """The spec of a pod of the job (worker or planner) around its one container: it runs once
+    (restartPolicy Never), with no service-account token and no service links, as uid 10001 with
+    RuntimeDefault seccomp, a read-only root filesystem, no capabilities, no privilege
+    escalation, and an emptyDir at /tmp; `fields` are the pod's own."""
+    return {
+        **fields,
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": copy.deepcopy(POD_SECURITY),
+        "containers": [{**container,
+                        "securityContext": copy.deepcopy(CONTAINER_SECURITY),
+                        "volumeMounts": [*container["volumeMounts"],
+                                         {"name": "tmp", "mountPath": "/tmp"}]}],
+        "volumes": [*volumes, {"name": "tmp", "emptyDir": {}}],
+    }
 
 
 def node_metadata(owner: Owner, job: Job, plan: Plan, node: str) -> dict[str, Any]:
@@ -287,39 +295,28 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
         data_volume.update(job.spec.checkpoint.volume)
     else:
         data_volume["emptyDir"] = {}
-    spec: dict[str, Any] = {
-        "hostname": dns_label(node.name),
-        "subdomain": service_name(owner.name),
-        "restartPolicy": "Never",
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
-        "securityContext": copy.deepcopy(POD_SECURITY),
-        "containers": [{
-            "name": "worker",
-            "image": provider.image or job.spec.image or image,
-            "command": ["ravnest"],
-            "args": ["worker", "--metadata", f"{METADATA_DIR}/node.json"],
-            "env": [{"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {
-                        "name": token_secret_name(owner.name), "key": "token"}}},
-                    {"name": TORCH_THREADS_ENV,
-                     "value": str(max(1, round(provider.compute)))},
-                    *([{"name": FINAL_SCRAPE_ENV,
-                        "value": f"{final_scrape_seconds:g}"}] if final_scrape_seconds > 0
-                      else [])],
-            "ports": [{"name": "grpc", "containerPort": GRPC_PORT},
-                      {"name": "metrics", "containerPort": METRICS_PORT},
-                      *([{"name": "ring", "containerPort": RING_PORT}] if _tcp_ring(job) else [])],
-            "readinessProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 2},
-            "resources": _resources(provider),
-            "securityContext": copy.deepcopy(CONTAINER_SECURITY),
-            "volumeMounts": [{"name": "node-metadata", "mountPath": METADATA_DIR, "readOnly": True},
-                             {"name": "data", "mountPath": DATA_DIR},
-                             {"name": "tmp", "mountPath": "/tmp"}],
-        }],
-        "volumes": [{"name": "node-metadata",
-                     "configMap": {"name": pod_name(owner.name, node.name)}},
-                    data_volume, {"name": "tmp", "emptyDir": {}}],
+    container = {
+        "name": "worker",
+        "image": provider.image or job.spec.image or image,
+        "command": ["ravnest"],
+        "args": ["worker", "--metadata", f"{METADATA_DIR}/node.json"],
+        "env": [{"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {
+                    "name": token_secret_name(owner.name), "key": "token"}}},
+                {"name": TORCH_THREADS_ENV, "value": str(max(1, round(provider.compute)))},
+                *([{"name": FINAL_SCRAPE_ENV, "value": f"{final_scrape_seconds:g}"}]
+                  if final_scrape_seconds > 0 else [])],
+        "ports": [{"name": "grpc", "containerPort": GRPC_PORT},
+                  {"name": "metrics", "containerPort": METRICS_PORT},
+                  *([{"name": "ring", "containerPort": RING_PORT}] if _tcp_ring(job) else [])],
+        "readinessProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 2},
+        "resources": _resources(provider),
+        "volumeMounts": [{"name": "node-metadata", "mountPath": METADATA_DIR, "readOnly": True},
+                         {"name": "data", "mountPath": DATA_DIR}],
     }
+    spec = _hardened(container, [{"name": "node-metadata",
+                                  "configMap": {"name": pod_name(owner.name, node.name)}},
+                                 data_volume],
+                     hostname=dns_label(node.name), subdomain=service_name(owner.name))
     if job.spec.security.tls:
         _mount_tls(spec, owner, node.name)
     if provider.node_selector:

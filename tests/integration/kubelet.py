@@ -168,9 +168,7 @@ class FakeKubelet(threading.Thread):
     def _worker_files(self, p: Any, job: str, pod_dir: Path) -> str:
         """A worker pod's node metadata, rewritten for this host: its IP."""
         container = p.spec.containers[0]
-        cm_name = next(v.config_map.name for v in p.spec.volumes if v.config_map)
-        cm = self.api.read_namespaced_config_map(cm_name, p.metadata.namespace)
-        meta = NodeMetadata.from_dict(json.loads(cm.data["node.json"]))
+        meta = NodeMetadata.from_dict(json.loads(self._configmap_of(p)["node.json"]))
         ip = self.ip(job, p.spec.hostname)
         # the gRPC addresses, and the ring data plane's (training.ringTransport: tcp)
         meta = meta.rehosted({n: self.ip(job, dns_label(n)) for n in meta.addresses}, ip)
@@ -186,6 +184,11 @@ class FakeKubelet(threading.Thread):
         meta.save(pod_dir / "node.json")
         return ip
 
+    def _configmap_of(self, p: Any) -> dict[str, str]:
+        """The data of the ConfigMap the pod mounts (its node metadata, or a planner's job)."""
+        name = next(v.config_map.name for v in p.spec.volumes if v.config_map)
+        return dict(self.api.read_namespaced_config_map(name, p.metadata.namespace).data)
+
     def _data_volume(self, p: Any, job: str, pod_dir: Path) -> Path:
         """The folder behind the pod's data volume: a claim's is one per job and claim, shared by
         its pods as a ReadWriteMany volume would be and kept across restarts; an emptyDir is the
@@ -198,9 +201,7 @@ class FakeKubelet(threading.Thread):
 
     def _planner_files(self, p: Any, pod_dir: Path) -> tuple[str, str]:
         """A planner pod's job file, from its ConfigMap volume; it gets no address of its own."""
-        cm_name = next(v.config_map.name for v in p.spec.volumes if v.config_map)
-        cm = self.api.read_namespaced_config_map(cm_name, p.metadata.namespace)
-        (pod_dir / JOB_FILE).write_text(cm.data[JOB_FILE])
+        (pod_dir / JOB_FILE).write_text(self._configmap_of(p)[JOB_FILE])
         return "127.0.0.1", JOB_FILE
 
     def _secret_volume(self, source: Any, namespace: str, folder: Path) -> Path:

@@ -125,3 +125,18 @@ def test_what_a_template_may_not_set_is_refused_by_path(template, says):
     with pytest.raises(SpecError) as e:
         _job(template)
     assert any(says in p for p in e.value.problems), e.value.problems
+
+
+def test_the_reserved_names_are_the_ones_the_operator_uses():
+    """The spec layer cannot import the operator, so it lists the volume names and mount paths a
+    template may not take (spec.RESERVED_VOLUMES / RESERVED_MOUNTS): they must cover every one the
+    operator's worker (with TLS) and planner pods use."""
+    from ravnest.spec import RESERVED_MOUNTS, RESERVED_VOLUMES
+
+    job = _job(security={"tls": True})
+    plan = plan_job(job)[0]
+    for pod in (resources.pod(OWNER, job, plan, plan.nodes[0], "ravnest:test"),
+                resources.planner_pod(OWNER, job, "ravnest:test")):
+        assert {v["name"] for v in pod["spec"]["volumes"]} <= set(RESERVED_VOLUMES)
+        assert {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]} <= \
+            set(RESERVED_MOUNTS)

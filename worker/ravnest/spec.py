@@ -314,7 +314,7 @@ class PlanSpec(_Model):
     max_clusters: int | None = Field(None, gt=0)
     resources: dict[str, Any] | None = None
     """On Kubernetes, the planner pod's resources (requests and limits, as in a container); by
-    default 1 CPU and 2Gi requested, 4Gi memory limit."""
+    default 500m CPU and 1Gi requested, 4Gi memory limit."""
     timeout_seconds: int = Field(600, gt=0, le=86400)
     """On Kubernetes, how long the planner pod may take, from its creation, before the job fails."""
 

@@ -55,13 +55,9 @@ def encode(plan: Plan) -> str:
     return message
 
 
-def is_plan(message: str) -> bool:
-    return message.startswith(HEADER + "\n")
-
-
 def decode(message: str, spec: JobSpec) -> Plan:
     """The plan a planner pod's termination message carries, checked against the job."""
-    if not is_plan(message):
+    if not message.startswith(HEADER + "\n"):
         raise PlanError(f"the planner's message does not start with {HEADER!r}")
     try:
         packed = base64.b64decode(message[len(HEADER) + 1:].strip(), validate=True)
