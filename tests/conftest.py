@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
+
+if TYPE_CHECKING:
+    from minio_server import S3Server
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -26,3 +30,12 @@ def worker_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let worker subprocesses import tests/models.py."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """One MinIO (tests/minio_server.py) for the session; tests make buckets of their own."""
+    from minio_server import minio_server  # imported here: s3fs takes seconds to import
+
+    with minio_server() as server:
+        yield server
