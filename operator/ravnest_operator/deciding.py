@@ -20,6 +20,7 @@ from typing import Any
 from ravnest.errors import PlanError
 from ravnest.plan.handoff import decode
 from ravnest.plan.plans import Plan
+from ravnest import storing
 from ravnest.spec import Job
 
 from . import resources
@@ -41,8 +42,9 @@ from .statuses import Observation, observe, parse_time, set_condition, timestamp
 
 FINISHED = ("Succeeded", "Failed")
 NOT_DURABLE = ("checkpoints are on the pods' emptyDir volumes: a restart or a suspend starts over "
-               "from step 0; set spec.checkpoint.volume (e.g. a persistentVolumeClaim) to keep "
-               "them")
+               "from step 0; to keep them, set spec.checkpoint.path to an object store "
+               "(s3://bucket/prefix) or a claim (pvc://claim/path), or mount "
+               "spec.checkpoint.volume")
 
 
 @dataclass(frozen=True)
@@ -140,10 +142,10 @@ def _planned(run: _Pass, job: Job, plan: Plan) -> None:
     checkpoints live on the pods' emptyDir, which the job says in a condition and a Warning."""
     conds = set_condition(run.status["conditions"], "Planned", True, "Planned", plan.summary(),
                           run.at)
-    durable = bool(job.spec.checkpoint.volume)
-    conds = set_condition(conds, "DurableCheckpoints", durable,
-                          "Volume" if durable else "EmptyDir", "" if durable else NOT_DURABLE,
-                          run.at)
+    durable = job.spec.checkpoint.durable
+    conds = set_condition(conds, "DurableCheckpoints", durable, _durability(job),
+                          f"checkpoints go to {job.spec.checkpoint.path}" if durable
+                          else NOT_DURABLE, run.at)
     run.out.set({"phase": "Planned", "plan": _plan_status(plan), "conditions": conds})
     if not durable:
         run.out.do(Event("NoDurableCheckpoints", NOT_DURABLE, warning=True))
@@ -264,9 +266,17 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     _watch(run, plan, obs, phase, conditions)
 
 
+def _durability(job: Job) -> str:
+    """The reason of the DurableCheckpoints condition: where checkpoints live."""
+    c = job.spec.checkpoint
+    if c.volume:
+        return "Volume"
+    return {"pvc": "Claim", "file": "EmptyDir"}.get(storing.scheme(c.path), "ObjectStore")
+
+
 def _resumes(job: Job) -> str:
     """What a restart or resume of the job's pods continues from."""
-    if job.spec.checkpoint.volume:
+    if job.spec.checkpoint.durable:
         return "resumes from the last checkpoint"
     return "starts over from step 0 (its checkpoints were on the pods' emptyDir volumes)"
 

@@ -30,6 +30,7 @@ from ravnest.run.metadata import (
     listen_all,
 )
 from ravnest.spec import Job, Provider
+from ravnest.storing import PVC_ROOT, pvc_claim
 
 from .crds import GROUP, KIND, VERSION
 from .templating import merged
@@ -304,18 +305,24 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
                     "name": token_secret_name(owner.name), "key": "token"}}},
                 {"name": TORCH_THREADS_ENV, "value": str(max(1, round(provider.compute)))},
                 *([{"name": FINAL_SCRAPE_ENV, "value": f"{final_scrape_seconds:g}"}]
-                  if final_scrape_seconds > 0 else [])],
+                  if final_scrape_seconds > 0 else []),
+                *_s3_credentials(job)],
         "ports": [{"name": "grpc", "containerPort": GRPC_PORT},
                   {"name": "metrics", "containerPort": METRICS_PORT},
                   *([{"name": "ring", "containerPort": RING_PORT}] if _tcp_ring(job) else [])],
         "readinessProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 2},
         "resources": _resources(provider),
         "volumeMounts": [{"name": "node-metadata", "mountPath": METADATA_DIR, "readOnly": True},
-                         {"name": "data", "mountPath": DATA_DIR}],
+                         {"name": "data", "mountPath": DATA_DIR},
+                         *({"name": f"claim-{i}", "mountPath": f"{PVC_ROOT}/{claim}"}
+                           for i, claim in enumerate(claims(job)))],
     }
     spec = _hardened(container, [{"name": "node-metadata",
                                   "configMap": {"name": pod_name(owner.name, node.name)}},
-                                 data_volume],
+                                 data_volume,
+                                 *({"name": f"claim-{i}",
+                                    "persistentVolumeClaim": {"claimName": claim}}
+                                   for i, claim in enumerate(claims(job)))],
                      hostname=dns_label(node.name), subdomain=service_name(owner.name))
     if job.spec.security.tls:
         _mount_tls(spec, owner, node.name)
@@ -327,6 +334,28 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
                    "metadata": _meta(owner, pod_name(owner.name, node.name),
                                      node_labels(owner.name, node), annotations),
                    "spec": spec}, job.spec.template)
+
+
+S3_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+"""The keys of spec.storage.s3.credentialsSecret the workers get as environment variables (the
+session token optional); the operator only names the Secret and never reads it."""
+
+
+def _s3_credentials(job: Job) -> list[dict[str, Any]]:
+    secret = job.spec.storage.s3.credentials_secret
+    if not secret:
+        return []
+    return [{"name": key, "valueFrom": {"secretKeyRef": {
+                "name": secret, "key": key, **({"optional": True} if i == 2 else {})}}}
+            for i, key in enumerate(S3_CREDENTIALS)]
+
+
+def claims(job: Job) -> list[str]:
+    """The PersistentVolumeClaims the job's ``pvc://`` locations name, each mounted once in the
+    workers at ``<PVC_ROOT>/<claim>`` (volumes claim-0, claim-1)."""
+    spec = job.spec
+    named = (pvc_claim(uri) for uri in (spec.checkpoint.path, spec.output.uri) if uri)
+    return list(dict.fromkeys(c for c in named if c))
 
 
 def _mount_tls(spec: dict[str, Any], owner: Owner, node: str) -> None:

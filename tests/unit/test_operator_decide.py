@@ -249,7 +249,7 @@ def test_a_job_says_whether_a_restart_keeps_its_progress(digits):
     d = decide(_observed(digits, status), NOW, SETTINGS)
     cond = _conditions(d)["DurableCheckpoints"]
     assert (cond["status"], cond["reason"], cond["message"]) == ("False", "EmptyDir", NOT_DURABLE)
-    assert "starts over from step 0" in NOT_DURABLE and "spec.checkpoint.volume" in NOT_DURABLE
+    assert "starts over from step 0" in NOT_DURABLE and "s3://" in NOT_DURABLE
     volume = {"volume": {"persistentVolumeClaim": {"claimName": "ckpt"}}}
     d = decide(_observed(digits, status, checkpoint=volume), NOW, SETTINGS)
     cond = _conditions(d)["DurableCheckpoints"]
@@ -264,6 +264,17 @@ def test_a_job_says_whether_a_restart_keeps_its_progress(digits):
                          runPolicy={"suspend": True}), NOW, SETTINGS)
     assert _conditions(d)["Suspended"]["message"] == \
         "pods deleted; resumes from the last checkpoint"
+
+
+@pytest.mark.parametrize(("path", "reason"), [("s3://bucket/ckpt", "ObjectStore"),
+                                              ("pvc://claim/ckpt", "Claim")])
+def test_checkpoints_on_an_object_store_or_a_claim_outlive_the_pods(digits, path, reason):
+    status = {"phase": "Created", "conditions": [_cond("Created")]}
+    d = decide(_observed(digits, status, checkpoint={"path": path}), NOW, SETTINGS)
+    cond = _conditions(d)["DurableCheckpoints"]
+    assert (cond["status"], cond["reason"], cond["message"]) == (
+        "True", reason, f"checkpoints go to {path}")
+    assert d.actions == []
 
 
 @pytest.mark.parametrize(("code", "reason", "message", "says"), [

@@ -131,12 +131,46 @@ def test_the_reserved_names_are_the_ones_the_operator_uses():
     """The spec layer cannot import the operator, so it lists the volume names and mount paths a
     template may not take (spec.RESERVED_VOLUMES / RESERVED_MOUNTS): they must cover every one the
     operator's worker (with TLS) and planner pods use."""
+    from ravnest import storing
     from ravnest.spec import RESERVED_MOUNTS, RESERVED_VOLUMES
 
-    job = _job(security={"tls": True})
+    job = _job(security={"tls": True}, checkpoint={"path": "pvc://ckpt/a"},
+               output={"uri": "pvc://models/b"})
     plan = plan_job(job)[0]
     for pod in (resources.pod(OWNER, job, plan, plan.nodes[0], "ravnest:test"),
                 resources.planner_pod(OWNER, job, "ravnest:test")):
         assert {v["name"] for v in pod["spec"]["volumes"]} <= set(RESERVED_VOLUMES)
-        assert {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]} <= \
-            set(RESERVED_MOUNTS)
+        for m in pod["spec"]["containers"][0]["volumeMounts"]:
+            path = m["mountPath"]
+            assert path in RESERVED_MOUNTS or path.rsplit("/", 1)[0] == storing.PVC_ROOT, path
+
+
+def test_workers_reach_the_jobs_storage_and_the_planner_does_not():
+    """s3:// credentials come from the named Secret (the operator never reads it); each claim
+    named by a pvc:// location is mounted once where the worker resolves it."""
+    from ravnest import storing
+
+    job = _job(checkpoint={"path": "pvc://ckpt/digits"}, output={"uri": "pvc://ckpt/models"},
+               storage={"s3": {"credentialsSecret": "s3-creds"}})
+    plan = plan_job(job)[0]
+    worker = resources.pod(OWNER, job, plan, plan.nodes[0], "ravnest:test")["spec"]
+    env = {e["name"]: e.get("valueFrom") for e in worker["containers"][0]["env"]}
+    assert env["AWS_ACCESS_KEY_ID"] == {"secretKeyRef": {"name": "s3-creds",
+                                                         "key": "AWS_ACCESS_KEY_ID"}}
+    assert env["AWS_SECRET_ACCESS_KEY"]["secretKeyRef"]["name"] == "s3-creds"
+    assert env["AWS_SESSION_TOKEN"]["secretKeyRef"]["optional"] is True
+    claims = [v for v in worker["volumes"] if "persistentVolumeClaim" in v]
+    assert claims == [{"name": "claim-0", "persistentVolumeClaim": {"claimName": "ckpt"}}]
+    assert {"name": "claim-0", "mountPath": f"{storing.PVC_ROOT}/ckpt"} in \
+        worker["containers"][0]["volumeMounts"]
+    planner = resources.planner_pod(OWNER, job, "ravnest:test")["spec"]
+    assert not any(e["name"].startswith("AWS_") for e in planner["containers"][0].get("env", []))
+    assert not any("persistentVolumeClaim" in v for v in planner["volumes"])
+
+
+def test_a_template_may_not_mount_where_the_claims_go():
+    from ravnest import storing
+
+    with pytest.raises(SpecError, match="is mounted by the operator"):
+        _job({"spec": {"containers": [{"volumeMounts": [
+            {"name": "x", "mountPath": f"{storing.PVC_ROOT}/ckpt"}]}]}})

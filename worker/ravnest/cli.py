@@ -16,6 +16,7 @@ from typing import Any
 from ravnest._version import __version__
 from ravnest.errors import RavnestError, SpecError
 from ravnest.run.metadata import TERMINATION_LOG_ENV, TOKEN_ENV, TORCH_THREADS_ENV, NodeMetadata
+from ravnest.storing import PVC_ROOT, PVC_ROOT_ENV
 
 
 def _stop_on(*signums: int) -> None:
@@ -160,7 +161,8 @@ def _worker(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, terminate)
     heap.tune(os.environ)
-    Worker(NodeMetadata.load(args.metadata), token).run()
+    Worker(NodeMetadata.load(args.metadata), token,
+           pvc_root=os.environ.get(PVC_ROOT_ENV, PVC_ROOT)).run()
     return 0
 
 
@@ -203,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for chatty in ("botocore", "aiobotocore", "s3fs", "fsspec", "matplotlib"):
+        # their INFO lines ("Found credentials in environment variables") are not the job's
+        logging.getLogger(chatty).setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     try:
         return int(args.func(args))
     except SpecError as e:

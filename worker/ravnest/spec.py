@@ -26,12 +26,14 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from ravnest import storing
 from ravnest.errors import SpecError, shown
 
 _QUANTITY = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
 _DECIMAL = {"k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 _NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 _KEY = re.compile(r"^[\w-]+$")
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
@@ -319,14 +321,59 @@ class PlanSpec(_Model):
     """On Kubernetes, how long the planner pod may take, from its creation, before the job fails."""
 
 
+def _location(v: str | None) -> str | None:
+    problem = None if v is None else storing.check(v)
+    if problem:
+        raise ValueError(f"{problem}, got {shown(v)}")
+    return v
+
+
 class CheckpointSpec(_Model):
     path: str = "checkpoints"
-    """Directory (a mounted volume on Kubernetes) that holds checkpoints; shared by all nodes."""
+    """Where checkpoints go, shared by all nodes: a path (relative: in the node's output folder;
+    on Kubernetes the pod's, lost with it unless ``volume`` is mounted there), ``s3://bucket/prefix``
+    or ``pvc://claim/path`` (storage that outlives the pods), or another fsspec URI."""
     every_steps: int = Field(0, ge=0)
     """Optimizer updates between checkpoints; 0 checkpoints at the end of every epoch only."""
     keep: int = Field(2, gt=0)
     volume: dict[str, Any] | None = None
     """A Kubernetes volume source (e.g. persistentVolumeClaim) mounted at ``path`` in pods."""
+
+    _path_form = field_validator("path")(_location)
+
+    @property
+    def durable(self) -> bool:
+        """Whether checkpoints outlive the pods: a mounted volume, an object store or a claim."""
+        return self.volume is not None or storing.is_durable(self.path)
+
+
+class OutputSpec(_Model):
+    uri: str | None = None
+    """Where the trained model, its learning curve and summary go: ``s3://bucket/prefix``,
+    ``pvc://claim/path`` or a path; locally, by default, the run's folder."""
+
+    _uri_form = field_validator("uri")(_location)
+
+
+class S3Storage(_Model):
+    endpoint_url: str | None = Field(None, pattern=r"^https?://[^\s/]+(/\S*)?$")
+    """An S3-compatible store's endpoint (``http://minio.storage:9000``); none: AWS's."""
+    region: str | None = None
+    """The region (none: ``AWS_DEFAULT_REGION``, else the library's default)."""
+    credentials_secret: str | None = Field(None, pattern=_SUBDOMAIN, max_length=253)
+    """On Kubernetes, a Secret in the job's namespace holding ``AWS_ACCESS_KEY_ID`` and
+    ``AWS_SECRET_ACCESS_KEY`` (and optionally ``AWS_SESSION_TOKEN``), given to the workers as those
+    environment variables. Locally (`ravnest run`), the environment's own are used."""
+
+
+class StorageSpec(_Model):
+    """How to reach the storage the job's locations name."""
+
+    s3: S3Storage = S3Storage()
+
+    def options(self, pvc_root: str = storing.PVC_ROOT) -> storing.Options:
+        return storing.Options(endpoint_url=self.s3.endpoint_url, region=self.s3.region,
+                               pvc_root=pvc_root)
 
 
 class RunPolicy(_Model):
@@ -345,10 +392,11 @@ class SecuritySpec(_Model):
     operator, or by `ravnest run`); the job token is checked on top."""
 
 
-RESERVED_VOLUMES = ("node-metadata", "data", "tmp", "tls", "job")
+RESERVED_VOLUMES = ("node-metadata", "data", "tmp", "tls", "job", "claim-0", "claim-1")
 """Volume names of the job's pods the operator sets; a pod template may not reuse them."""
-RESERVED_MOUNTS = ("/etc/ravnest", "/ravnest", "/tmp", "/etc/ravnest-tls")
-"""Mount paths of the job's containers the operator sets."""
+RESERVED_MOUNTS = ("/etc/ravnest", "/ravnest", "/tmp", "/etc/ravnest-tls", storing.PVC_ROOT)
+"""Mount paths of the job's containers the operator sets (and below `storing.PVC_ROOT`, where
+the claims of ``pvc://`` locations go)."""
 
 
 class TemplateMetadata(_Model):
@@ -388,7 +436,7 @@ class TemplateContainer(_Model):
     def _own_mounts(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         for i, m in enumerate(v or []):
             path = str(m.get("mountPath", "")).rstrip("/")
-            if path in RESERVED_MOUNTS:
+            if path in RESERVED_MOUNTS or path.startswith(f"{storing.PVC_ROOT}/"):
                 raise ValueError(f"volumeMounts[{i}]: {path} is mounted by the operator")
         return v
 
@@ -443,6 +491,8 @@ class JobSpec(_Model):
     providers: list[Provider] = Field(min_length=1)
     plan: PlanSpec = PlanSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
+    output: OutputSpec = OutputSpec()
+    storage: StorageSpec = StorageSpec()
     run_policy: RunPolicy = RunPolicy()
     security: SecuritySpec = SecuritySpec()
     image: str | None = None

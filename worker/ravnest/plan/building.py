@@ -29,6 +29,7 @@ from ravnest.plan.partitioning import Profile, profile
 from ravnest.plan.planning import make_plan
 from ravnest.plan.plans import Plan, ProviderInfo
 from ravnest.spec import Job, JobSpec
+from ravnest.storing import Location
 
 
 def set_seed(seed: int) -> None:
@@ -146,7 +147,8 @@ def plan_job(job: Job, train_samples: int | None = None) -> tuple[Plan, Profile,
     return _plan_model(job.spec, build_model(job.spec), train_samples)
 
 
-def preflight(job: Job, checkpoint_dir: str | Path | None = None) -> tuple[Plan, Profile, Any]:
+def preflight(job: Job, checkpoint_dir: str | Path | Location | None = None
+              ) -> tuple[Plan, Profile, Any]:
     """`plan_job`, after building once what every worker would build and fail on alike.
 
     The datasets are built (their errors name spec.data.entrypoint) and their size bounds the
@@ -168,8 +170,11 @@ def preflight(job: Job, checkpoint_dir: str | Path | None = None) -> tuple[Plan,
         build_scheduler(spec, build_optimizer(spec, params))
     build_criterion(spec)
     planned = _plan_model(spec, model, samples)
-    if checkpoint_dir is not None:
-        probe_writable(Path(checkpoint_dir), "spec.checkpoint.path")
+    if isinstance(checkpoint_dir, Location) and not checkpoint_dir.local:
+        checkpoint_dir.probe("spec.checkpoint.path")
+    elif checkpoint_dir is not None:
+        local = checkpoint_dir.root if isinstance(checkpoint_dir, Location) else checkpoint_dir
+        probe_writable(Path(local), "spec.checkpoint.path")
     return planned
 
 

@@ -11,6 +11,7 @@ its neighbours), `Trainer.train()` builds the runtime once the loaders are known
 from __future__ import annotations
 
 import contextlib
+import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from ravnest.errors import PeerFailed, PlanError, RavnestError
 from ravnest.plan.partitioning import Profile, Stage, build_stage
 from ravnest.plan.plans import Plan
 from ravnest.run.metadata import NodeMetadata
+from ravnest.storing import Location, open_location
 from ravnest.train.messages import Kind, Op
 from ravnest.train.metrics import WorkerMetrics
 from ravnest.train.runtime import Batches, NodeRuntime
@@ -184,9 +186,10 @@ def assemble(wiring: Wiring, meta: NodeMetadata, stage: Stage, settings: Setting
                        ring_peers=wiring.ring_links or None, targets=targets)
 
 
-def save_stage(runtime: NodeRuntime, path: Path) -> None:
-    """The stage file the fusing step reads: this node's cluster and stage, its trained state and
-    its best (lowest smoothed validation loss) state."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def save_stage(runtime: NodeRuntime, folder: str | Path | Location) -> None:
+    """Write the stage file the fusing step reads, ``<folder>/<node>.pt``: this node's cluster
+    and stage, its trained state and its best (lowest smoothed validation loss) state."""
+    buf = io.BytesIO()
     torch.save({"cluster": runtime.me.cluster, "stage": runtime.me.stage,
-                "state": runtime.stage.stage_state_dict(), "best": runtime.best_state}, path)
+                "state": runtime.stage.stage_state_dict(), "best": runtime.best_state}, buf)
+    open_location(folder).write(f"{runtime.me.name}.pt", buf.getvalue())

@@ -2,11 +2,13 @@
 
 It validates and plans the job (nothing starts if that fails), starts one worker process per
 provider on 127.0.0.1, shows progress read from the roots' Prometheus endpoints, and when every
-worker succeeded writes the run's outputs into one folder:
+worker succeeded writes the run's outputs into one folder (the trained model and its figures go to
+``spec.output.uri`` instead when the job names one, e.g. ``s3://bucket/prefix``; see `finishing`):
 
 - ``model.pt``: the fused trained model, a state_dict with the original parameter names;
 - ``best_model.pt``: the model with the lowest smoothed validation loss;
-- ``learning_curve.csv`` and ``summary.json`` (losses, accuracy, samples/s, plan);
+- ``learning_curve.csv``, ``learning_curve.png`` and ``summary.json`` (losses, accuracy,
+  samples/s, plan);
 - ``plan.txt``, ``nodes/*.json`` (node metadata), ``logs/*.log``, ``checkpoints/``;
 - ``tls/<node>/`` with `spec.security.tls`: the job CA's certificate and the node's certificate and
   key (a fresh CA per run, whose own key is never written).
@@ -26,7 +28,6 @@ process is left behind, and the error names the node, its exit code and the end 
 
 from __future__ import annotations
 
-import csv
 import fcntl
 import json
 import logging
@@ -43,12 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ravnest.comm.tls import identity, issue, make_authority
-from ravnest.errors import RavnestError, WorkerFailed
+from ravnest.errors import RavnestError, SpecError, WorkerFailed
 from ravnest.plan import building
 from ravnest.plan.plans import Plan
+from ravnest.run import finishing
 from ravnest.run.metadata import (
     RUNNER_PID_ENV,
     TOKEN_ENV,
@@ -58,8 +58,8 @@ from ravnest.run.metadata import (
 )
 from ravnest.run.progress import progress, scrape
 from ravnest.spec import Job
+from ravnest.storing import Location, open_location, pvc_claim
 from ravnest.train import checkpointing
-from ravnest.train.fusing import fuse_stage_files, ordered_like
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,13 @@ class LocalRun:
         self._started = time.monotonic()
 
     def prepare(self) -> list[NodeMetadata]:
+        claims = [f"{field}: {uri!r} names a PersistentVolumeClaim, which only pods on Kubernetes "
+                  f"mount; on this machine give a path or an object store (s3://…)"
+                  for field, uri in (("spec.checkpoint.path", self.job.spec.checkpoint.path),
+                                     ("spec.output.uri", self.job.spec.output.uri))
+                  if uri and pvc_claim(uri)]
+        if claims:
+            raise SpecError(claims)
         plan, _, _ = building.preflight(self.job, self.checkpoint_dir())
         self.plan = plan
         warning = memory_warning(plan, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
@@ -268,9 +275,10 @@ class LocalRun:
                 c.update(status="False", reason="Recovered",
                          message=f"running again after: {c['message']}")
 
-    def checkpoint_dir(self) -> Path:
+    def checkpoint_dir(self) -> Location:
         """Where the workers write checkpoints (relative paths: in the output folder)."""
-        return self.out.resolve() / self.job.spec.checkpoint.path
+        spec = self.job.spec
+        return open_location(spec.checkpoint.path, spec.storage.options(), base=self.out.resolve())
 
     def write_status(self, phase: str, now: dict[str, Any], **extra: Any) -> None:
         """`status.json`: what `ravnest status <job>` shows for a local run."""
@@ -327,72 +335,10 @@ class LocalRun:
         return summary
 
     def finish(self, seconds: float) -> dict[str, Any]:
+        """Fuse and write the outputs (`finishing`) in the job's output location."""
         assert self.plan is not None
-        spec = self.job.spec
-        model = building.build_model(spec)
-        reference = model.state_dict()
-        fused = ordered_like(fuse_stage_files(self.out / "stages", 0), reference)
-        torch.save(fused, self.out / "model.pt")
-        best_path = None
-        try:
-            best = ordered_like(fuse_stage_files(self.out / "stages", 0, "best"), reference)
-            torch.save(best, self.out / "best_model.pt")
-            best_path = str(self.out / "best_model.pt")
-        except RavnestError as e:
-            log.info("no best model: %s", e)
-        clusters = [json.loads((self.out / "clusters" / f"cluster_{c.id}.json").read_text())
-                    for c in self.plan.clusters]
-        self._write_curve(clusters)
-        model.load_state_dict(fused)
-        fused_metric = evaluate(model, self.job)
-        samples, updates = sum(c["samples"] for c in clusters), clusters[0]["updates"]
-        trained = samples * (updates - self.resumed_from) // updates if updates else 0
-        summary = {
-            "job": self.job.name, "plan": self.plan.fingerprint, "clusters": len(clusters),
-            "nodes": len(self.plan.nodes), "updates": updates,
-            "samples": samples, "resumed_from_step": self.resumed_from,
-            "samples_trained": trained, "seconds": round(seconds, 3),
-            "samples_per_second": round(trained / seconds, 2) if seconds and trained else None,
-            "train_loss": next((r["train_loss"] for r in reversed(clusters[0]["curve"])
-                                if "train_loss" in r), None),
-            "val_loss": clusters[0]["val_loss"], "val_metric": clusters[0]["val_metric"],
-            "fused_val_loss": fused_metric["loss"], "fused_val_metric": fused_metric["metric"],
-            "best_step": clusters[0]["best_step"],
-            "rounds_skipped": sum(c["rounds_skipped"] for c in clusters),
-            "model": str(self.out / "model.pt"), "best_model": best_path,
-        }
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
-        return summary
-
-    def _write_curve(self, clusters: list[dict[str, Any]]) -> None:
-        fields = ["cluster", "epoch", "step", "samples", "train_loss", "val_loss", "val_metric",
-                  "time"]
-        with open(self.out / "learning_curve.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fields)
-            w.writeheader()
-            for c in clusters:
-                for row in c["curve"]:
-                    w.writerow({"cluster": c["cluster"], **row})
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, job: Job) -> dict[str, float | None]:
-    """Validation loss and accuracy of a plain PyTorch model on the job's validation set."""
-    spec = job.spec
-    _, val = building.build_datasets(spec)
-    criterion = building.build_criterion(spec)
-    model.eval()
-    loss, n, correct, count = 0.0, 0, 0, 0
-    loader = torch.utils.data.DataLoader(val, batch_size=spec.data.batch_size)
-    for *xs, y in loader:
-        out = model(*xs)
-        loss += float(criterion(out, y)) * len(y)
-        n += len(y)
-        mask = y != -100
-        correct += int((out.argmax(1) == y)[mask].sum())
-        count += int(mask.sum())
-    metric = correct / count if spec.training.metric == "accuracy" and count else None
-    return {"loss": loss / max(n, 1), "metric": metric}
+        where = finishing.output_location(self.job.spec, self.out.resolve())
+        return finishing.finish(self.job, self.plan, where, seconds, self.resumed_from)
 
 
 def lock_folder(folder: Path) -> int:

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from ravnest.errors import PlanError, RavnestError, SpecError
 from ravnest.plan import building
 from ravnest.plan.partitioning import Stage, profile
 from ravnest.plan.plans import Plan, fingerprint
+from ravnest.run import finishing
 from ravnest.run.assembling import assemble, connect, cut_stage, save_stage
 from ravnest.run.metadata import (
     FINAL_SCRAPE_ENV,
@@ -35,6 +37,7 @@ from ravnest.run.metadata import (
     host_of,
 )
 from ravnest.spec import JobSpec
+from ravnest.storing import PVC_ROOT, open_location
 from ravnest.train.metrics import Identity, WorkerMetrics
 from ravnest.train.runtime import Batch, Batches
 from ravnest.train.settings import Settings
@@ -115,7 +118,8 @@ def build_node_stage(spec: JobSpec, plan: Plan, node: str) -> Stage:
 class Worker:
     """A running worker: server, peers, metrics and the training loop."""
 
-    def __init__(self, meta: NodeMetadata, token: str) -> None:
+    def __init__(self, meta: NodeMetadata, token: str, pvc_root: str = PVC_ROOT) -> None:
+        """`pvc_root`: where the pod mounts the claims of the job's ``pvc://`` locations."""
         if not token:
             raise RavnestError(f"no job token: set {TOKEN_ENV} (a Secret on Kubernetes)")
         if meta.job is None:
@@ -124,6 +128,7 @@ class Worker:
         self.meta = meta
         job, plan = meta.job, meta.plan
         spec, t = job.spec, job.spec.training
+        self.spec = spec
         me = self.me = plan.node(meta.node)
         if fingerprint(plan, building.identity(spec)) != plan.fingerprint:
             raise PlanError(f"{meta.node}: the plan in the node metadata does not match its "
@@ -143,11 +148,15 @@ class Worker:
         if me.is_root:
             train, val = building.build_datasets(spec)
             batches = cluster_batches(train, val, spec, me.cluster, len(plan.clusters))
-        ckpt = str(Path(meta.output_dir) / spec.checkpoint.path) if not os.path.isabs(
-            spec.checkpoint.path) else spec.checkpoint.path
+        ckpt = open_location(spec.checkpoint.path, spec.storage.options(pvc_root),
+                             base=meta.output_dir)
         self.runtime = assemble(self.wiring, meta, stage, Settings.from_spec(spec, ckpt),
                                 self.metrics, optimizer, scheduler, criterion, batches)
         self.metrics_port = 0
+        self.pvc_root = pvc_root
+        self.started = time.monotonic()
+        self.resumed_from = 0
+        """The checkpoint step training resumed from (0: the start)."""
 
     @property
     def server(self) -> Server:
@@ -171,7 +180,8 @@ class Worker:
         self.wiring.start()
         try:
             self.wiring.wait_ready(self.runtime.s.peer_timeout)
-            self.runtime.resume()
+            self.started = time.monotonic()
+            self.resumed_from = self.runtime.resume() or 0
             if self.me.is_root:
                 self.runtime.drive()
             else:
@@ -196,13 +206,14 @@ class Worker:
             log.info("no scrape of the final metrics within %.0f s", seconds)
 
     def _write_outputs(self) -> None:
-        out = Path(self.meta.output_dir)
+        """This node's stage, and a root's figures, in the job's output location; the figures
+        also in the termination message, where Kubernetes keeps them."""
         rt = self.runtime
-        save_stage(rt, out / "stages" / f"{self.me.name}.pt")
+        where = finishing.output_location(self.spec, self.meta.output_dir, self.pvc_root)
+        save_stage(rt, where.child(finishing.STAGES))
         result: dict[str, Any] = {"node": self.me.name, "updates": rt.updates,
                                   "rounds_skipped": rt.rounds_skipped}
         if self.me.is_root:
-            (out / "clusters").mkdir(parents=True, exist_ok=True)
             train_losses = [r["train_loss"] for r in rt.curve.rows if "train_loss" in r]
             result.update({"cluster": self.me.cluster, "samples": rt.samples,
                            "train_loss": train_losses[-1] if train_losses else None,
@@ -210,8 +221,9 @@ class Worker:
                            "best_smoothed": rt.curve.best_smoothed,
                            "val_loss": rt.curve.last_val_loss,
                            "val_metric": rt.curve.last_val_metric})
-            (out / "clusters" / f"cluster_{self.me.cluster}.json").write_text(
-                json.dumps({**result, "curve": rt.curve.rows}, indent=1))
+            finishing.write_cluster(where, self.me.cluster, {
+                **result, "resumed_from": self.resumed_from,
+                "seconds": round(time.monotonic() - self.started, 3), "curve": rt.curve.rows})
         _termination_message(result)
 
 

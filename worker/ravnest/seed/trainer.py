@@ -140,7 +140,7 @@ class Trainer:
                 rt.serve()
             node.wiring.stop_watching()
             if self.save:
-                save_stage(rt, self.save_dir / f"{node.name}.pt")
+                save_stage(rt, self.save_dir)
         except BaseException as e:
             node.wiring.abort(node.plan, node.name, e)
             raise

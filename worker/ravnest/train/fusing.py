@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ravnest.errors import RavnestError
+from ravnest.storing import Location, open_location
 
 
-def fuse_stage_files(stages_dir: str | Path, cluster: int = 0,
+def fuse_stage_files(stages_dir: str | Path | Location, cluster: int = 0,
                      which: str = "state") -> dict[str, torch.Tensor]:
     """Merge the `which` ("state" or "best") dicts of every stage file of `cluster`, in order."""
-    files = sorted(Path(stages_dir).glob("node_*.pt"))
+    where = open_location(stages_dir)
     parts: list[tuple[int, dict[str, Any]]] = []
-    for f in files:
-        blob = torch.load(f, map_location="cpu", weights_only=True)
+    for name in sorted(f for f in where.files() if f.startswith("node_") and f.endswith(".pt")):
+        blob = torch.load(io.BytesIO(where.read(name)), map_location="cpu", weights_only=True)
         if blob["cluster"] == cluster:
             parts.append((blob["stage"], blob))
     if not parts:
-        raise RavnestError(f"no stage files of cluster {cluster} in {stages_dir}")
+        raise RavnestError(f"no stage files of cluster {cluster} in {where}")
     fused: dict[str, torch.Tensor] = {}
     for _, blob in sorted(parts, key=lambda p: p[0]):
         state = blob[which]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ravnest.spec import CheckpointSpec, DataSpec, JobSpec, SchedulerSpec, TrainingSpec
+from ravnest.storing import Location
 
 _TRAINING = TrainingSpec()
 _CHECKPOINT = CheckpointSpec()
@@ -46,14 +47,16 @@ class Settings:
     metric: str = _TRAINING.metric
     compression: str = _TRAINING.compression
     scheduler_step_on: str = _default(SchedulerSpec, "step_on")
-    checkpoint_dir: str | None = None
-    """Where checkpoints go (spec.checkpoint.path resolved by the caller); None: no checkpoints."""
+    checkpoint_dir: str | Location | None = None
+    """Where checkpoints go (spec.checkpoint.path resolved by the caller: a path, or a location
+    opened with the job's storage options); None: no checkpoints."""
     checkpoint_every: int = _CHECKPOINT.every_steps
     checkpoint_keep: int = _CHECKPOINT.keep
 
     @classmethod
     def of(cls, training: TrainingSpec, batch_size: int, microbatches: int,
-           checkpoint: CheckpointSpec = _CHECKPOINT, checkpoint_dir: str | None = None,
+           checkpoint: CheckpointSpec = _CHECKPOINT,
+           checkpoint_dir: str | Location | None = None,
            **extra: Any) -> Settings:
         """The settings of `training` with batches of `batch_size` samples in `microbatches`;
         `extra` sets what no spec model holds (`peer_timeout`, or the seed API's
@@ -74,7 +77,7 @@ class Settings:
         return replace(settings, **extra)
 
     @classmethod
-    def from_spec(cls, spec: JobSpec, checkpoint_dir: str | None) -> Settings:
+    def from_spec(cls, spec: JobSpec, checkpoint_dir: str | Location | None) -> Settings:
         """A job's settings; `checkpoint_dir` is its checkpoint.path resolved for this node."""
         return cls.of(spec.training, spec.data.batch_size, spec.data.microbatches,
                       spec.checkpoint, checkpoint_dir)
