@@ -17,10 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ravnest import storing
 from ravnest.errors import PlanError
 from ravnest.plan.handoff import decode
 from ravnest.plan.plans import Plan
-from ravnest import storing
 from ravnest.spec import Job
 
 from . import resources
@@ -142,7 +142,7 @@ def _planned(run: _Pass, job: Job, plan: Plan) -> None:
     checkpoints live on the pods' emptyDir, which the job says in a condition and a Warning."""
     conds = set_condition(run.status["conditions"], "Planned", True, "Planned", plan.summary(),
                           run.at)
-    durable = job.spec.checkpoint.durable
+    durable = _durability(job) != "EmptyDir"
     conds = set_condition(conds, "DurableCheckpoints", durable, _durability(job),
                           f"checkpoints go to {job.spec.checkpoint.path}" if durable
                           else NOT_DURABLE, run.at)
@@ -255,7 +255,10 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
         _failed(run, job, obs, restarts, conditions, message)
         return
     if obs.all_succeeded:
-        _succeeded(run, plan, phase, conditions)
+        if job.spec.output.uri:
+            _finish(run, job, plan, phase, conditions)
+        else:
+            _succeeded(run, plan, phase, conditions)
         return
     owner = resources.Owner(run.observed.name, run.observed.namespace, run.observed.uid)
     for node in plan.nodes:
@@ -267,16 +270,29 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
 
 
 def _durability(job: Job) -> str:
-    """The reason of the DurableCheckpoints condition: where checkpoints live."""
+    """The reason of the DurableCheckpoints condition: where checkpoints live (EmptyDir: they
+    die with the pods)."""
     c = job.spec.checkpoint
-    if c.volume:
+    if c.volume or _on_template_volume(job):
         return "Volume"
     return {"pvc": "Claim", "file": "EmptyDir"}.get(storing.scheme(c.path), "ObjectStore")
 
 
+def _on_template_volume(job: Job) -> bool:
+    """Whether checkpoint.path is an absolute path below a mount of the pod template whose
+    volume is not an emptyDir (e.g. the user's own persistentVolumeClaim)."""
+    path, pod = job.spec.checkpoint.path, job.spec.template and job.spec.template.spec
+    if not path.startswith("/") or not pod or not pod.containers:
+        return False
+    kept = {v.get("name") for v in pod.volumes or [] if "emptyDir" not in v}
+    return any(m.get("name") in kept and (path + "/").startswith(
+                   str(m.get("mountPath", "")).rstrip("/") + "/")
+               for m in pod.containers[0].volume_mounts or [])
+
+
 def _resumes(job: Job) -> str:
     """What a restart or resume of the job's pods continues from."""
-    if job.spec.checkpoint.durable:
+    if _durability(job) != "EmptyDir":
         return "resumes from the last checkpoint"
     return "starts over from step 0 (its checkpoints were on the pods' emptyDir volumes)"
 
@@ -310,9 +326,83 @@ def _failed(run: _Pass, job: Job, obs: Observation, restarts: int,
     run.clean(run.run_policy.get("cleanPodPolicy", "Running"))
 
 
-def _succeeded(run: _Pass, plan: Plan, phase: str, conditions: list[dict[str, Any]]) -> None:
-    """Every pod succeeded: the job's result and final figures from the cluster-0 root."""
-    result = _result(run.observed, plan)
+OUTPUT_KEYS = ("uri", "model", "bestModel", "learningCurve", "learningCurvePng", "summary")
+"""What status.outputs may say (`ravnest.run.finishing.outputs`), each a location."""
+FUSED_KEYS = ("fused_val_loss", "fused_val_metric", "samples_per_second", "seconds",
+              "resumed_from_step")
+"""The finishing pod's figures the job's result takes."""
+
+
+def _finish(run: _Pass, job: Job, plan: Plan, phase: str,
+            conditions: list[dict[str, Any]]) -> None:
+    """Every worker succeeded and the job names spec.output.uri: a finishing pod of the job's
+    image fuses the stages there and writes the outputs; the job succeeds once it has, saying
+    where they are (status.outputs), and fails if it cannot."""
+    name = resources.finisher_name(run.observed.name)
+    found = next((p for p in run.observed.pods if p["metadata"]["name"] == name), None)
+    uri = job.spec.output.uri
+    if found is not None and _going(found):  # one of a suspended attempt: no verdict on this one
+        _finishing(run, conditions, f"waiting for the earlier finishing pod {name} to be deleted")
+        return
+    if found is None:
+        owner = resources.Owner(run.observed.name, run.observed.namespace, run.observed.uid)
+        run.out.do(Create(resources.finisher_pod(owner, job, plan, run.settings.worker_image)),
+                   Event("Finishing", f"finishing pod {name} writes the outputs to {uri}"))
+        _finishing(run, conditions, f"finishing pod {name} started")
+        return
+    pod = PlannerPod.of(found)
+    if pod.phase == "Succeeded":
+        handed = _handed_outputs(pod.message)
+        if handed is None:
+            run.fail("OutputsFailed", f"finishing pod {name} handed back no outputs: "
+                                      f"{pod.message[:200]!r}")
+            return
+        outputs, fused = handed
+        conds = set_condition(conditions, "OutputsWritten", True, "Written",
+                              f"outputs in {outputs.get('uri', uri)}", run.at)
+        _succeeded(run, plan, phase, conds, outputs, fused)
+        return
+    if pod.phase == "Failed":
+        run.fail("OutputsFailed", pod.failure(name, "finishing", "spec.output.resources"))
+        return
+    timeout = job.spec.output.timeout_seconds
+    if pod.created and (run.now - parse_time(pod.created)).total_seconds() > timeout:
+        run.fail("OutputsFailed", f"finishing pod {name} did not finish within "
+                                  f"spec.output.timeoutSeconds={timeout} ({pod.describe()})")
+        run.out.do(DeletePod(name))
+        return
+    _finishing(run, conditions, f"finishing pod {name} is {pod.describe()}")
+
+
+def _finishing(run: _Pass, conditions: list[dict[str, Any]], message: str) -> None:
+    run.out.set({"phase": "Finishing", "conditions": set_condition(
+        conditions, "OutputsWritten", False, "Finishing", message, run.at)})
+
+
+def _handed_outputs(message: str) -> tuple[dict[str, str], dict[str, Any]] | None:
+    """The locations and figures a finishing pod's termination message holds, as data: known
+    keys only, strings and numbers only; None if it is not such a message."""
+    try:
+        body = json.loads(message)
+        outputs = body["outputs"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    if not isinstance(outputs, dict) or not isinstance(outputs.get("model"), str):
+        return None
+    kept = {k: v[:1024] for k in OUTPUT_KEYS if isinstance(v := outputs.get(k), str)}
+    fused = {k: v for k in FUSED_KEYS
+             if isinstance(v := body.get(k), int | float) and not isinstance(v, bool)}
+    return kept, fused
+
+
+def _succeeded(run: _Pass, plan: Plan, phase: str, conditions: list[dict[str, Any]],
+               outputs: dict[str, str] | None = None,
+               fused: dict[str, Any] | None = None) -> None:
+    """Every pod succeeded: the job's result and final figures from the cluster-0 root (and,
+    with outputs written, where they are and the fused model's figures)."""
+    result = {**_result(run.observed, plan), **(fused or {})}
+    if outputs:
+        run.out.set({"outputs": outputs})
     final = {**(run.status.get("progress") or {})}
     if result:
         run.out.set({"result": result})
@@ -321,8 +411,10 @@ def _succeeded(run: _Pass, plan: Plan, phase: str, conditions: list[dict[str, An
             "validationLoss": result.get("val_loss"),
             "validationMetric": result.get("val_metric")}.items() if v is not None})
         final["display"] = f"{final.get('step', 0)}/{final.get('totalSteps', 0)}"
+    kept = (f"; outputs in {outputs.get('uri')}" if outputs else
+            "; no spec.output.uri, so the trained model was not kept")
     conds = set_condition(conditions, "Succeeded", True, "Completed",
-                          f"validation metric {result.get('val_metric')}", run.at)
+                          f"validation metric {result.get('val_metric')}{kept}", run.at)
     run.out.set({"phase": "Succeeded", "completionTime": run.at, "progress": final,
                  "conditions": set_condition(conds, "Running", False, "Completed", "", run.at)})
     run.out.do(Event("Succeeded", json.dumps(result)),

@@ -1,4 +1,4 @@
-"""What a planner pod says about itself, read from the pod as the API returns it."""
+"""What a planner or finishing pod says about itself, read from the pod as the API returns it."""
 
 from __future__ import annotations
 
@@ -44,15 +44,17 @@ class PlannerPod:
                    exit_code=code, reason=reason, message=message,
                    waiting=waiting[:WAITING_SHOWN])
 
-    def failure(self, name: str) -> str:
-        """Why planning failed: the pod, its exit code and reason, and the planner's message."""
-        why = f"planner pod {name} failed"
+    def failure(self, name: str, role: str = "planner",
+                resources: str = "spec.plan.resources") -> str:
+        """Why the pod failed: the pod, its exit code and reason, and its message; `role` names
+        the pod's kind and `resources` the field that sizes it."""
+        why = f"{role} pod {name} failed"
         if self.exit_code is not None:
             why += f" with exit code {self.exit_code}"
         if self.reason:
             why += f" ({self.reason})"
         if self.reason == "OOMKilled":
-            why += "; give it more memory in spec.plan.resources"
+            why += f"; give it more memory in {resources}"
         return f"{why}: {self.message.strip()}" if self.message.strip() else why
 
     def describe(self) -> str:

@@ -217,17 +217,22 @@ def planner_configmap(owner: Owner, job: Job) -> dict[str, Any]:
 
 def planner_pod(owner: Owner, job: Job, image: str) -> dict[str, Any]:
     """The pod that plans the job in the job's own image (`spec.image`): the only place the
-    model's code is imported and traced before the workers start. It has no service-account
-    token and the workers' hardening; it hands the plan back as its termination message
+    model's code is imported and traced before the workers start, and where it checks that the
+    job's storage can be written (with the workers' credentials and claims). It has no
+    service-account token and the workers' hardening; it hands the plan back as its termination
+    message
     (`ravnest.plan.handoff`), and spec.plan.timeoutSeconds bounds how long it may run."""
     plan = job.spec.plan
     container = {"name": "planner", "image": job.spec.image or image,
                  "command": ["ravnest"],
                  "args": ["plan", f"{METADATA_DIR}/{JOB_FILE}", "--termination-log"],
+                 "env": _s3_credentials(job),
                  "resources": copy.deepcopy(plan.resources or PLANNER_RESOURCES),
-                 "volumeMounts": [{"name": "job", "mountPath": METADATA_DIR, "readOnly": True}]}
+                 "volumeMounts": [{"name": "job", "mountPath": METADATA_DIR, "readOnly": True},
+                                  *_claim_mounts(job)]}
     spec = _hardened(container, [{"name": "job",
-                                  "configMap": {"name": planner_configmap_name(owner)}}],
+                                  "configMap": {"name": planner_configmap_name(owner)}},
+                                 *_claim_volumes(job)],
                      activeDeadlineSeconds=plan.timeout_seconds)
     return merged({"apiVersion": "v1", "kind": "Pod",
                    "metadata": _meta(owner, planner_name(owner.name), planner_labels(owner.name)),
@@ -313,16 +318,11 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
         "readinessProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 2},
         "resources": _resources(provider),
         "volumeMounts": [{"name": "node-metadata", "mountPath": METADATA_DIR, "readOnly": True},
-                         {"name": "data", "mountPath": DATA_DIR},
-                         *({"name": f"claim-{i}", "mountPath": f"{PVC_ROOT}/{claim}"}
-                           for i, claim in enumerate(claims(job)))],
+                         {"name": "data", "mountPath": DATA_DIR}, *_claim_mounts(job)],
     }
     spec = _hardened(container, [{"name": "node-metadata",
                                   "configMap": {"name": pod_name(owner.name, node.name)}},
-                                 data_volume,
-                                 *({"name": f"claim-{i}",
-                                    "persistentVolumeClaim": {"claimName": claim}}
-                                   for i, claim in enumerate(claims(job)))],
+                                 data_volume, *_claim_volumes(job)],
                      hostname=dns_label(node.name), subdomain=service_name(owner.name))
     if job.spec.security.tls:
         _mount_tls(spec, owner, node.name)
@@ -356,6 +356,51 @@ def claims(job: Job) -> list[str]:
     spec = job.spec
     named = (pvc_claim(uri) for uri in (spec.checkpoint.path, spec.output.uri) if uri)
     return list(dict.fromkeys(c for c in named if c))
+
+
+def _claim_mounts(job: Job) -> list[dict[str, Any]]:
+    return [{"name": f"claim-{i}", "mountPath": f"{PVC_ROOT}/{claim}"}
+            for i, claim in enumerate(claims(job))]
+
+
+def _claim_volumes(job: Job) -> list[dict[str, Any]]:
+    return [{"name": f"claim-{i}", "persistentVolumeClaim": {"claimName": claim}}
+            for i, claim in enumerate(claims(job))]
+
+
+def finisher_name(job: str) -> str:
+    """The finishing pod."""
+    return f"{job}-finish"
+
+
+def finisher_labels(job: str) -> dict[str, str]:
+    return {**job_labels(job), "app.kubernetes.io/component": "finisher"}
+
+
+def finisher_pod(owner: Owner, job: Job, plan: Plan, image: str) -> dict[str, Any]:
+    """The pod that, once every worker succeeded, fuses the stages they left in spec.output.uri
+    and writes the trained model, its curve and summary there (`ravnest finish`), in the job's
+    own image: it builds the model from the job's code to name the fused weights. It reads the
+    cluster-0 root's node metadata (the job and its plan), reaches the storage as the workers do,
+    has no service-account token and the workers' hardening, and hands back where the outputs
+    are as its termination message; spec.output.timeoutSeconds bounds it."""
+    out = job.spec.output
+    container = {"name": "finisher", "image": job.spec.image or image,
+                 "command": ["ravnest"],
+                 "args": ["finish", "--metadata", f"{METADATA_DIR}/node.json"],
+                 "env": _s3_credentials(job),
+                 "resources": copy.deepcopy(out.resources or PLANNER_RESOURCES),
+                 "volumeMounts": [{"name": "node-metadata", "mountPath": METADATA_DIR,
+                                   "readOnly": True}, *_claim_mounts(job)]}
+    root = plan.clusters[0].nodes[0]
+    spec = _hardened(container, [{"name": "node-metadata",
+                                  "configMap": {"name": pod_name(owner.name, root)}},
+                                 *_claim_volumes(job)],
+                     activeDeadlineSeconds=out.timeout_seconds)
+    return merged({"apiVersion": "v1", "kind": "Pod",
+                   "metadata": _meta(owner, finisher_name(owner.name),
+                                     finisher_labels(owner.name)),
+                   "spec": spec}, job.spec.template, resources=False)
 
 
 def _mount_tls(spec: dict[str, Any], owner: Owner, node: str) -> None:

@@ -25,6 +25,8 @@ BIN = TOOLS / "bin"
 IMAGE = os.environ.get("RAVNEST_E2E_IMAGE", "ravnest-k8s:test")
 BYO_IMAGE = os.environ.get("RAVNEST_E2E_BYO_IMAGE", "ravnest-byo:test")
 """A user's image FROM ours with their own model package (tests/e2e/byo)."""
+MINIO_IMAGE = os.environ.get("RAVNEST_E2E_MINIO_IMAGE", "ravnest-minio:test")
+"""MinIO's binary alone (tests/e2e/minio): the S3-compatible store the jobs write to."""
 RELEASE = "ravnest"
 SYSTEM_NS = "ravnest-e2e-system"
 JOBS_NS = "ravnest-e2e"
@@ -167,8 +169,90 @@ def ensure_byo_image(cluster: Cluster) -> None:
     if build.returncode != 0:
         pytest.fail(f"docker build of {BYO_IMAGE} exited {build.returncode}:\n"
                     f"{build.stderr[-3000:]}")
-    load = subprocess.run(["bash", str(ROOT / "scripts" / "local-cluster"), "import", BYO_IMAGE],
+    _import(BYO_IMAGE)
+
+
+def ensure_minio_image(cluster: Cluster) -> None:
+    """The MinIO image on the cluster's node: scripts/k8s-tools' build of the binary, alone in an
+    image FROM scratch, built offline and imported into the local cluster's containerd (a
+    cluster given by kubeconfig must have it already: scripts/kind-e2e builds and loads it)."""
+    if not cluster.local:
+        return
+    binary = BIN / "minio"
+    if not binary.is_file():
+        pytest.fail(f"no MinIO binary at {binary}: run scripts/k8s-tools")
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy2(binary.resolve(), Path(tmp) / "minio")
+        shutil.copy2(ROOT / "tests" / "e2e" / "minio" / "Dockerfile", Path(tmp) / "Dockerfile")
+        build = subprocess.run(["docker", "build", "--network", "none", "-q", "-t", MINIO_IMAGE,
+                                tmp], capture_output=True, text=True, timeout=600)
+    if build.returncode != 0:
+        pytest.fail(f"docker build of {MINIO_IMAGE} exited {build.returncode}:\n"
+                    f"{build.stderr[-3000:]}")
+    _import(MINIO_IMAGE)
+
+
+def _import(image: str) -> None:
+    load = subprocess.run(["bash", str(ROOT / "scripts" / "local-cluster"), "import", image],
                           capture_output=True, text=True, timeout=1800)
     if load.returncode != 0:
-        pytest.fail(f"scripts/local-cluster import {BYO_IMAGE} exited {load.returncode}:\n"
+        pytest.fail(f"scripts/local-cluster import {image} exited {load.returncode}:\n"
                     f"{load.stderr[-3000:]}")
+
+
+def minio_objects(user: str, password: str) -> list[dict[str, Any]]:
+    """A MinIO server in JOBS_NS (Service `minio`, port 9000) on an emptyDir, hardened as the
+    job's pods are, and the Secret with its credentials under the names the jobs read."""
+    labels = {"app.kubernetes.io/name": "minio"}
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-credentials"},
+              "stringData": {"AWS_ACCESS_KEY_ID": user, "AWS_SECRET_ACCESS_KEY": password}}
+    env = [{"name": "MINIO_ROOT_USER", "valueFrom": {"secretKeyRef": {
+                "name": "s3-credentials", "key": "AWS_ACCESS_KEY_ID"}}},
+           {"name": "MINIO_ROOT_PASSWORD", "valueFrom": {"secretKeyRef": {
+                "name": "s3-credentials", "key": "AWS_SECRET_ACCESS_KEY"}}},
+           {"name": "MINIO_BROWSER", "value": "off"}]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "minio", "labels": labels},
+           "spec": {"securityContext": {"runAsNonRoot": True, "runAsUser": 10001,
+                                        "fsGroup": 10001,
+                                        "seccompProfile": {"type": "RuntimeDefault"}},
+                    "automountServiceAccountToken": False,
+                    "containers": [{
+                        "name": "minio", "image": MINIO_IMAGE, "env": env,
+                        "args": ["server", "/data", "--address", ":9000", "--certs-dir",
+                                 "/data/.certs"],
+                        "ports": [{"containerPort": 9000}],
+                        "readinessProbe": {"httpGet": {"path": "/minio/health/ready",
+                                                       "port": 9000}, "periodSeconds": 2},
+                        "securityContext": {"allowPrivilegeEscalation": False,
+                                            "readOnlyRootFilesystem": True,
+                                            "capabilities": {"drop": ["ALL"]}},
+                        "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
+                    "volumes": [{"name": "data", "emptyDir": {}}]}}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "minio"},
+               "spec": {"selector": labels, "ports": [{"port": 9000, "targetPort": 9000}]}}
+    return [secret, pod, service]
+
+
+def run_pod(cluster: Cluster, name: str, image: str, script: str,
+            env: list[dict[str, Any]], timeout: float = 300) -> str:
+    """Run `python -c script` once in a pod of `image` in JOBS_NS; its log, or a failed test
+    with the log when it fails."""
+    cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+                   "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False,
+                            "securityContext": {"runAsNonRoot": True,
+                                                "seccompProfile": {"type": "RuntimeDefault"}},
+                            "containers": [{
+                                "name": "main", "image": image, "env": env,
+                                "command": ["python", "-c", script],
+                                "securityContext": {"allowPrivilegeEscalation": False,
+                                                    "capabilities": {"drop": ["ALL"]}}}]}})
+
+    def done() -> str | None:
+        phase = ((cluster.get("pod", name) or {}).get("status") or {}).get("phase")
+        return phase if phase in ("Succeeded", "Failed") else None
+
+    phase = cluster.wait_for(f"pod {name} to finish", done, timeout)
+    log = cluster.kubectl("logs", "-n", JOBS_NS, name, check=False).stdout
+    if phase != "Succeeded":
+        pytest.fail(f"pod {name} failed:\n{log[-3000:]}")
+    return log

@@ -4,13 +4,16 @@ In order: the operator becomes Ready and `helm test` passes; the digits example 
 providers shrunk to fit one node, see `digits_doc`) trains to >= 95% validation accuracy with its
 pods scheduled by the scheduler and run from our image by the kubelet, finding each other through
 the headless Service's DNS names; a worker pod deleted mid-run makes the job restart from its
-checkpoint and still succeed; a model of the user's own, from a user image FROM ours, trains; `helm
-uninstall` and deleting the namespaces leave nothing behind.
+checkpoint and still succeed; a model of the user's own, from a user image FROM ours, trains with
+its checkpoints and outputs on an S3 store (MinIO, in the cluster) and is fetched back from it;
+`helm uninstall` and deleting the namespaces leave nothing behind.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,9 @@ from e2e_cluster import (
     TIMINGS,
     Cluster,
     ensure_byo_image,
+    ensure_minio_image,
+    minio_objects,
+    run_pod,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,12 +214,52 @@ def test_deleted_worker_pod_restarts_job_from_checkpoint(cluster: Cluster, relea
                         "--wait=true", timeout=120, check=False)
 
 
+S3 = f"http://minio.{JOBS_NS}:9000"
+S3_ENV = [*({"name": key, "valueFrom": {"secretKeyRef": {"name": "s3-credentials", "key": key}}}
+            for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")),
+          {"name": "S3_ENDPOINT", "value": S3}]
+FETCH = """
+import io, json, os, s3fs, torch
+from spirals.data import datasets
+from spirals.model import build
+fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": os.environ["S3_ENDPOINT"],
+                                      "region_name": "us-east-1"})
+model = build()
+model.load_state_dict(torch.load(io.BytesIO(fs.cat_file("models/spirals/model.pt")),
+                                 weights_only=True))
+model.eval()
+_, val = datasets()
+with torch.no_grad():
+    accuracy = (model(val.tensors[0]).argmax(1) == val.tensors[1]).float().mean().item()
+print(json.dumps({"accuracy": accuracy, "files": sorted(fs.ls("models/spirals"))}))
+"""
+
+
+def _start_minio(cluster: Cluster) -> None:
+    """MinIO in the jobs' namespace and a bucket `models` in it, as a user's S3 store."""
+    ensure_minio_image(cluster)
+    for obj in minio_objects("ravnest-e2e", secrets.token_hex(16)):
+        cluster.apply(obj)
+
+    def ready() -> bool:
+        pod = cluster.get("pod", "minio") or {}
+        return any(c["type"] == "Ready" and c["status"] == "True"
+                   for c in (pod.get("status") or {}).get("conditions") or [])
+    cluster.wait_for("minio Ready", ready, 180)
+    run_pod(cluster, "make-bucket", BYO_IMAGE, "import os, s3fs; s3fs.S3FileSystem(client_kwargs="
+            "{'endpoint_url': os.environ['S3_ENDPOINT'], 'region_name': 'us-east-1'})"
+            ".mkdir('models')", S3_ENV)
+
+
 def test_your_own_model_trains_from_its_own_image(cluster: Cluster, release: str):
     """A model and dataset that exist nowhere in our image (tests/e2e/byo: an MLP telling three
     spiral arms apart), installed in a user image FROM ours and named in spec.image: the planner
     pod and the workers run that image, the operator (which cannot even import the package) plans
-    nothing itself, and the job trains to >= 95% validation accuracy."""
+    nothing itself, and the job trains to >= 95% validation accuracy. Its checkpoints and outputs
+    go to an S3 store (MinIO in the cluster), from which a pod of the user's image fetches the
+    trained model back and scores it."""
     ensure_byo_image(cluster)
+    _start_minio(cluster)
     doc = {"apiVersion": "ravnest.io/v1alpha1", "kind": "RavnestJob",
            "metadata": {"name": "spirals", "namespace": JOBS_NS},
            "spec": {"image": BYO_IMAGE,
@@ -223,6 +269,10 @@ def test_your_own_model_trains_from_its_own_image(cluster: Cluster, release: str
                     "training": {"epochs": 4, "criterion": {"name": "CrossEntropyLoss"},
                                  "optimizer": {"name": "Adam", "params": {"lr": 0.003}}},
                     "plan": {"clusters": 1},
+                    "checkpoint": {"path": "s3://models/spirals/checkpoints"},
+                    "output": {"uri": "s3://models/spirals"},
+                    "storage": {"s3": {"endpointUrl": S3, "region": "us-east-1",
+                                       "credentialsSecret": "s3-credentials"}},
                     "providers": [{"ram": 1, "bandwidth": 1000, "compute": 0.1,
                                    "replicas": 2}]}}
     cluster.apply(doc)
@@ -232,10 +282,20 @@ def test_your_own_model_trains_from_its_own_image(cluster: Cluster, release: str
     st = status_of(cluster, "spirals")
     assert st["progress"]["validationMetric"] >= 0.95, st["progress"]
     assert st["plan"]["summary"] == "1x2", st["plan"]
-    pods = cluster.get("pods", selector="ravnest.io/job=spirals,"
-                                        "app.kubernetes.io/component=worker")["items"]
-    assert len(pods) == 2
+    conds = {c["type"]: c for c in st["conditions"]}
+    assert conds["DurableCheckpoints"]["reason"] == "ObjectStore"
+    assert conds["OutputsWritten"]["status"] == "True"
+    assert st["outputs"]["model"] == "s3://models/spirals/model.pt", st["outputs"]
+    pods = cluster.get("pods", selector="ravnest.io/job=spirals")["items"]
+    assert sorted(p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pods) == [
+        "finisher", "worker", "worker"]
     assert all(p["spec"]["containers"][0]["image"] == BYO_IMAGE for p in pods)
+    fetched = json.loads(run_pod(cluster, "fetch-model", BYO_IMAGE, FETCH, S3_ENV)
+                         .strip().splitlines()[-1])
+    assert fetched["accuracy"] >= 0.95
+    assert fetched["accuracy"] == pytest.approx(st["result"]["fused_val_metric"], abs=1e-6)
+    assert {f"models/spirals/{f}" for f in ("model.pt", "best_model.pt", "learning_curve.csv",
+            "learning_curve.png", "summary.json", "checkpoints")} <= set(fetched["files"])
     events = cluster.kubectl("get", "events", "-n", JOBS_NS, "-o",
                              "jsonpath={.items[*].message}").stdout
     assert "from pod spirals-planner" in events

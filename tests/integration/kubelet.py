@@ -6,7 +6,9 @@ and Secret volumes), and writes pod phase, IP and exit code back through the API
 would. Each pod gets its own loopback address (127.1.x.y), which also plays the headless
 Service's DNS: the worker's peer addresses are rewritten from DNS names to those addresses. The
 job's data volume is a folder per job and claim when it is a persistentVolumeClaim (shared, as a
-ReadWriteMany volume would be), and the pod's own when it is an emptyDir (gone with the pod).
+ReadWriteMany volume would be), and the pod's own when it is an emptyDir (gone with the pod); the
+claims of ``pvc://`` locations are folders per namespace and claim. Planner and finishing pods run
+`ravnest plan` / `ravnest finish` the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 
 from ravnest.run.metadata import TERMINATION_LOG_ENV, NodeMetadata
+from ravnest.storing import PVC_ROOT_ENV
 from ravnest_operator.resources import JOB_FILE, METADATA_DIR, dns_label
 
 MAX_PLANNERS = 2
@@ -133,16 +136,23 @@ class FakeKubelet(threading.Thread):
         container = p.spec.containers[0]
         pod_dir = self.workdir / "pods" / p.metadata.name / p.metadata.uid
         pod_dir.mkdir(parents=True, exist_ok=True)
-        if p.metadata.labels.get("app.kubernetes.io/component") == "planner":
+        component = p.metadata.labels.get("app.kubernetes.io/component")
+        if component == "planner":
             ip, mounted = self._planner_files(p, pod_dir)
+        elif component == "finisher":
+            ip, mounted = self._finisher_files(p, pod_dir), "node.json"
         else:
             ip, mounted = self._worker_files(p, job, pod_dir), "node.json"
-        env = {**os.environ, TERMINATION_LOG_ENV: str(pod_dir / "termination-log")}
+        # claims of pvc:// locations: one folder per namespace and claim, as a claim is
+        claims = self.workdir / p.metadata.namespace / "claims"
+        env = {**os.environ, TERMINATION_LOG_ENV: str(pod_dir / "termination-log"),
+               PVC_ROOT_ENV: str(claims)}
         for e in container.env or []:
             if e.value_from and e.value_from.secret_key_ref:
                 ref = e.value_from.secret_key_ref
                 secret = self.api.read_namespaced_secret(ref.name, p.metadata.namespace)
-                env[e.name] = base64.b64decode(secret.data[ref.key]).decode()
+                if ref.key in (secret.data or {}) or not ref.optional:
+                    env[e.name] = base64.b64decode(secret.data[ref.key]).decode()
             elif e.value is not None:
                 env[e.name] = e.value
         args = [a.replace(f"{METADATA_DIR}/{mounted}", str(pod_dir / mounted))
@@ -183,6 +193,14 @@ class FakeKubelet(threading.Thread):
                     meta = replace(meta, tls_dir=str(folder))
         meta.save(pod_dir / "node.json")
         return ip
+
+    def _finisher_files(self, p: Any, pod_dir: Path) -> str:
+        """A finishing pod's node metadata (the cluster-0 root's, from its ConfigMap) with an
+        output folder of its own; it serves nothing, so it needs no address of its own."""
+        meta = NodeMetadata.from_dict(json.loads(self._configmap_of(p)["node.json"]))
+        (pod_dir / "data").mkdir(exist_ok=True)
+        replace(meta, output_dir=str(pod_dir / "data")).save(pod_dir / "node.json")
+        return "127.0.0.1"
 
     def _configmap_of(self, p: Any) -> dict[str, str]:
         """The data of the ConfigMap the pod mounts (its node metadata, or a planner's job)."""

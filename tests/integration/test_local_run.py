@@ -13,22 +13,14 @@ import pytest
 import torch
 import yaml
 from processes import pids_with
+from scoring import digits_accuracy as accuracy_of
 
 from ravnest import SpecError, WorkerFailed, parse_job, run_job
-from ravnest.examples.digits import build_model, datasets
+from ravnest.examples.digits import build_model
 from ravnest.run.local import lock_folder
 from ravnest.train.fusing import fuse_stage_files
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def accuracy_of(state_dict) -> float:
-    model = build_model()
-    model.load_state_dict(state_dict)
-    model.eval()
-    _, val = datasets()
-    with torch.no_grad():
-        return (model(val.tensors[0]).argmax(1) == val.tensors[1]).float().mean().item()
 
 
 def test_readme_command_trains_digits(tmp_path):

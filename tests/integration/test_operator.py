@@ -4,17 +4,22 @@ operator creates runs as a real worker process."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import s3fs
+import torch
 from operator_harness import apply, get, job_doc, kctl, operator_cluster, phase_of, wait_for
+from scoring import digits_accuracy
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +188,53 @@ def test_killed_worker_restarts_from_checkpoint(cluster, tmp_path):
     assert resumed and resumed[0] >= 20  # did not start over
     assert status["result"]["updates"] == 88
     assert status["progress"]["validationMetric"] >= 0.95
+
+
+def test_a_job_on_s3_resumes_from_the_bucket_and_hands_back_its_model(cluster, tmp_path,
+                                                                     s3_server):
+    """Checkpoints and outputs on a real S3 store (MinIO): the pods' own data volumes are
+    emptyDirs, so after a worker is killed the restarted pods can only resume from the bucket;
+    on success a finishing pod writes the model there and status.outputs says where."""
+    kube, kubelet, operator = cluster
+    bucket = f"op-{uuid.uuid4().hex[:12]}"
+    s3_server.make_bucket(bucket)
+    kctl(kube, "create", "secret", "generic", "s3-creds",
+         f"--from-literal=AWS_ACCESS_KEY_ID={s3_server.access_key}",
+         f"--from-literal=AWS_SECRET_ACCESS_KEY={s3_server.secret_key}")
+    doc = job_doc("stored", epochs=4,
+                  checkpoint={"path": f"s3://{bucket}/ckpt", "everySteps": 10},
+                  output={"uri": f"s3://{bucket}/out"},
+                  storage={"s3": {"endpointUrl": s3_server.endpoint_url, "region": "us-east-1",
+                                  "credentialsSecret": "s3-creds"}})
+    assert apply(kube, doc, tmp_path).returncode == 0
+    _kill_when(kube, kubelet, operator, "stored", "stored-node-3", 30)
+    wait_for("stored to succeed", lambda: phase_of(kube, "stored") == "Succeeded", 500, kube,
+             operator)
+    status = get(kube, "rj", "stored")["status"]
+    assert status["restarts"] == 1
+    conds = {c["type"]: c for c in status["conditions"]}
+    assert (conds["DurableCheckpoints"]["status"], conds["DurableCheckpoints"]["reason"]) == (
+        "True", "ObjectStore")
+    resumed = [int(line.split("at step ")[1].split()[0])
+               for line in kubelet.log_of("stored-node-0").splitlines()
+               if "resumed from checkpoint at step" in line]
+    assert resumed and resumed[0] >= 20  # from the bucket: each pod's emptyDir was new
+    assert kubelet.started[-1] == "stored-finish"
+    assert "Traceback" not in kubelet.log_of("stored-finish")
+    assert status["outputs"]["model"] == f"s3://{bucket}/out/model.pt"
+    assert status["outputs"]["learningCurvePng"] == f"s3://{bucket}/out/learning_curve.png"
+    assert conds["OutputsWritten"]["status"] == "True"
+    fs = s3fs.S3FileSystem(**s3_server.storage_options(), skip_instance_cache=True)
+    model = torch.load(io.BytesIO(fs.cat_file(f"{bucket}/out/model.pt")), weights_only=True)
+    accuracy = digits_accuracy(model)
+    assert accuracy >= 0.95
+    assert accuracy == pytest.approx(status["result"]["fused_val_metric"], abs=1e-6)
+    summary = json.loads(fs.cat_file(f"{bucket}/out/summary.json"))
+    assert summary["updates"] == status["result"]["updates"] == 88
+    env = {**os.environ, "KUBECONFIG": str(kube.kubeconfig)}
+    shown = subprocess.run([sys.executable, "-m", "ravnest", "status", "stored", "--kube"],
+                           capture_output=True, text=True, env=env, timeout=60)
+    assert f"model: s3://{bucket}/out/model.pt" in shown.stdout, shown.stdout
 
 
 def test_backoff_limit_zero_fails_naming_pod_and_exit_code(cluster, tmp_path):

@@ -16,19 +16,11 @@ import pytest
 import s3fs
 import torch
 import yaml
+from scoring import digits_accuracy
 
 from ravnest import parse_job, run_job
 from ravnest.errors import SpecError
-from ravnest.examples.digits import build_model, datasets
-
-
-def _accuracy(state) -> float:
-    model = build_model()
-    model.load_state_dict(state)
-    model.eval()
-    _, val = datasets()
-    with torch.no_grad():
-        return (model(val.tensors[0]).argmax(1) == val.tensors[1]).float().mean().item()
+from ravnest.examples.digits import build_model
 
 
 @pytest.fixture
@@ -65,7 +57,7 @@ def test_checkpoints_and_outputs_go_to_s3_and_another_machine_resumes_there(
     model = torch.load(io.BytesIO(fs.cat_file(f"{bucket}/models/digits/model.pt")),
                        weights_only=True)
     assert list(model) == list(build_model().state_dict())
-    assert _accuracy(model) == pytest.approx(summary["fused_val_metric"], abs=1e-6)
+    assert digits_accuracy(model) == pytest.approx(summary["fused_val_metric"], abs=1e-6)
     assert summary["fused_val_metric"] >= 0.9
     assert fs.cat_file(f"{bucket}/models/digits/learning_curve.png")[:8] == b"\x89PNG\r\n\x1a\n"
     steps = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/ckpt/digits"))

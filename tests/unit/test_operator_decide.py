@@ -266,15 +266,32 @@ def test_a_job_says_whether_a_restart_keeps_its_progress(digits):
         "pods deleted; resumes from the last checkpoint"
 
 
+MOUNTED = {"spec": {"volumes": [{"name": "keep", "persistentVolumeClaim": {"claimName": "c"}},
+                               {"name": "scratch", "emptyDir": {}}],
+                   "containers": [{"volumeMounts": [{"name": "keep", "mountPath": "/keep"},
+                                                    {"name": "scratch", "mountPath": "/scratch"}
+                                                    ]}]}}
+
+
 @pytest.mark.parametrize(("path", "reason"), [("s3://bucket/ckpt", "ObjectStore"),
-                                              ("pvc://claim/ckpt", "Claim")])
+                                              ("pvc://claim/ckpt", "Claim"),
+                                              ("/keep/ckpt", "Volume")])
 def test_checkpoints_on_an_object_store_or_a_claim_outlive_the_pods(digits, path, reason):
     status = {"phase": "Created", "conditions": [_cond("Created")]}
-    d = decide(_observed(digits, status, checkpoint={"path": path}), NOW, SETTINGS)
+    d = decide(_observed(digits, status, checkpoint={"path": path}, template=MOUNTED), NOW,
+               SETTINGS)
     cond = _conditions(d)["DurableCheckpoints"]
     assert (cond["status"], cond["reason"], cond["message"]) == (
         "True", reason, f"checkpoints go to {path}")
     assert d.actions == []
+
+
+@pytest.mark.parametrize("path", ["/scratch/ckpt", "/keeper/ckpt", "keep/ckpt"])
+def test_a_path_not_on_a_kept_volume_of_the_template_is_not_durable(digits, path):
+    status = {"phase": "Created", "conditions": [_cond("Created")]}
+    d = decide(_observed(digits, status, checkpoint={"path": path}, template=MOUNTED), NOW,
+               SETTINGS)
+    assert _conditions(d)["DurableCheckpoints"]["reason"] == "EmptyDir"
 
 
 @pytest.mark.parametrize(("code", "reason", "message", "says"), [
@@ -589,7 +606,8 @@ def test_success_records_the_roots_result(digits):
                                     "validationLoss": 0.2, "validationMetric": 0.97,
                                     "display": "66/66"}
     conds = _conditions(d)
-    assert conds["Succeeded"]["message"] == "validation metric 0.97"
+    assert conds["Succeeded"]["message"] == \
+        "validation metric 0.97; no spec.output.uri, so the trained model was not kept"
     assert conds["Running"]["status"] == "False" and conds["Running"]["reason"] == "Completed"
     assert d.actions == [Event("Succeeded", json.dumps(result)),
                          CountFinished("Running", "Succeeded", _ago(100))]
@@ -602,9 +620,74 @@ def test_success_without_a_result_and_clean_pod_policy_all(digits):
                      runPolicy={"cleanPodPolicy": "All"})
     d = decide(seen, NOW, SETTINGS)
     assert "result" not in d.status and d.status["progress"] == {"step": 5}
-    assert _conditions(d)["Succeeded"]["message"] == "validation metric None"
+    assert _conditions(d)["Succeeded"]["message"].startswith("validation metric None;")
     assert d.actions[0] == Event("Succeeded", "{}")
     assert d.actions[2:] == [DeletePod(p["metadata"]["name"]) for p in pods]
+
+
+OUTPUT = {"uri": "s3://models/digits"}
+
+
+def _finisher(phase: str, code: int | None = None, message: str = "", reason: str | None = None,
+              created: str | None = None) -> dict:
+    status: dict[str, Any] = {"phase": phase}
+    if code is not None:
+        status["containerStatuses"] = [{"state": {"terminated": {
+            "exitCode": code, "reason": reason, "message": message}}}]
+    return {"metadata": {"name": "digits-finish", "creationTimestamp": created or _ago(10)},
+            "status": status}
+
+
+def test_with_an_output_uri_a_finishing_pod_writes_the_outputs_before_success(digits):
+    """Every worker done: the finishing pod (the job's image, its storage, no token) starts; the
+    job is Finishing until it hands back where the outputs are, then Succeeded saying so."""
+    _, _, plan = digits
+    pods = _pods(plan, "Succeeded", code=0)
+    d = decide(_observed(digits, _running(), pods, output=OUTPUT), NOW, SETTINGS)
+    assert d.status["phase"] == "Finishing"
+    created = [a.manifest for a in d.actions if isinstance(a, Create)]
+    assert [b["metadata"]["name"] for b in created] == ["digits-finish"]
+    container = created[0]["spec"]["containers"][0]
+    assert container["args"][0] == "finish" and created[0]["spec"][
+        "automountServiceAccountToken"] is False
+    assert _conditions(d)["OutputsWritten"]["status"] == "False"
+
+    d = decide(_observed(digits, {**_running(), "phase": "Finishing"},
+                         [*pods, _finisher("Running")], output=OUTPUT), NOW, SETTINGS)
+    assert d.status["phase"] == "Finishing" and not any(isinstance(a, Create) for a in d.actions)
+
+    outputs = {"uri": "s3://models/digits", "model": "s3://models/digits/model.pt",
+               "summary": "s3://models/digits/summary.json", "evil": "x"}
+    message = json.dumps({"outputs": outputs, "fused_val_metric": 0.96, "seconds": "no"})
+    d = decide(_observed(digits, {**_running(), "phase": "Finishing"},
+                         [*pods, _finisher("Succeeded", 0, message)], output=OUTPUT),
+               NOW, SETTINGS)
+    assert d.status["phase"] == "Succeeded"
+    assert d.status["outputs"] == {k: v for k, v in outputs.items() if k != "evil"}
+    assert d.status["result"]["fused_val_metric"] == 0.96 and "seconds" not in d.status["result"]
+    conds = _conditions(d)
+    assert conds["OutputsWritten"]["status"] == "True"
+    assert conds["Succeeded"]["message"].endswith("outputs in s3://models/digits")
+
+
+@pytest.mark.parametrize(("finisher", "says"), [
+    (_finisher("Failed", 1, "StorageError: cannot write s3://models/digits/model.pt: denied",
+               "Error"),
+     "finishing pod digits-finish failed with exit code 1 (Error): StorageError: cannot write"),
+    (_finisher("Failed", 137, "", "OOMKilled"),
+     "give it more memory in spec.output.resources"),
+    (_finisher("Succeeded", 0, "not json"), "finishing pod digits-finish handed back no outputs"),
+    (_finisher("Pending", created=_ago(1801)),
+     "did not finish within spec.output.timeoutSeconds=1800 (Pending)"),
+])
+def test_outputs_that_cannot_be_written_fail_the_job_saying_why(digits, finisher, says):
+    _, _, plan = digits
+    pods = [*_pods(plan, "Succeeded", code=0), finisher]
+    d = decide(_observed(digits, {**_running(), "phase": "Finishing"}, pods, output=OUTPUT),
+               NOW, SETTINGS)
+    assert d.status["phase"] == "Failed"
+    failed = _conditions(d)["Failed"]
+    assert failed["reason"] == "OutputsFailed" and says in failed["message"], failed["message"]
 
 
 @pytest.mark.parametrize("phase", ["Succeeded", "Failed"])

@@ -145,7 +145,7 @@ def test_the_reserved_names_are_the_ones_the_operator_uses():
             assert path in RESERVED_MOUNTS or path.rsplit("/", 1)[0] == storing.PVC_ROOT, path
 
 
-def test_workers_reach_the_jobs_storage_and_the_planner_does_not():
+def test_workers_and_the_planner_reach_the_jobs_storage():
     """s3:// credentials come from the named Secret (the operator never reads it); each claim
     named by a pvc:// location is mounted once where the worker resolves it."""
     from ravnest import storing
@@ -163,9 +163,10 @@ def test_workers_reach_the_jobs_storage_and_the_planner_does_not():
     assert claims == [{"name": "claim-0", "persistentVolumeClaim": {"claimName": "ckpt"}}]
     assert {"name": "claim-0", "mountPath": f"{storing.PVC_ROOT}/ckpt"} in \
         worker["containers"][0]["volumeMounts"]
+    # the planner checks it can write them before any worker starts: the same storage
     planner = resources.planner_pod(OWNER, job, "ravnest:test")["spec"]
-    assert not any(e["name"].startswith("AWS_") for e in planner["containers"][0].get("env", []))
-    assert not any("persistentVolumeClaim" in v for v in planner["volumes"])
+    assert planner["containers"][0]["env"] == worker["containers"][0]["env"][-3:]
+    assert [v for v in planner["volumes"] if "persistentVolumeClaim" in v] == claims
 
 
 def test_a_template_may_not_mount_where_the_claims_go():
@@ -174,3 +175,25 @@ def test_a_template_may_not_mount_where_the_claims_go():
     with pytest.raises(SpecError, match="is mounted by the operator"):
         _job({"spec": {"containers": [{"volumeMounts": [
             {"name": "x", "mountPath": f"{storing.PVC_ROOT}/ckpt"}]}]}})
+
+
+def test_the_finishing_pod_reads_the_roots_metadata_with_the_workers_hardening():
+    job = _job(TEMPLATE, output={"uri": "pvc://models/digits", "resources": {
+        "limits": {"memory": "8Gi"}}}, storage={"s3": {"credentialsSecret": "s3-creds"}})
+    plan = plan_job(job)[0]
+    pod = resources.finisher_pod(OWNER, job, plan, "ravnest:test")
+    worker = resources.pod(OWNER, job, plan, plan.nodes[0], "ravnest:test")
+    spec, container = pod["spec"], pod["spec"]["containers"][0]
+    assert pod["metadata"]["name"] == "digits-finish"
+    assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "finisher"
+    assert container["args"] == ["finish", "--metadata", "/etc/ravnest/node.json"]
+    root = resources.pod_name("digits", plan.clusters[0].nodes[0])
+    assert {"name": "node-metadata", "configMap": {"name": root}} in spec["volumes"]
+    assert {"name": "claim-0", "persistentVolumeClaim": {"claimName": "models"}} in spec["volumes"]
+    assert spec["automountServiceAccountToken"] is False and spec["restartPolicy"] == "Never"
+    assert spec["securityContext"] == worker["spec"]["securityContext"]
+    assert container["securityContext"] == worker["spec"]["containers"][0]["securityContext"]
+    assert [e["name"] for e in container["env"] if e["name"].startswith("AWS_")] == [
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"]
+    assert container["resources"] == {"limits": {"memory": "8Gi"}}  # the template's are workers'
+    assert spec["activeDeadlineSeconds"] == 1800

@@ -141,3 +141,19 @@ def test_a_corrupt_remote_step_is_set_aside_and_the_one_before_used(memory):
     assert checkpointing.latest(memory, nodes) == 10
     assert sorted(memory.folders()) == ["corrupt-step-00000020", "step-00000010"]
     assert memory.child("corrupt-step-00000020").read("node_0.pt") == b"truncated"
+
+
+def test_a_planner_checks_the_locations_that_outlive_the_pods(tmp_path, digits_doc):
+    from ravnest.plan.building import probe_storage
+
+    digits_doc["spec"]["checkpoint"] = {"path": "pvc://ckpt/digits"}
+    digits_doc["spec"]["output"] = {"uri": "relative/not/probed"}
+    spec = parse_job(digits_doc).spec
+    probe_storage(spec, str(tmp_path / "pvc"))
+    assert (tmp_path / "pvc" / "ckpt" / "digits").is_dir()
+    assert list((tmp_path / "pvc" / "ckpt" / "digits").iterdir()) == []  # the probe is gone
+    assert not (tmp_path / "relative").exists()
+    (tmp_path / "file").write_text("a file where the claims should be")
+    with pytest.raises(SpecError, match=r"spec\.checkpoint\.path: 'pvc://ckpt/digits' is not "
+                                        r"writable"):
+        probe_storage(spec, str(tmp_path / "file"))

@@ -51,7 +51,9 @@ def _run(args: argparse.Namespace) -> int:
     print(f"done: {summary['updates']} updates, {speed}, "
           f"train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}"
           + (f", val accuracy {metric:.4f}" if metric is not None else ""))
-    print(f"outputs in {out}/ (model.pt, best_model.pt, learning_curve.csv, summary.json)")
+    where = summary["model"].rsplit("/", 1)[0]
+    print(f"outputs in {where}/ (model.pt, best_model.pt, learning_curve.csv and .png, "
+          f"summary.json); run folder {out}/")
     return 0
 
 
@@ -69,15 +71,18 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _plan_pod(job_file: str) -> int:
-    """A planner pod's work: plan the job, leave the plan (or what went wrong) as the container's
-    termination message for the operator, and show the table in the pod's log."""
-    from ravnest.plan.building import preflight
+    """A planner pod's work: plan the job, check it can write the storage its checkpoints and
+    outputs name, leave the plan (or what went wrong) as the container's termination message for
+    the operator, and show the table in the pod's log."""
+    from ravnest.plan.building import preflight, probe_storage
     from ravnest.plan.handoff import encode
     from ravnest.spec import load_job
 
     message = Path(os.environ.get(TERMINATION_LOG_ENV, "/dev/termination-log"))
     try:
-        plan, _, _ = preflight(load_job(job_file))
+        job = load_job(job_file)
+        plan, _, _ = preflight(job)
+        probe_storage(job.spec, os.environ.get(PVC_ROOT_ENV, PVC_ROOT))
         message.write_text(encode(plan))
     except SpecError as e:
         message.write_text("invalid job: " + "; ".join(e.problems)[:4000])
@@ -137,6 +142,8 @@ def _status(args: argparse.Namespace) -> int:
     for cond in status.get("conditions") or []:
         if cond.get("status") == "True" and cond.get("message"):
             print(f"  {cond['type']}: {cond['message']}")
+    for key, where in (status.get("outputs") or {}).items():
+        print(f"  {'outputs' if key == 'uri' else key}: {where}")
     return 1 if status.get("phase") == "Failed" else 0
 
 
@@ -163,6 +170,31 @@ def _worker(args: argparse.Namespace) -> int:
     heap.tune(os.environ)
     Worker(NodeMetadata.load(args.metadata), token,
            pvc_root=os.environ.get(PVC_ROOT_ENV, PVC_ROOT)).run()
+    return 0
+
+
+def _finish(args: argparse.Namespace) -> int:
+    """A finishing pod's work (`ravnest finish --metadata node.json`): fuse the stages the workers
+    left in the job's output location and write the outputs there; its termination message says
+    where they are and the fused model's figures, or what went wrong."""
+    from ravnest.run import finishing
+
+    message = Path(os.environ.get(TERMINATION_LOG_ENV, "/dev/termination-log"))
+    try:
+        meta = NodeMetadata.load(args.metadata)
+        if meta.job is None:
+            raise SpecError([f"{args.metadata}: the node metadata names no job"])
+        where = finishing.output_location(meta.job.spec, meta.output_dir,
+                                          os.environ.get(PVC_ROOT_ENV, PVC_ROOT))
+        summary = finishing.finish(meta.job, meta.plan, where)
+    except Exception as e:  # the job's code or the storage failed: say what; traceback in the log
+        message.write_text(f"{type(e).__name__}: {e}"[:4000])
+        raise
+    handed = {"outputs": finishing.outputs(where, summary),
+              **{k: summary[k] for k in ("fused_val_loss", "fused_val_metric", "samples_per_second",
+                                         "seconds", "resumed_from_step")}}
+    message.write_text(json.dumps(handed, separators=(",", ":"))[:4000])
+    print(json.dumps(summary, indent=1))
     return 0
 
 
@@ -198,6 +230,10 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--metadata", required=True, help="node metadata JSON file")
     w.add_argument("--token-file", help=f"file with the job token (default: ${TOKEN_ENV})")
     w.set_defaults(func=_worker)
+    f = sub.add_parser("finish", help="as a finishing pod: fuse a trained job's stages and "
+                                      "write its outputs (model, curve, summary)")
+    f.add_argument("--metadata", required=True, help="node metadata JSON file")
+    f.set_defaults(func=_finish)
     return p
 
 

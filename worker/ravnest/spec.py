@@ -341,16 +341,17 @@ class CheckpointSpec(_Model):
 
     _path_form = field_validator("path")(_location)
 
-    @property
-    def durable(self) -> bool:
-        """Whether checkpoints outlive the pods: a mounted volume, an object store or a claim."""
-        return self.volume is not None or storing.is_durable(self.path)
-
 
 class OutputSpec(_Model):
     uri: str | None = None
     """Where the trained model, its learning curve and summary go: ``s3://bucket/prefix``,
-    ``pvc://claim/path`` or a path; locally, by default, the run's folder."""
+    ``pvc://claim/path`` or a path; locally, by default, the run's folder. On Kubernetes,
+    without one, nothing trained outlives the pods."""
+    resources: dict[str, Any] | None = None
+    """On Kubernetes, the finishing pod's resources (it holds the whole fused model); by default
+    those of the planner pod."""
+    timeout_seconds: int = Field(1800, gt=0, le=86400)
+    """On Kubernetes, how long the finishing pod may take before the job fails."""
 
     _uri_form = field_validator("uri")(_location)
 

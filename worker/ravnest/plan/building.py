@@ -29,7 +29,7 @@ from ravnest.plan.partitioning import Profile, profile
 from ravnest.plan.planning import make_plan
 from ravnest.plan.plans import Plan, ProviderInfo
 from ravnest.spec import Job, JobSpec
-from ravnest.storing import Location
+from ravnest.storing import Location, StorageError, is_durable, open_location
 
 
 def set_seed(seed: int) -> None:
@@ -222,6 +222,20 @@ def check_numbers(spec: JobSpec) -> None:
                         "samples")
     if problems:
         raise SpecError(problems)
+
+
+def probe_storage(spec: JobSpec, pvc_root: str) -> None:
+    """Write and delete a file in each location of the job that outlives its pods (an object
+    store or a claim: spec.checkpoint.path, spec.output.uri); a SpecError naming the field when
+    one cannot be written (what a planner pod checks before any worker starts)."""
+    for field, uri in (("spec.checkpoint.path", spec.checkpoint.path),
+                       ("spec.output.uri", spec.output.uri)):
+        if uri and is_durable(uri):
+            try:
+                where = open_location(uri, spec.storage.options(pvc_root))
+            except StorageError as e:
+                raise SpecError([f"{field}: {e}"]) from e
+            where.probe(field)
 
 
 def probe_writable(folder: Path, field: str) -> None:

@@ -147,6 +147,8 @@ class LocalRun:
         """The checkpoint step the run started from (0: from scratch)."""
         self.conditions: list[dict[str, str]] = []
         self._lock: int | None = None
+        self.outputs: dict[str, str] = {}
+        """Where `finish` wrote each output (status.json's outputs)."""
         self._started = time.monotonic()
 
     def prepare(self) -> list[NodeMetadata]:
@@ -331,14 +333,17 @@ class LocalRun:
             "display": f"{summary['updates']}/{summary['updates']}",
             "loss": summary["train_loss"], "validationLoss": summary["val_loss"],
             "validationMetric": summary["val_metric"],
-            "samplesPerSecond": summary["samples_per_second"]}, result=summary)
+            "samplesPerSecond": summary["samples_per_second"]}, result=summary,
+            outputs=self.outputs)
         return summary
 
     def finish(self, seconds: float) -> dict[str, Any]:
         """Fuse and write the outputs (`finishing`) in the job's output location."""
         assert self.plan is not None
         where = finishing.output_location(self.job.spec, self.out.resolve())
-        return finishing.finish(self.job, self.plan, where, seconds, self.resumed_from)
+        summary = finishing.finish(self.job, self.plan, where, seconds, self.resumed_from)
+        self.outputs = finishing.outputs(where, summary)
+        return summary
 
 
 def lock_folder(folder: Path) -> int:
