@@ -237,6 +237,30 @@ def test_a_job_on_s3_resumes_from_the_bucket_and_hands_back_its_model(cluster, t
     assert f"model: s3://{bucket}/out/model.pt" in shown.stdout, shown.stdout
 
 
+def test_a_job_on_a_claim_keeps_its_checkpoints_and_model_there(cluster, tmp_path):
+    """pvc:// locations: the pods mount the claim and resolve the path below it (the harness
+    kubelet's claims are folders per namespace and claim)."""
+    kube, kubelet, operator = cluster
+    doc = job_doc("claimed", epochs=2, checkpoint={"path": "pvc://store/ckpt/claimed"},
+                  output={"uri": "pvc://store/models/claimed"})
+    assert apply(kube, doc, tmp_path).returncode == 0
+    wait_for("claimed to succeed", lambda: phase_of(kube, "claimed") == "Succeeded", 400, kube,
+             operator)
+    status = get(kube, "rj", "claimed")["status"]
+    assert status["outputs"]["model"] == "pvc://store/models/claimed/model.pt"
+    conds = {c["type"]: c for c in status["conditions"]}
+    assert conds["DurableCheckpoints"]["reason"] == "Claim"
+    claim = kubelet.workdir / "default" / "claims" / "store"
+    model = torch.load(claim / "models" / "claimed" / "model.pt", weights_only=True)
+    assert digits_accuracy(model) == pytest.approx(status["result"]["fused_val_metric"],
+                                                   abs=1e-6)
+    steps = sorted(p.name for p in (claim / "ckpt" / "claimed").iterdir())
+    assert steps and steps[-1] == f"step-{status['result']['updates']:08d}"
+    worker = get(kube, "pod", "claimed-node-0")["spec"]
+    assert {"name": "claim-0", "persistentVolumeClaim": {"claimName": "store"}} in \
+        worker["volumes"]
+
+
 def test_backoff_limit_zero_fails_naming_pod_and_exit_code(cluster, tmp_path):
     kube, kubelet, operator = cluster
     doc = job_doc("fragile", epochs=4, runPolicy__backoffLimit=0)
