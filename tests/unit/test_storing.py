@@ -157,3 +157,27 @@ def test_a_planner_checks_the_locations_that_outlive_the_pods(tmp_path, digits_d
     with pytest.raises(SpecError, match=r"spec\.checkpoint\.path: 'pvc://ckpt/digits' is not "
                                         r"writable"):
         probe_storage(spec, str(tmp_path / "file"))
+
+
+class _PrunedWhileRead(Location):
+    """A checkpoint folder in which another node is pruning step 20 while this one checks it (the
+    race a reader of a live folder meets): its first read there finds the state file deleted."""
+
+    def child(self, name: str) -> Location:
+        return _PrunedWhileRead(self.fs, self.path(name), f"{self.uri}/{name}")
+
+    def read(self, name: str) -> bytes:
+        pruned = f"{self.root}/node_0.pt"
+        if self.root.endswith("step-00000020") and self.fs.exists(pruned):
+            self.fs.rm(pruned)
+        return super().read(name)
+
+
+def test_a_step_pruned_while_it_is_checked_is_passed_over_not_set_aside(memory):
+    """Found by test_faults: a reader took a step another node was pruning for corrupt and set
+    it aside (and the one before, pruned too), so it found no checkpoint at all."""
+    for step in (10, 20):
+        checkpointing.save(memory, step, "node_0", _state(step))
+    racing = _PrunedWhileRead(memory.fs, memory.root, memory.uri)
+    assert checkpointing.latest(racing, ["node_0"]) == 10
+    assert "corrupt-step-00000020" not in memory.folders()

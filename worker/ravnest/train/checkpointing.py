@@ -8,10 +8,11 @@ resumable when it is complete for every node of the plan and every node's file o
 resume from the newest such step, so they always agree. A step whose files are all there but do not
 match their checksums (truncated, corrupted) or do not load (garbage whose checksum was rewritten to
 match) is logged and set aside as ``corrupt-step-…`` (kept for inspection, never deleted as good
-data), and the one before is used. A folder holding checkpoints of another plan is refused
-(`ForeignCheckpoint`), never loaded: its state would not fit this plan's stages, and starting over
-in it would overwrite them. Old steps, and set-aside ones, are pruned only below the newest
-resumable one.
+data), and the one before is used. A step whose files vanish while they are checked (another node
+pruned it, having written newer ones) is passed over, never set aside. A folder holding
+checkpoints of another plan is refused (`ForeignCheckpoint`), never loaded: its state would not
+fit this plan's stages, and starting over in it would overwrite them. Old steps, and set-aside
+ones, are pruned only below the newest resumable one.
 """
 
 from __future__ import annotations
@@ -60,10 +61,14 @@ def save(root: Where, step: int, node: str, state: dict[str, Any], plan: str = "
 
 
 def _problem(d: Location, node: str) -> str | None:
-    """Why `node`'s checkpoint in `d` cannot be used, or None when it matches its checksum."""
+    """Why `node`'s checkpoint in `d` cannot be used, or None when it matches its checksum.
+    Raises FileNotFoundError when a file of it is gone: pruned or set aside by another node while
+    this one looked, which says nothing about its data."""
     try:
         digest = d.read(f"{node}.sha256").decode(errors="replace").strip()
         data = d.read(f"{node}.pt")
+    except FileNotFoundError:
+        raise
     except OSError as e:
         return f"cannot read {node}'s checkpoint: {e}"
     if hashlib.sha256(data).hexdigest() != digest:
@@ -72,6 +77,8 @@ def _problem(d: Location, node: str) -> str | None:
     source: Any = d.path(f"{node}.pt") if d.local else io.BytesIO(data)
     try:
         torch.load(source, map_location="cpu", weights_only=True, mmap=d.local)
+    except FileNotFoundError:
+        raise
     except Exception as e:  # torch.load raises any kind of error on garbage
         return f"{node}.pt does not load: {type(e).__name__}: {str(e)[:200]}"
     return None
@@ -137,7 +144,11 @@ def latest(root: Where, nodes: list[str], plan: str = "",
     refuse_other_plans(r, plan)
     for step in reversed(complete_steps(r, nodes)):
         d = r.child(_step(step))
-        problems = [p for n in nodes if (p := _problem(d, n)) is not None]
+        try:
+            problems = [p for n in nodes if (p := _problem(d, n)) is not None]
+        except FileNotFoundError as e:  # gone while checked (pruned by a node that moved on)
+            log.debug("checkpoint %s went away while it was checked (%s)", d, e)
+            continue
         if not problems:
             return step
         if not set_aside:
