@@ -154,6 +154,17 @@ def ensure_docker_image() -> None:
         context = test_image.build_context(Path(tmp) / "context", test_image.wheelhouse())
         test_image.docker_build(context, "--target", "builder", "--tag", f"{IMAGE}-builder")
         test_image.docker_build(context, "--tag", IMAGE, "--label", f"io.ravnest.source={source}")
+    prune_replaced()
+
+
+def prune_replaced() -> None:
+    """Delete the test images a rebuild left untagged (the builds' label, inherited by images
+    FROM ours): each is GBs, and a machine that rebuilds keeps every old one otherwise."""
+    sys.path.insert(0, str(ROOT / "tests" / "integration"))
+    import test_image
+
+    subprocess.run(["docker", "image", "prune", "--force", "--filter",
+                    f"label={test_image.LABEL}"], capture_output=True, text=True, timeout=600)
 
 
 def ensure_byo_image(cluster: Cluster) -> None:
@@ -169,6 +180,7 @@ def ensure_byo_image(cluster: Cluster) -> None:
     if build.returncode != 0:
         pytest.fail(f"docker build of {BYO_IMAGE} exited {build.returncode}:\n"
                     f"{build.stderr[-3000:]}")
+    prune_replaced()
     _import(BYO_IMAGE)
 
 
