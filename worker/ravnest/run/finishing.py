@@ -31,7 +31,7 @@ from ravnest.plan import building
 from ravnest.plan.plans import Plan
 from ravnest.spec import Job, JobSpec
 from ravnest.storing import PVC_ROOT, Location, open_location
-from ravnest.train.fusing import fuse_stage_files, ordered_like
+from ravnest.train.fusing import fuse_stages, load_stages, ordered_like
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,12 @@ def finish(job: Job, plan: Plan, where: Location, seconds: float | None = None,
     cluster 0's root recorded."""
     model = building.build_model(job.spec)
     reference = model.state_dict()
-    fused = ordered_like(fuse_stage_files(where.child(STAGES), 0), reference)
+    stages = load_stages(where.child(STAGES), 0)  # read once: fused twice, trained and best
+    fused = ordered_like(fuse_stages(stages), reference)
     _save(where, OUTPUTS["model"], fused)
     best = None
     try:
-        best = ordered_like(fuse_stage_files(where.child(STAGES), 0, "best"), reference)
+        best = ordered_like(fuse_stages(stages, "best"), reference)
         _save(where, OUTPUTS["bestModel"], best)
     except RavnestError as e:
         log.info("no best model: %s", e)
