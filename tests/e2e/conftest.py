@@ -4,8 +4,9 @@ RAVNEST_E2E_KUBECONFIG set: that cluster is used as it is (kind in a user's CI, 
 scripts/kind-e2e); the image RAVNEST_E2E_IMAGE (default ravnest-k8s:test) must already be on its
 nodes. Unset: the session brings up the local single-node cluster of scripts/local-cluster
 (etcd, kube-apiserver, controller-manager, scheduler, kube-proxy, kubelet + containerd + runc,
-CNI bridge, CoreDNS), importing the image from the local Docker Engine (built offline like
-tests/integration/test_image.py does when missing), and tears it down at the end.
+CNI bridge, CoreDNS), importing the image from the local Docker Engine (built offline by
+tests/project_image.py when missing, the same build as the image tier's), and tears it down
+at the end.
 
 Nothing here skips: a missing tool or a cluster that does not come up fails with the reason.
 """
@@ -34,7 +35,7 @@ from e2e_cluster import (
 
 
 @pytest.fixture(scope="session")
-def cluster() -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     given = os.environ.get("RAVNEST_E2E_KUBECONFIG")
     if given:
         if not Path(given).is_file():
@@ -46,7 +47,7 @@ def cluster() -> Iterator[Cluster]:
     if os.geteuid() != 0:
         pytest.fail("the local cluster (scripts/local-cluster) needs root; or set "
                     "RAVNEST_E2E_KUBECONFIG to a cluster's kubeconfig")
-    ensure_docker_image()
+    ensure_docker_image(tmp_path_factory.mktemp("image"))
     script = ROOT / "scripts" / "local-cluster"
     state = Path(os.environ.get("RAVNEST_CLUSTER_DIR", "/var/lib/ravnest-cluster"))
     start = time.monotonic()

@@ -3,12 +3,10 @@ kubectl and helm, waits with diagnostics, and the image in the local Docker Engi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -115,56 +113,24 @@ class Cluster:
             time.sleep(interval)
 
 
-def _source_digest() -> str:
-    """A digest of what goes into the image: the engine, the operator and how they are built."""
-    h = hashlib.sha256()
-    files = [ROOT / "Dockerfile", ROOT / "pyproject.toml",
-             *sorted(p for d in ("worker", "operator") for p in (ROOT / d).rglob("*")
-                     if p.is_file() and "__pycache__" not in p.parts)]
-    for path in files:
-        h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()[:32]
+def ensure_docker_image(log_dir: Path) -> None:
+    """The image in the local Docker Engine: the image tier's build of these sources, made here
+    when that tier did not run first (tests/project_image.py)."""
+    import project_image
 
-
-def ensure_docker_image() -> None:
-    """The image in the local Docker Engine; built offline (test_image.py's recipe) if missing."""
-    if shutil.which("docker") is None:
-        pytest.fail("no `docker` on PATH: run scripts/docker-engine (installs and starts Docker)")
-    info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=60)
-    if info.returncode != 0:
-        pytest.fail(f"the Docker Engine does not answer `docker info`: run scripts/docker-engine"
-                    f"\n{info.stderr[-2000:]}")
-    source = _source_digest()
-    have = subprocess.run(["docker", "image", "inspect", "-f",
-                           '{{index .Config.Labels "io.ravnest.source"}}', IMAGE],
-                          capture_output=True, text=True, timeout=60)
-    if have.returncode == 0 and have.stdout.strip() == source:
-        return  # built from these very sources (an older build would run older code)
-    sys.path.insert(0, str(ROOT / "tests" / "integration"))
-    import test_image  # the offline build: wheelhouse + debootstrap base, --network none
-
-    if IMAGE != test_image.IMAGE:
-        pytest.fail(f"{IMAGE} is not in the Docker Engine (only {test_image.IMAGE} is built here)")
-    if test_image.image_id(test_image.BASE_IMAGE) is None:
-        made = subprocess.run(["bash", str(ROOT / "scripts" / "docker-engine"), "--base"],
-                              capture_output=True, text=True, timeout=1800)
-        if made.returncode != 0:
-            pytest.fail(f"scripts/docker-engine --base failed:\n{made.stderr[-3000:]}")
-    with tempfile.TemporaryDirectory() as tmp:
-        context = test_image.build_context(Path(tmp) / "context", test_image.wheelhouse())
-        test_image.docker_build(context, "--target", "builder", "--tag", f"{IMAGE}-builder")
-        test_image.docker_build(context, "--tag", IMAGE, "--label", f"io.ravnest.source={source}")
-    prune_replaced()
+    if IMAGE != project_image.IMAGE:
+        project_image.check_engine()
+        if project_image.image_id(IMAGE) is None:
+            pytest.fail(f"{IMAGE} is not in the Docker Engine (only {project_image.IMAGE} is "
+                        "built here)")
+        return
+    project_image.ensure_image(log_dir)
 
 
 def prune_replaced() -> None:
-    """Delete the test images a rebuild left untagged (the builds' label, inherited by images
-    FROM ours): each is GBs, and a machine that rebuilds keeps every old one otherwise."""
-    sys.path.insert(0, str(ROOT / "tests" / "integration"))
-    import test_image
+    import project_image
 
-    subprocess.run(["docker", "image", "prune", "--force", "--filter",
-                    f"label={test_image.LABEL}"], capture_output=True, text=True, timeout=600)
+    project_image.prune_replaced()
 
 
 def ensure_byo_image(cluster: Cluster) -> None:
