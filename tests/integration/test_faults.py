@@ -3,6 +3,8 @@
 - `kill -9` of a root, a stem and a leaf at seeded random steps of one `ravnest run`: the runner
   restarts the job from its newest complete checkpoint (runPolicy.backoffLimit), the job finishes
   and reaches its accuracy target, and each kill repeats at most one checkpoint interval of work.
+- A stem frozen with SIGSTOP (silence, as a machine cut off): noticed by its neighbours in
+  seconds, the job restarts from its newest checkpoint and finishes.
 - A corrupted newest checkpoint: the next run says so and resumes from the one before.
 - One cluster cut off from the other (its workers in a network namespace whose veth drops every
   packet) during ring all-reduces, and one behind a slow link (a `tc tbf` rate limit on that veth):
@@ -12,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -161,6 +164,59 @@ def test_kill_9_of_root_stem_and_leaf_resumes_and_reaches_target(killed_run):
                for k, r in zip(kills, restarts, strict=True)]
     print(f"\nkills (victim, role, step reached, resumed from): {figures}; "
           f"accuracy {summary['fused_val_metric']:.4f}")
+
+
+def test_a_frozen_stem_is_noticed_in_seconds_and_the_run_resumes(tmp_path):
+    """SIGSTOP of a stem mid-run: its process neither answers nor exits, as a machine cut off
+    from the network or frozen, so nothing is refused and no connection is closed. Its pipeline
+    neighbours learn it is gone from their watch's unanswered pings within seconds (before, a
+    frame's delivery waited up to its 300 s timeout), stop, and the runner restarts the job from
+    the newest checkpoint; the run then finishes all its steps."""
+    doc = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
+    doc["spec"]["training"]["epochs"] = 2
+    doc["spec"]["checkpoint"] = {"everySteps": EVERY, "keep": 2}
+    doc["spec"]["runPolicy"] = {"backoffLimit": 1}
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "ravnest", "run", str(job), "-o", str(out), "--no-progress"]
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    frozen_pid = None
+    try:
+        _wait("node metadata", lambda: (out / "plan.txt").exists(), 120, run)
+        plan = json.loads(sorted((out / "nodes").glob("node_*.json"))[0].read_text())["plan"]
+        names = [n["name"] for n in plan["nodes"]]
+        stem = next(n["name"] for n in plan["nodes"] if n["role"] == "stem")
+        roots = [json.loads((out / "nodes" / f"{n['name']}.json").read_text())["metricsPort"]
+                 for n in plan["nodes"] if n["role"] == "root"]
+        _wait(f"checkpoint {EVERY}", lambda: (
+            checkpointing.latest(out / "checkpoints", names) or 0) >= EVERY, 300, run)
+        _wait(f"step {EVERY + 2}", lambda: min(_steps(roots) or [0]) >= EVERY + 2, 120, run)
+        frozen_pid = worker_pid(out / "nodes" / f"{stem}.json")
+        assert frozen_pid is not None, stem
+        os.kill(frozen_pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        # a generous bound (detection takes about 5 s): a run that waited out the frames'
+        # 300 s timeout fails it
+        _wait("the restart", lambda: json.loads(
+            (out / "status.json").read_text()).get("restarts") == 1, 90, run)
+        noticed = time.monotonic() - frozen
+        _, err = run.communicate(timeout=600)
+    finally:
+        if frozen_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen_pid, signal.SIGCONT)
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert run.returncode == 0, err[-3000:]
+    logs = "\n".join((out / "logs" / f"{n}.log").read_text() for n in names)
+    assert f"{stem} failed: it was lost: no answer from" in logs
+    assert "ping timeout" in logs  # its neighbours' watches went unanswered
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["updates"] == 2 * 22
+    print(f"\na frozen stem ({stem}) was noticed and the job restarted {noticed:.1f}s after "
+          f"SIGSTOP; accuracy {summary['fused_val_metric']:.4f}")
 
 
 def test_corrupt_newest_checkpoint_resumes_from_the_previous_one(killed_run):

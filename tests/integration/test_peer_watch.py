@@ -1,7 +1,8 @@
 """A node learns within seconds that a peer's process is gone: a real Server runs in a child
 process, the test process watches it through a Peer, and the child is killed (SIGKILL), stopped
 after the watch was told to expect it, or kept busy. A Peer to a killed server closes in seconds,
-failing what it had in flight, instead of waiting out its 300 s timeout.
+failing what it had in flight, instead of waiting out its 300 s timeout. A frozen child (SIGSTOP:
+silence, as a machine cut off from the network) is reported within seconds too.
 
 Timings are measured and printed; the bounds asserted (15 s) are generous against the 300 s the
 old PeerTimeout took, so a loaded machine does not fail them."""
@@ -9,6 +10,7 @@ old PeerTimeout took, so a loaded machine does not fail them."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -114,6 +116,27 @@ def test_a_killed_peer_is_reported_within_seconds(child: Child) -> None:
         watch.stop()
 
 
+def test_a_frozen_peer_is_reported_within_seconds(child: Child) -> None:
+    """SIGSTOP: the peer's process neither answers nor closes anything (its kernel still
+    accepts connections), as a machine cut off from the network or frozen. Its watch's pings go
+    unanswered, and every Check after that times out instead of being refused."""
+    watch = child.watch()
+    try:
+        os.kill(child.proc.pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        assert child.reported.wait(BOUND), f"no loss reported within {BOUND}s"
+        [(name, reason, when)] = child.lost
+        print(f"a frozen peer was reported lost after {when - frozen:.2f}s: {reason}")
+        assert name == "stage-1"
+        assert f"no answer from {child.peer.address} for" in reason
+        assert "since its connection broke" in reason
+        assert "ping timeout" in reason  # its watch's pings went unanswered
+        assert watch.lost == {"stage-1": reason}
+    finally:
+        watch.stop()
+        os.kill(child.proc.pid, signal.SIGCONT)
+
+
 def test_a_peer_that_was_expected_to_exit_is_not_reported(child: Child) -> None:
     watch = child.watch()
     try:
@@ -158,12 +181,13 @@ def test_closing_the_peer_ends_its_watch_without_a_report(child: Child) -> None:
 @pytest.mark.parametrize("child", [30.0], indirect=True)
 def test_a_busy_peer_is_not_reported_but_its_death_is(child: Child) -> None:
     """Every thread of the peer's server is held by a frame it takes 30 s to deliver, and more
-    frames wait: the watch says nothing for 6 s, then reports the peer once it is killed."""
+    frames wait: the watch says nothing for 10 s (longer than a silent peer takes to be
+    reported: its pings are answered), then reports the peer once it is killed."""
     watch = child.watch()
     try:
         for step in range(8):
             child.peer.post(Frame("forward", {"x": torch.ones(4)}, step=step))
-        time.sleep(6.0)
+        time.sleep(10.0)
         assert child.lost == []
         child.kill()
         assert child.reported.wait(BOUND)

@@ -11,7 +11,8 @@ the sending Peer and the receiving Inbox (inboxes.py) hands them on in that orde
 go as one unary call, larger ones streamed. The standard health service answers without a token
 (peers and probes Check readiness); its Watch streams hold none of the server's threads, which
 carry training's frames, and only a few may be open at once (watching.PeerWatch holds one per
-peer to learn in seconds that a peer's process is gone). A server listens on the address it is
+peer, on a connection of its own pinged every second, to learn in seconds that a peer's process
+is gone or its machine fell silent). A server listens on the address it is
 given and never shares a port; one it cannot take fails at once, saying why (`listen_error`).
 Closing a Peer fails, within its timeout, what it still had in flight to a peer that is gone.
 """
@@ -60,13 +61,32 @@ _GRPC_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+WATCH_KEEPALIVE_MS = 1_000
+WATCH_KEEPALIVE_TIMEOUT_MS = 2_000
+_WATCH_OPTIONS = [
+    ("grpc.keepalive_time_ms", WATCH_KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", WATCH_KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", WATCH_KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+]
+"""The channel a PeerWatch watches a peer's health on, its own connection: pinged every second,
+so that a peer that falls silent (its machine cut off or frozen: no connection refused, nothing
+at all) breaks the watch in 1 + 2 s (the ping timeout; gRPC's keepalive timeout alone did not
+end a stream whose peer was frozen). HTTP/2 pings are answered by gRPC's core, not by Python, so
+a peer busy computing still answers them; and no frame of training's shares the connection, so
+none delays an answer."""
 _SERVER_OPTIONS = [*_GRPC_OPTIONS, ("grpc.so_reuseport", 0),
-                   ("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
+                   ("grpc.http2.min_ping_interval_without_data_ms", WATCH_KEEPALIVE_MS // 2)]
 """gRPC servers set SO_REUSEPORT by default, so a second server on a port in use would share it
 silently (and take half of its neighbours' connections); without it the bind fails. A call that
 stays open without data (a health Watch, a frame whose delivery waits) has the client ping every
-keepalive_time (20 s); a server takes pings that come closer than 5 min by default as abuse and
-drops the whole connection after the third ("too_many_pings"), so it allows one per 10 s."""
+keepalive_time (20 s, a watch's channel every second); a server takes pings that come closer than
+5 min by default as abuse and drops the whole connection after the third ("too_many_pings"), so
+it allows one per half second."""
 SERVICE = "ravnest.v1.Peer"
 ONE_MESSAGE_BYTES = CHUNK_BYTES
 """Frames up to this payload (one chunk's worth) go as one message, header and payload together
@@ -309,13 +329,9 @@ class Peer:
         """With `tls`, the peer's certificate must come from the same CA and name `server_name`
         (its node's `tls.identity`) or, without one, the host of `address`."""
         self.address = address
-        if tls is None:
-            self._channel = grpc.insecure_channel(address, options=_GRPC_OPTIONS)
-        else:
-            self._channel = grpc.secure_channel(
-                address, grpc.ssl_channel_credentials(tls.ca, tls.key, tls.cert),
-                options=[*_GRPC_OPTIONS, *([("grpc.ssl_target_name_override", server_name)]
-                                           if server_name else [])])
+        self._tls, self._server_name = tls, server_name
+        self._channel = self._open(_GRPC_OPTIONS)
+        self._watch_channel: grpc.Channel | None = None
         # Peer.Send with pre-serialized Chunk messages (framing.encode_wire) as requests.
         self._send_rpc = self._channel.stream_unary(
             f"/{SERVICE}/Send", request_serializer=None, response_deserializer=pb.Ack.FromString)
@@ -337,10 +353,30 @@ class Peer:
         for thread in self._threads:
             thread.start()
 
+    def _open(self, options: list[tuple[str, Any]]) -> grpc.Channel:
+        tls = self._tls
+        if tls is None:
+            return grpc.insecure_channel(self.address, options=options)
+        return grpc.secure_channel(
+            self.address, grpc.ssl_channel_credentials(tls.ca, tls.key, tls.cert),
+            options=[*options, *([("grpc.ssl_target_name_override", self._server_name)]
+                                 if self._server_name else [])])
+
     @property
     def channel(self) -> grpc.Channel:
-        """The channel to the peer (for its health service: see watching.PeerWatch)."""
+        """The channel training's frames go on."""
         return self._channel
+
+    @property
+    def watch_channel(self) -> grpc.Channel:
+        """A channel of its own to the peer's health service, pinged every second (see
+        _WATCH_OPTIONS and watching.PeerWatch); opened on first use, closed with the Peer."""
+        with self._budget:
+            if self._watch_channel is None:
+                self._watch_channel = self._open(_WATCH_OPTIONS)
+                if self._closed:
+                    self._watch_channel.close()
+            return self._watch_channel
 
     def send(self, frame: Frame, compression: str | None = None) -> None:
         """Send now, in the caller's thread; raise TransportError on failure."""
@@ -455,7 +491,11 @@ class Peer:
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        self._closed = True
+        with self._budget:
+            self._closed = True
+            watch_channel = self._watch_channel
+        if watch_channel is not None:
+            watch_channel.close()
         self._channel.close()
         for thread in self._threads:  # cancelled now: each fails its frames and ends
             thread.join(timeout=1.0)

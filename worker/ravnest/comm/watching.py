@@ -1,18 +1,24 @@
-"""Watching a node's peers, so that one whose process is gone is known within seconds.
+"""Watching a node's peers, so that one whose process is gone, or whose machine fell silent, is
+known within seconds.
 
 A peer's frames may be minutes apart (a slow stage, a long epoch), so a failed send is no timely
-sign of a dead peer. `PeerWatch` follows each peer's standard health service instead: once the
-peer has answered SERVING, one health Watch stream per peer stays open, costing no RPC and no
-thread of the peer's server while all is well. When the peer's process dies, its kernel closes
-the connection and the stream ends at once; the watch then asks Check a few times a second, and a
-peer that stays unreachable for `lost_after` seconds (connection refused: nothing listens there
-any more) is reported lost, as is one whose health service turns NOT_SERVING (its server is
-shutting down). A peer that is merely busy is not: its health service answers from gRPC's own
-threads, and a Check that times out counts for nothing either way. Where a server holds all the
-Watch streams it allows, the watch asks Check once a second instead.
+sign of a dead peer. `PeerWatch` follows each peer's standard health service instead, on a
+connection of its own that gRPC pings every second (`transport.Peer.watch_channel`): once the peer
+has answered SERVING, one health Watch stream per peer stays open, costing no RPC and no thread of
+the peer's server while all is well. The stream ends when the peer's process dies (its kernel
+closes the connection at once) or when a ping goes unanswered for 2 s (the peer's machine was cut
+off or froze: nothing comes back, not even a refusal). The watch then asks Check a few times a
+second, and reports the peer lost when it stays unreachable for `lost_after` seconds (connection
+refused: nothing listens there any more), or stays silent for `silent_after` seconds (no answer at
+all, not even a refusal), or its health service turns NOT_SERVING (its server is shutting down). A
+peer that is merely busy is not: pings are answered by gRPC's core and Check by gRPC's own
+threads, whatever Python is doing, and its stream stays open. Where a server holds all the Watch
+streams it allows, the watch asks Check once a second instead (and a Check that times out then
+counts for nothing either way: no broken connection says the peer is gone).
 
-Limits: a peer whose machine vanishes from the network (no connection refused, only silence) is
-known only once gRPC's keepalive or connect timeout gives up on it (some 20-30 s).
+A peer reported lost, the worker's cluster stops (run/assembling.py), and the supervisor (the local
+runner or the operator) takes over: a cut-off or frozen neighbour costs seconds, not the 300 s a
+frame's delivery may wait.
 """
 
 from __future__ import annotations
@@ -35,21 +41,30 @@ POLL_SECONDS = 0.5
 """How often a peer whose connection broke is asked whether it answers again."""
 FALLBACK_POLL_SECONDS = 1.0
 """How often a peer that refuses a Watch stream (it holds too many) is asked instead."""
+SILENT_AFTER = 3.0
+"""Seconds a peer whose connection broke must stay silent (every Check timing out, none refused)
+to count as lost: its watch stream's pings went unanswered for 2 s before that."""
 CHECK_TIMEOUT = 1.0
-"""Deadline of one Check; one that runs out says nothing either way (the peer may be busy)."""
+"""Deadline of one Check: one that runs out is silence, a loss only after a broken connection."""
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class Watchable(Protocol):
     """What a watch needs of a peer: its address (for messages) and a channel to it
-    (`transport.Peer` is one)."""
+    (`transport.Peer` is one, and the watch uses its `watch_channel` where it has one)."""
 
     @property
     def address(self) -> str: ...
 
     @property
     def channel(self) -> grpc.Channel: ...
+
+
+def _health_channel(peer: Watchable) -> grpc.Channel:
+    """The peer's watch channel where it has one (transport.Peer does), else its channel."""
+    channel = getattr(peer, "watch_channel", None)
+    return channel if channel is not None else peer.channel
 
 
 @dataclass
@@ -65,6 +80,8 @@ class _Watched:
     closed: bool = False
     """The channel was closed (the caller closed its Peer): nothing more to watch."""
     call: Any = None
+    ended: str = ""
+    """How the last watch stream ended, when it failed ("Stream removed (ping timeout)")."""
     thread: threading.Thread | None = field(default=None, repr=False)
 
 
@@ -75,14 +92,15 @@ class PeerWatch:
     2.0s since its connection broke (... Connection refused ...)"."""
 
     def __init__(self, peers: Mapping[str, Watchable], on_lost: Callable[[str, str], None],
-                 lost_after: float = LOST_AFTER, poll: float = POLL_SECONDS) -> None:
+                 lost_after: float = LOST_AFTER, poll: float = POLL_SECONDS,
+                 silent_after: float = SILENT_AFTER) -> None:
         self._on_lost = on_lost
-        self._lost_after, self._poll = lost_after, poll
+        self._lost_after, self._poll, self._silent_after = lost_after, poll, silent_after
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._lost: dict[str, str] = {}
         self._peers = {name: _Watched(name, peer.address,
-                                      health_pb2_grpc.HealthStub(peer.channel))
+                                      health_pb2_grpc.HealthStub(_health_channel(peer)))
                        for name, peer in peers.items()}
 
     @classmethod
@@ -180,6 +198,7 @@ class PeerWatch:
                 elif w.seen and response.status == _NOT_SERVING:
                     return True
         except grpc.RpcError as e:
+            w.ended = " ".join(str(e.details() or e.code()).split())[:200]
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 log.info("%s holds too many health watches; asking it once a second", w.name)
                 w.watchable = False
@@ -192,11 +211,12 @@ class PeerWatch:
         """Ask the peer's health Check until it answers SERVING (None: it may be watched again;
         a peer that cannot be watched is asked on) or counts as lost (the reason)."""
         down_since: float | None = None
+        silent_since: float | None = None
         while not self._finished(w):
             status, detail = self._check(w)
             now = time.monotonic()
             if status == _SERVING:
-                w.seen, down_since = True, None
+                w.seen, down_since, silent_since = True, None, None
                 if w.watchable:
                     return None
             elif status == _NOT_SERVING and w.seen:
@@ -205,10 +225,23 @@ class PeerWatch:
                 down_since = now if down_since is None else down_since
                 if now - down_since >= self._lost_after:
                     return (f"no answer from {w.address} for {now - down_since:.1f}s since its "
-                            f"connection broke ({detail})")
+                            f"connection broke ({self._how(w, detail)})")
+            elif status == grpc.StatusCode.DEADLINE_EXCEEDED and w.seen and w.watchable:
+                # silence after a broken watch: no refusal, no answer (a cut-off or frozen
+                # machine; a busy one answers its pings and keeps its watch)
+                silent_since = now if silent_since is None else silent_since
+                if now - silent_since >= self._silent_after:
+                    return (f"no answer from {w.address} for "
+                            f"{now - silent_since + CHECK_TIMEOUT:.1f}s since its connection "
+                            f"broke, not even a refusal ({self._how(w, detail)})")
             busy = down_since is None and not w.watchable
             self._stopping.wait(FALLBACK_POLL_SECONDS if busy else self._poll)
         return None
+
+    @staticmethod
+    def _how(w: _Watched, detail: str) -> str:
+        """What was seen: how the watch ended (if it failed) and the last Check's failure."""
+        return f"watch: {w.ended}; check: {detail}" if w.ended else detail
 
     def _check(self, w: _Watched) -> tuple[Any, str]:
         """One health Check: (its status, "") or (the failure's code, its details)."""

@@ -89,12 +89,13 @@ class Wiring:
             peer.wait_ready(timeout, stop=lambda: Op.FINISH in self.inbox.control_ops)
 
     def watch_neighbours(self, plan: Plan, node: str) -> None:
-        """Report a pipeline neighbour whose process is gone to this node's loop, in seconds."""
+        """Report a pipeline neighbour whose process is gone, or that fell silent, to this node's
+        loop, in seconds."""
         neighbours = {n: self.peers[n] for n in plan.neighbours(node) if n}
 
         def lost(name: str, reason: str) -> None:
             self.inbox.deliver(Frame(Kind.CONTROL, sender=name, control={
-                "op": Op.ABORT, "node": name, "error": f"its process is gone ({reason})"}))
+                "op": Op.ABORT, "node": name, "error": f"it was lost: {reason}"}))
 
         if neighbours:
             self.watch = PeerWatch.started(neighbours, lost)

@@ -180,12 +180,20 @@ class Worker:
         self.wiring.start()
         try:
             self.wiring.wait_ready(self.runtime.s.peer_timeout)
+            # a pipeline neighbour that dies or falls silent stops this node in seconds (and it
+            # tells its other neighbours why), instead of a frame's wait running out
+            self.wiring.watch_neighbours(self.meta.plan, self.meta.node)
             self.started = time.monotonic()
-            self.resumed_from = self.runtime.resume() or 0
-            if self.me.is_root:
-                self.runtime.drive()
-            else:
-                self.runtime.serve()
+            try:
+                self.resumed_from = self.runtime.resume() or 0
+                if self.me.is_root:
+                    self.runtime.drive()
+                else:
+                    self.runtime.serve()
+            except BaseException as e:
+                self.wiring.abort(self.meta.plan, self.meta.node, e)
+                raise
+            self.wiring.stop_watching()
             self._write_outputs()
             self.metrics.finished.set(1)
             self._await_final_scrape()
