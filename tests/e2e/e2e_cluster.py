@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import project_image
 import pytest
 import yaml
 
@@ -116,8 +117,6 @@ class Cluster:
 def ensure_docker_image(log_dir: Path) -> None:
     """The image in the local Docker Engine: the image tier's build of these sources, made here
     when that tier did not run first (tests/project_image.py)."""
-    import project_image
-
     if IMAGE != project_image.IMAGE:
         project_image.check_engine()
         if project_image.image_id(IMAGE) is None:
@@ -125,12 +124,6 @@ def ensure_docker_image(log_dir: Path) -> None:
                         "built here)")
         return
     project_image.ensure_image(log_dir)
-
-
-def prune_replaced() -> None:
-    import project_image
-
-    project_image.prune_replaced()
 
 
 def ensure_byo_image(cluster: Cluster) -> None:
@@ -146,7 +139,7 @@ def ensure_byo_image(cluster: Cluster) -> None:
     if build.returncode != 0:
         pytest.fail(f"docker build of {BYO_IMAGE} exited {build.returncode}:\n"
                     f"{build.stderr[-3000:]}")
-    prune_replaced()
+    project_image.prune_replaced()
     _import(BYO_IMAGE)
 
 
