@@ -84,11 +84,14 @@ def release(cluster: Cluster) -> Iterator[str]:
     """The chart installed with our image; uninstalled at the end (test_uninstall does it too)."""
     repo, _, tag = IMAGE.rpartition(":")
     start = time.monotonic()
-    cluster.helm("install", RELEASE, str(ROOT / "charts" / "ravnest"), "-n", SYSTEM_NS,
-                 "--create-namespace", "--set", f"image.repository={repo}",
-                 "--set", f"image.tag={tag}", "--set", "image.pullPolicy=IfNotPresent",
-                 *smoke_test_values(cluster),
-                 "--wait", "--timeout", "10m", timeout=700)
+    installed = cluster.helm("install", RELEASE, str(ROOT / "charts" / "ravnest"), "-n",
+                             SYSTEM_NS, "--create-namespace", "--set", f"image.repository={repo}",
+                             "--set", f"image.tag={tag}", "--set", "image.pullPolicy=IfNotPresent",
+                             *smoke_test_values(cluster),
+                             "--wait", "--timeout", "5m", timeout=400, check=False)
+    if installed.returncode != 0:
+        pytest.fail(f"helm install exited {installed.returncode}: {installed.stderr[-2000:]}\n"
+                    + cluster.diagnostics(SYSTEM_NS))
     TIMINGS["helm_install_s"] = time.monotonic() - start
     cluster.kubectl("create", "namespace", JOBS_NS, check=False)
     yield RELEASE

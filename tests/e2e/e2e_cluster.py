@@ -88,7 +88,10 @@ class Cluster:
     def diagnostics(self, namespace: str = JOBS_NS) -> str:
         """What to print when a wait fails: pods, events, the operator's log tail."""
         parts = []
-        for args in (["get", "rj,pods", "-n", namespace, "-o", "wide"],
+        for args in (["get", "nodes", "-o", "wide"],
+                     ["describe", "nodes"],
+                     ["get", "rj,pods", "-n", namespace, "-o", "wide"],
+                     ["describe", "pods", "-n", namespace],
                      ["get", "events", "-n", namespace, "--sort-by=.lastTimestamp"],
                      ["logs", "-n", SYSTEM_NS, "deploy/ravnest", "--tail=40"]):
             r = self.kubectl(*args, check=False)
