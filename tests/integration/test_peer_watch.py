@@ -137,6 +137,26 @@ def test_a_frozen_peer_is_reported_within_seconds(child: Child) -> None:
         os.kill(child.proc.pid, signal.SIGCONT)
 
 
+@pytest.mark.parametrize("known_up", [True, False], ids=["known-up", "not-known-up"])
+def test_a_peer_gone_before_its_watch_begins_is_lost_only_if_known_up(child: Child,
+                                                                      known_up: bool) -> None:
+    """A worker watches its peers once they answered its wait: one killed in between (before
+    its watch saw it serving) is lost all the same. A peer not known to be up is waited for."""
+    child.kill()
+    watch = PeerWatch.started({"stage-1": child.peer}, child.on_lost,
+                              up={"stage-1"} if known_up else set())
+    try:
+        if known_up:
+            assert child.reported.wait(BOUND), f"no loss reported within {BOUND}s"
+            [(name, reason, _)] = child.lost
+            assert name == "stage-1" and f"no answer from {child.peer.address}" in reason
+        else:
+            time.sleep(4.0)  # twice the time a loss takes to be reported
+            assert child.lost == []
+    finally:
+        watch.stop()
+
+
 def test_a_peer_that_was_expected_to_exit_is_not_reported(child: Child) -> None:
     watch = child.watch()
     try:

@@ -464,9 +464,9 @@ class Peer:
                     self._budget.notify_all()
                 self._deliveries.finished(error)
 
-    def wait_ready(self, timeout: float, stop: Callable[[], bool] | None = None) -> None:
-        """Block until the peer's health service says SERVING, or `stop()` says waiting is no
-        longer needed."""
+    def wait_ready(self, timeout: float, stop: Callable[[], bool] | None = None) -> bool:
+        """Block until the peer's health service says SERVING (True), or `stop()` says waiting
+        is no longer needed (False)."""
         stub = health_pb2_grpc.HealthStub(self._channel)
         deadline = time.monotonic() + timeout
         while stop is None or not stop():
@@ -474,12 +474,13 @@ class Peer:
                 status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0,
                                     wait_for_ready=True).status
                 if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
+                    return True
             except grpc.RpcError:
                 pass
             if time.monotonic() > deadline:
                 raise PeerTimeout(f"peer {self.address} not ready within {timeout:.0f}s")
             time.sleep(0.2)
+        return False
 
     def close(self, timeout: float = 5.0) -> None:
         """Let the sender threads deliver what was posted before, for `timeout` seconds in all,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -93,21 +93,24 @@ class PeerWatch:
 
     def __init__(self, peers: Mapping[str, Watchable], on_lost: Callable[[str, str], None],
                  lost_after: float = LOST_AFTER, poll: float = POLL_SECONDS,
-                 silent_after: float = SILENT_AFTER) -> None:
+                 silent_after: float = SILENT_AFTER, up: Collection[str] = ()) -> None:
+        """`up`: the peers known to have answered SERVING already (a wait for them passed):
+        one that is gone before its watch begins is lost too, not awaited as not up yet."""
         self._on_lost = on_lost
         self._lost_after, self._poll, self._silent_after = lost_after, poll, silent_after
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._lost: dict[str, str] = {}
         self._peers = {name: _Watched(name, peer.address,
-                                      health_pb2_grpc.HealthStub(_health_channel(peer)))
+                                      health_pb2_grpc.HealthStub(_health_channel(peer)),
+                                      seen=name in up)
                        for name, peer in peers.items()}
 
     @classmethod
-    def started(cls, peers: Mapping[str, Watchable],
-                on_lost: Callable[[str, str], None], **options: float) -> PeerWatch:
+    def started(cls, peers: Mapping[str, Watchable], on_lost: Callable[[str, str], None],
+                up: Collection[str] = (), **options: float) -> PeerWatch:
         """A watch of `peers`, already started."""
-        watch = cls(peers, on_lost, **options)
+        watch = cls(peers, on_lost, up=up, **options)
         watch.start()
         return watch
 
@@ -183,7 +186,9 @@ class PeerWatch:
         """Follow the peer's health Watch stream until it ends (False) or says NOT_SERVING after
         SERVING (True). A stream the peer refuses turns this peer over to Check."""
         try:
-            call = w.stub.Watch(health_pb2.HealthCheckRequest(), wait_for_ready=True)
+            # a peer not seen yet is waited for; one seen that cannot be reached fails the call
+            # at once, and is asked (`_confirm`) until it answers or counts as lost
+            call = w.stub.Watch(health_pb2.HealthCheckRequest(), wait_for_ready=not w.seen)
         except ValueError:  # the channel is closed
             w.closed = True
             return False

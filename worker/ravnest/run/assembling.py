@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,8 @@ class Wiring:
     ring_server: RingServer | None
     ring_links: dict[str, RingLink]
     watch: PeerWatch | None = None
+    ready: set[str] = field(default_factory=set)
+    """The peers that answered `wait_ready`: their watch counts them as up from the start."""
 
     def start(self) -> None:
         self.server.start()
@@ -85,8 +87,9 @@ class Wiring:
         """Wait until every peer's server answers, or until this node was told that training is
         over: a run resumed at its end finishes at once, and a neighbour that passed its own
         wait and sent `finish` may be gone before this node asks it (the wait would run out)."""
-        for peer in self.peers.values():
-            peer.wait_ready(timeout, stop=lambda: Op.FINISH in self.inbox.control_ops)
+        for name, peer in self.peers.items():
+            if peer.wait_ready(timeout, stop=lambda: Op.FINISH in self.inbox.control_ops):
+                self.ready.add(name)
 
     def watch_neighbours(self, plan: Plan, node: str) -> None:
         """Report a pipeline neighbour whose process is gone, or that fell silent, to this node's
@@ -98,7 +101,7 @@ class Wiring:
                 "op": Op.ABORT, "node": name, "error": f"it was lost: {reason}"}))
 
         if neighbours:
-            self.watch = PeerWatch.started(neighbours, lost)
+            self.watch = PeerWatch.started(neighbours, lost, up=self.ready)
 
     def stop_watching(self) -> None:
         if self.watch is not None:
