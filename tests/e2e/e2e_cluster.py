@@ -86,7 +86,7 @@ class Cluster:
         self.kubectl("apply", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(doc))
 
     def diagnostics(self, namespace: str = JOBS_NS) -> str:
-        """What to print when a wait fails: pods, events, the operator's log tail."""
+        """What to print when a wait fails: nodes, pods, events, the operator's log tail."""
         parts = []
         for args in (["get", "nodes", "-o", "wide"],
                      ["describe", "nodes"],
