@@ -157,6 +157,31 @@ def test_a_peer_gone_before_its_watch_begins_is_lost_only_if_known_up(child: Chi
         watch.stop()
 
 
+def test_a_peer_lost_and_back_is_reported_both_times_with_on_back(child: Child) -> None:
+    """A ring's watch (on_back): a peer frozen (a cut) is lost, then back once it answers again,
+    and watched on: frozen again, it is lost again."""
+    back = threading.Event()
+    watch = PeerWatch.started({"stage-1": child.peer}, child.on_lost,
+                              on_back=lambda name: back.set())
+    try:
+        deadline = time.monotonic() + 30
+        while "stage-1" not in watch.seen:
+            assert time.monotonic() < deadline, "the watch never saw the peer serving"
+            time.sleep(0.05)
+        for times in (1, 2):
+            os.kill(child.proc.pid, signal.SIGSTOP)
+            assert child.reported.wait(BOUND), f"loss {times}: none reported within {BOUND}s"
+            assert len(child.lost) == times and "stage-1" in watch.lost
+            child.reported.clear()
+            os.kill(child.proc.pid, signal.SIGCONT)
+            assert back.wait(BOUND), f"no return reported within {BOUND}s"
+            back.clear()
+            assert watch.lost == {}
+    finally:
+        watch.stop()
+        os.kill(child.proc.pid, signal.SIGCONT)
+
+
 def test_a_peer_that_was_expected_to_exit_is_not_reported(child: Child) -> None:
     watch = child.watch()
     try:

@@ -66,6 +66,10 @@ class Inbox:
         self._early: dict[int, dict[int, Frame]] = {}
         self._landings: dict[tuple[str, int, int], torch.Tensor] = {}
         self._receiving: dict[tuple[str, int, int], Callable[[], None]] = {}
+        self._interrupted: dict[str, str] = {}
+        """Why a ring's current round cannot complete (a member was lost), by ring."""
+        self._uninterruptible: set[str] = set()
+        """Rings whose current round waits on whatever is reported (`resume_ring`)."""
 
     def deliver(self, frame: Frame) -> None:
         if frame.kind not in ("reduce", "gather", "forward", "backward", "eval", "control"):
@@ -111,6 +115,9 @@ class Inbox:
         key = (ring, round_, phase_step)
         with self._ring_cond:
             while key not in self._ring:
+                if ring in self._interrupted and ring not in self._uninterruptible:
+                    raise PeerTimeout(f"ring {ring} round {round_}: "
+                                      f"{self._interrupted[ring]}")
                 newest = self._newest_round.get(ring, 0)
                 if newest > round_:
                     raise PeerTimeout(f"ring {ring} round {round_}: the peer already moved on to "
@@ -121,6 +128,26 @@ class Inbox:
                                       f"{phase_step} within {timeout:.0f}s")
                 self._ring_cond.wait(left)
             return self._ring.pop(key)
+
+    def interrupt_ring(self, ring: str, reason: str) -> None:
+        """Fail the ring's waits for pieces, the one under way and those to come, with `reason`
+        (a member of the round is gone: waiting out the timeout would gain nothing), until
+        `resume_ring`."""
+        with self._ring_cond:
+            self._interrupted[ring] = reason
+            self._ring_cond.notify_all()
+
+    def resume_ring(self, ring: str, interruptible: bool = True) -> None:
+        """Let the ring's waits for pieces wait again (a round among the members left begins);
+        not `interruptible`: until the next call, whatever `interrupt_ring` says (the last round
+        of a run, whose members leave as soon as it is over for them: one that leaves has sent
+        all its pieces, and the others can still complete)."""
+        with self._ring_cond:
+            self._interrupted.pop(ring, None)
+            if interruptible:
+                self._uninterruptible.discard(ring)
+            else:
+                self._uninterruptible.add(ring)
 
     def forget_rounds_before(self, ring: str, round_: int) -> None:
         """Drop stale pieces of skipped rounds, and refuse late ones; withdraw their offered

@@ -262,6 +262,10 @@ def listen_error(address: str, error: OSError | None = None, purpose: str = "") 
     return TransportError(f"{head}: {why}")
 
 
+STOP_EXTRA_SECONDS = 5.0
+"""How long past its grace period a server's stop is waited for."""
+
+
 class Server:
     """The worker's gRPC server: the Peer service plus the standard health service. It listens
     on `address` as given, and fails at once, with a TransportError saying why, if it cannot (a
@@ -310,8 +314,19 @@ class Server:
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
 
     def stop(self, grace: float = 1.0) -> None:
-        self.health.enter_graceful_shutdown()
-        self._server.stop(grace).wait()
+        # NOT_SERVING to every watcher first. The servicer sends it to each Watch stream in turn,
+        # under its lock, waiting for each write to complete: a watcher behind a network cut
+        # held that wait (and the lock, which the server's own close callbacks need) for good,
+        # and the process never exited. So it is sent from a thread for at most `grace`. The
+        # server's stop does not end such a write either (py-spy: waiting on its shutdown event
+        # for good), so it too is waited for a bounded time: the process is on its way out.
+        notify = threading.Thread(target=self.health.enter_graceful_shutdown, daemon=True,
+                                  name="health-shutdown")
+        notify.start()
+        notify.join(grace)
+        if not self._server.stop(grace).wait(grace + STOP_EXTRA_SECONDS):
+            log.warning("the gRPC server did not stop within %.0fs (a stream to a peer behind a "
+                        "network cut?); going on", grace + STOP_EXTRA_SECONDS)
 
 
 class Peer:

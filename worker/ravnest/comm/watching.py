@@ -86,17 +86,22 @@ class _Watched:
 
 
 class PeerWatch:
-    """Watches peers (name -> Peer) and calls `on_lost(name, reason)`, from a watch thread, at
-    most once per peer, when a peer that was seen SERVING goes away, unless `expect_exit(name)`
-    or `stop()` came first. `reason` says what was seen, e.g. "no answer from 10.0.0.5:8081 for
-    2.0s since its connection broke (... Connection refused ...)"."""
+    """Watches peers (name -> Peer) and calls `on_lost(name, reason)`, from a watch thread, when
+    a peer that was seen SERVING goes away, unless `expect_exit(name)` or `stop()` came first.
+    `reason` says what was seen, e.g. "no answer from 10.0.0.5:8081 for 2.0s since its
+    connection broke (... Connection refused ...)". Without `on_back`, a peer is reported once
+    and no longer watched; with it, a lost peer is asked on, and `on_back(name)` is called when
+    it answers SERVING again (a cut healed, a process restarted at its address), after which it
+    is watched as before and may be lost again."""
 
     def __init__(self, peers: Mapping[str, Watchable], on_lost: Callable[[str, str], None],
                  lost_after: float = LOST_AFTER, poll: float = POLL_SECONDS,
-                 silent_after: float = SILENT_AFTER, up: Collection[str] = ()) -> None:
+                 silent_after: float = SILENT_AFTER, up: Collection[str] = (),
+                 on_back: Callable[[str], None] | None = None) -> None:
         """`up`: the peers known to have answered SERVING already (a wait for them passed):
         one that is gone before its watch begins is lost too, not awaited as not up yet."""
         self._on_lost = on_lost
+        self._on_back = on_back
         self._lost_after, self._poll, self._silent_after = lost_after, poll, silent_after
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -108,9 +113,10 @@ class PeerWatch:
 
     @classmethod
     def started(cls, peers: Mapping[str, Watchable], on_lost: Callable[[str, str], None],
-                up: Collection[str] = (), **options: float) -> PeerWatch:
+                up: Collection[str] = (), on_back: Callable[[str], None] | None = None,
+                **options: float) -> PeerWatch:
         """A watch of `peers`, already started."""
-        watch = cls(peers, on_lost, up=up, **options)
+        watch = cls(peers, on_lost, up=up, on_back=on_back, **options)
         watch.start()
         return watch
 
@@ -170,17 +176,38 @@ class PeerWatch:
             stopped_serving = self._follow(w) if w.watchable else False
             if self._finished(w):
                 return
+            reason = None
             if stopped_serving:
-                self._lose(w, f"{w.address} began shutting down (its health service says "
-                              "NOT_SERVING)")
-                return
-            if not w.seen and w.watchable:  # not up yet, or gone before it was seen
+                reason = (f"{w.address} began shutting down (its health service says "
+                          "NOT_SERVING)")
+            elif not w.seen and w.watchable:  # not up yet, or gone before it was seen
                 self._stopping.wait(self._poll)
                 continue
-            reason = self._confirm(w)
+            else:
+                reason = self._confirm(w)
             if reason is not None:
                 self._lose(w, reason)
-                return
+                if self._on_back is None or not self._await_back(w):
+                    return
+
+    def _await_back(self, w: _Watched) -> bool:
+        """Ask a lost peer until it answers SERVING again (True, reported) or the watch ends."""
+        while not self._finished(w):
+            status, _ = self._check(w)
+            if status == _SERVING:
+                with self._lock:
+                    if self._finished(w):
+                        return False
+                    self._lost.pop(w.name, None)
+                log.warning("peer %s is back: %s answers again", w.name, w.address)
+                try:
+                    assert self._on_back is not None
+                    self._on_back(w.name)
+                except Exception:
+                    log.exception("on_back(%r) failed", w.name)
+                return True
+            self._stopping.wait(self._poll)
+        return False
 
     def _follow(self, w: _Watched) -> bool:
         """Follow the peer's health Watch stream until it ends (False) or says NOT_SERVING after
