@@ -35,6 +35,9 @@ echo
 echo "== bench/planner.py: our plan vs a Ravnest-style plan (same cost model); planning time"
 python bench/planner.py
 echo
+echo "== bench/elastic.py: one failure, elastic recovery vs whole-job restart (steps lost)"
+python bench/elastic.py
+echo
 echo "== bench/wan.py: ring and send over rate-limited, delayed links vs the paper model"
 python bench/wan.py --model-only
 if [[ $(id -u) == 0 ]]; then

@@ -637,7 +637,10 @@ def test_dashboards_cover_the_design() -> None:
                    "ravnest_forward_duration_seconds", "ravnest_backward_duration_seconds",
                    "ravnest_allreduce_duration_seconds", "ravnest_sent_bytes_total",
                    "ravnest_received_bytes_total", "ravnest_inflight_microbatches",
-                   "ravnest_reduce_rounds_skipped_total", "up{"):
+                   "ravnest_reduce_rounds_skipped_total", "ravnest_reduce_rounds_partial_total",
+                   "ravnest_ring_members_missing", "ravnest_clusters_active",
+                   "ravnest_recoveries_total", "ravnest_recovery_bytes_total",
+                   "ravnest_recovery_duration_seconds", "up{"):
         assert metric in training, metric
     ops = " ".join(e for _, e in _exprs(_dashboards()["operator"]))
     for metric in ("ravnest_operator_jobs", "ravnest_operator_reconcile_duration_seconds_bucket",

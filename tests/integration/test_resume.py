@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_kill_a_worker_then_resume_from_checkpoint(tmp_path, digits_doc):
     digits_doc["spec"]["checkpoint"] = {"everySteps": 10, "keep": 2}
-    digits_doc["spec"]["runPolicy"] = {"backoffLimit": 0}
+    digits_doc["spec"]["runPolicy"] = {"backoffLimit": 0, "recovery": "job"}
     digits_doc["spec"]["training"]["epochs"] = 6
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(digits_doc))

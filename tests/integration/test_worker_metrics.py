@@ -16,7 +16,10 @@ EXPECTED = {
     "ravnest_inflight_microbatches", "ravnest_step_duration_seconds",
     "ravnest_forward_duration_seconds", "ravnest_backward_duration_seconds",
     "ravnest_allreduce_duration_seconds", "ravnest_reduce_rounds",
-    "ravnest_reduce_rounds_skipped", "ravnest_peer_errors", "ravnest_sent_bytes",
+    "ravnest_reduce_rounds_skipped", "ravnest_reduce_rounds_partial",
+    "ravnest_ring_members_missing", "ravnest_clusters_active", "ravnest_recoveries",
+    "ravnest_recovery_duration_seconds", "ravnest_recovery_bytes", "ravnest_peer_errors",
+    "ravnest_sent_bytes",
     "ravnest_received_bytes", "ravnest_checkpoint_step", "ravnest_finished",
 }
 

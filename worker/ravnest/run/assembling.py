@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch import nn
 
 from ravnest.comm.dataplane import RingLink, RingServer
@@ -26,16 +30,29 @@ from ravnest.comm.inboxes import Inbox
 from ravnest.comm.tls import TlsMaterial, identity
 from ravnest.comm.transport import Credentials, Peer, Server
 from ravnest.comm.watching import PeerWatch
-from ravnest.errors import PeerFailed, PlanError, RavnestError
+from ravnest.errors import PeerFailed, PeerTimeout, PlanError, RavnestError
 from ravnest.plan.partitioning import Profile, Stage, build_stage
 from ravnest.plan.plans import Plan
 from ravnest.run.metadata import NodeMetadata
 from ravnest.storing import Location, open_location
 from ravnest.train.messages import Kind, Op
 from ravnest.train.metrics import WorkerMetrics
+from ravnest.train.rejoining import RingMembership
 from ravnest.train.runtime import Batches, NodeRuntime
 from ravnest.train.settings import Settings
 from ravnest.train.targets import Targets
+
+log = logging.getLogger(__name__)
+
+REJOIN_READY_SECONDS = 10.0
+"""How long a restarted node waits for the members of its rings in other clusters to answer."""
+FAILED_CLOSE_SECONDS = 1.0
+"""How long each link of a failing node may take to deliver what it posted (its abort)."""
+
+REJOIN_SERVICE = "ravnest.rejoin"
+"""The health service a restarted node's server says SERVING for until it rejoined: a ring
+member that sees it answer again keeps it out of the rounds until it asks to come back in,
+instead of taking it in at once as a member back from a network cut."""
 
 
 def peer_names(plan: Plan, node: str) -> list[str]:
@@ -66,8 +83,10 @@ class Wiring:
     A failure stops the whole cluster within seconds: `watch_neighbours` turns a pipeline
     neighbour that vanishes into an abort control in this node's own inbox (its loop raises
     PeerFailed naming it), and `abort` tells the neighbours why this node stops, passing on a
-    failure it was told of away from where it came. Clusters do not abort each other: a ring
-    round without a member is skipped."""
+    failure it was told of away from where it came. Clusters do not abort each other:
+    `watch_rings` follows the other members of this node's rings, and a round goes on among the
+    members present (train/allreducing.py); a restarted one comes back in when it rejoins
+    (train/rejoining.py)."""
 
     inbox: Inbox
     server: Server
@@ -75,21 +94,55 @@ class Wiring:
     ring_server: RingServer | None
     ring_links: dict[str, RingLink]
     watch: PeerWatch | None = None
+    ring_watch: PeerWatch | None = None
     ready: set[str] = field(default_factory=set)
-    """The peers that answered `wait_ready`: their watch counts them as up from the start."""
+    """The peers that answered `wait_ready`: their watches count them as up from the start."""
+    membership: RingMembership = field(default_factory=RingMembership)
+    """Who this node's ring rounds go without."""
+
+    def rejoining(self, on: bool) -> None:
+        """Say (`REJOIN_SERVICE`) whether this node is a restarted one not back in its rings."""
+        status = health_pb2.HealthCheckResponse
+        self.server.health.set(REJOIN_SERVICE, status.SERVING if on else status.NOT_SERVING)
 
     def start(self) -> None:
         self.server.start()
         if self.ring_server is not None:
             self.ring_server.start()
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, plan: Plan | None = None, node: str = "") -> None:
         """Wait until every peer's server answers, or until this node was told that training is
         over: a run resumed at its end finishes at once, and a neighbour that passed its own
-        wait and sent `finish` may be gone before this node asks it (the wait would run out)."""
-        for name, peer in self.peers.items():
-            if peer.wait_ready(timeout, stop=lambda: Op.FINISH in self.inbox.control_ops):
-                self.ready.add(name)
+        wait and sent `finish` may be gone before this node asks it (the wait would run out).
+
+        Given `plan` and `node` (a restarted node that rejoins), only the pipeline neighbours are
+        waited for so long: the members of its rings in the other clusters, which train on, get
+        `REJOIN_READY_SECONDS`, and those that do not answer by then count as lost."""
+        members: set[str] = set()
+        if plan is not None:
+            members = {m for r in plan.rings_of(node) for m in r.members} - set(
+                plan.neighbours(node)) - {node}
+        members_by = 0.0
+        for name, peer in sorted(self.peers.items(), key=lambda x: x[0] in members):
+            wait = timeout
+            if name in members:
+                members_by = members_by or time.monotonic() + min(timeout, REJOIN_READY_SECONDS)
+                wait = max(0.0, members_by - time.monotonic())
+            try:
+                if peer.wait_ready(wait, stop=lambda: Op.FINISH in self.inbox.control_ops):
+                    self.ready.add(name)
+            except PeerTimeout:
+                if name not in members:
+                    raise
+                log.warning("ring member %s does not answer: this node rejoins without it",
+                            name)
+                self.membership.lost(name)
+
+    def watch_peers(self, plan: Plan, node: str) -> None:
+        """Follow the pipeline neighbours (`watch_neighbours`) and the other ring members
+        (`watch_rings`)."""
+        self.watch_neighbours(plan, node)
+        self.watch_rings(plan, node)
 
     def watch_neighbours(self, plan: Plan, node: str) -> None:
         """Report a pipeline neighbour whose process is gone, or that fell silent, to this node's
@@ -103,10 +156,42 @@ class Wiring:
         if neighbours:
             self.watch = PeerWatch.started(neighbours, lost, up=self.ready)
 
+    def watch_rings(self, plan: Plan, node: str) -> None:
+        """Follow the other members of this node's rings: one that is lost fails the round that
+        waits for it at once, and the rounds after go on without it (`membership`) until it
+        answers again. Back from a network cut, the round under way is given up and the rounds
+        after take it in again; restarted (`REJOIN_SERVICE`), it stays out until it rejoins."""
+        rings = [r for r in plan.rings_of(node) if len(r.members) > 1]
+        members = {m: self.peers[m] for r in rings for m in r.members if m != node}
+
+        def interrupt(name: str, why: str) -> None:
+            for r in rings:
+                if name in r.members:
+                    self.inbox.interrupt_ring(r.id, why)
+
+        def lost(name: str, reason: str) -> None:
+            self.membership.lost(name)
+            interrupt(name, f"{name} was lost: {reason}")
+
+        def back(name: str) -> None:
+            if _rejoining(self.peers[name]):
+                log.warning("ring member %s was restarted: it comes back in when it rejoins",
+                            name)
+                return
+            # the round under way was formed without it, and it may be waiting for this node
+            # in a round formed with it: both are given up, and the next rounds take it in
+            self.membership.back(name)
+            interrupt(name, f"{name} is back (the ring takes it in again from the next round)")
+
+        if members:
+            self.ring_watch = PeerWatch.started(members, lost, up=self.ready, on_back=back)
+
+
     def stop_watching(self) -> None:
-        if self.watch is not None:
-            self.watch.stop()
-            self.watch = None
+        for watch in (self.watch, self.ring_watch):
+            if watch is not None:
+                watch.stop()
+        self.watch = self.ring_watch = None
 
     def abort(self, plan: Plan, node: str, error: BaseException) -> None:
         """Tell the pipeline neighbours that `node` stops because of `error` (delivered when
@@ -122,15 +207,33 @@ class Wiring:
                     self.peers[n].post(Frame(Kind.CONTROL, sender=node, control={
                         "op": Op.ABORT, "node": origin, "error": text}))
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Let the links deliver what was posted, then stop the servers. `failed`: this node
+        stops on an error (or a signal): its servers stop first, so that the watches of its
+        peers, in its cluster and in the others' rings, know at once (NOT_SERVING), and the links
+        get FAILED_CLOSE_SECONDS for the aborts they carry, not 5 s each for frames to peers that
+        may be gone."""
         self.stop_watching()
+        if failed:
+            self.server.stop(grace=0.5)
         for peer in self.peers.values():
-            peer.close()
+            peer.close(FAILED_CLOSE_SECONDS if failed else 5.0)
         for link in self.ring_links.values():
             link.close()
         if self.ring_server is not None:
             self.ring_server.stop()
-        self.server.stop()
+        if not failed:
+            self.server.stop()
+
+
+def _rejoining(peer: Peer) -> bool:
+    """Whether a peer that answers again is a restarted node still rejoining."""
+    try:
+        answer = health_pb2_grpc.HealthStub(peer.channel).Check(
+            health_pb2.HealthCheckRequest(service=REJOIN_SERVICE), timeout=5.0)
+    except (grpc.RpcError, ValueError):
+        return False  # NOT_FOUND: a server that never restarted
+    return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
 
 
 def connect(meta: NodeMetadata, token: str, metrics: WorkerMetrics, *, tls: bool,
@@ -166,16 +269,18 @@ def _tls(meta: NodeMetadata) -> TlsMaterial:
 
 
 def _ring_addresses(meta: NodeMetadata) -> dict[str, str]:
-    """Where this node's ring successors' data planes listen (rings of two or more nodes)."""
+    """Where the data planes of the other members of this node's rings listen (rings of two or
+    more nodes): each may become this node's successor while the members between are missing.
+    A link connects when it is first used."""
     if meta.ring_addresses is None:
         raise RavnestError(f"{meta.node}: spec.training.ringTransport is tcp but the node "
                            f"metadata names no ringAddresses")
-    successors = sorted({r.successor(meta.node) for r in meta.plan.rings_of(meta.node)
-                         if len(r.members) > 1})
-    for n in successors:
+    members = sorted({m for r in meta.plan.rings_of(meta.node) if len(r.members) > 1
+                      for m in r.members if m != meta.node})
+    for n in members:
         if n not in meta.ring_addresses:
             raise RavnestError(f"{meta.node}: ringAddresses has no address for {n}")
-    return {n: meta.ring_addresses[n] for n in successors}
+    return {n: meta.ring_addresses[n] for n in members}
 
 
 def assemble(wiring: Wiring, meta: NodeMetadata, stage: Stage, settings: Settings,
@@ -187,7 +292,8 @@ def assemble(wiring: Wiring, meta: NodeMetadata, stage: Stage, settings: Setting
     targets (default: the labels its root sends)."""
     return NodeRuntime(meta.node, meta.plan, stage, settings, optimizer, scheduler, criterion,
                        wiring.inbox, wiring.peers, metrics, batches,
-                       ring_peers=wiring.ring_links or None, targets=targets)
+                       ring_peers=wiring.ring_links or None, targets=targets,
+                       membership=wiring.membership)
 
 
 def save_stage(runtime: NodeRuntime, folder: str | Path | Location) -> None:

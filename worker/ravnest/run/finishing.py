@@ -60,13 +60,18 @@ def _save(where: Location, name: str, obj: Any) -> None:
 
 
 def finish(job: Job, plan: Plan, where: Location, seconds: float | None = None,
-           resumed_from: int | None = None) -> dict[str, Any]:
+           resumed_from: int | None = None, clusters: list[int] | None = None
+           ) -> dict[str, Any]:
     """Fuse, evaluate and write the outputs in `where` from the stages and clusters there; return
-    the summary. `seconds` and `resumed_from` (the step training started from) default to what
-    cluster 0's root recorded."""
+    the summary. `clusters`: those that finished (default: all; one restarted alone that could not
+    rejoin before the others finished has no outputs), the first of which is fused. `seconds` and
+    `resumed_from` (the step training started from) default to what its root recorded."""
+    ids = [c.id for c in plan.clusters] if clusters is None else sorted(clusters)
+    if not ids:
+        raise RavnestError("no cluster finished: nothing to fuse")
     model = building.build_model(job.spec)
     reference = model.state_dict()
-    stages = load_stages(where.child(STAGES), 0)  # read once: fused twice, trained and best
+    stages = load_stages(where.child(STAGES), ids[0])  # read once: fused twice, trained and best
     fused = ordered_like(fuse_stages(stages), reference)
     _save(where, OUTPUTS["model"], fused)
     best = None
@@ -75,19 +80,18 @@ def finish(job: Job, plan: Plan, where: Location, seconds: float | None = None,
         _save(where, OUTPUTS["bestModel"], best)
     except RavnestError as e:
         log.info("no best model: %s", e)
-    clusters = [json.loads(where.child(CLUSTERS).read(f"cluster_{c.id}.json"))
-                for c in plan.clusters]
-    where.write(OUTPUTS["learningCurve"], curve_csv(clusters).encode())
-    where.write(OUTPUTS["learningCurvePng"], curve_png(clusters, job.name))
+    figures = [json.loads(where.child(CLUSTERS).read(f"cluster_{c}.json")) for c in ids]
+    where.write(OUTPUTS["learningCurve"], curve_csv(figures).encode())
+    where.write(OUTPUTS["learningCurvePng"], curve_png(figures, job.name))
     model.load_state_dict(fused)
     fused_metric = evaluate(model, job)
-    first = clusters[0]
+    first = figures[0]
     seconds = first.get("seconds") if seconds is None else seconds
     resumed_from = first.get("resumed_from") or 0 if resumed_from is None else resumed_from
-    samples, updates = sum(c["samples"] for c in clusters), first["updates"]
+    samples, updates = sum(c["samples"] for c in figures), first["updates"]
     trained = samples * (updates - resumed_from) // updates if updates else 0
     summary = {
-        "job": job.name, "plan": plan.fingerprint, "clusters": len(clusters),
+        "job": job.name, "plan": plan.fingerprint, "clusters": len(figures),
         "nodes": len(plan.nodes), "updates": updates,
         "samples": samples, "resumed_from_step": resumed_from,
         "samples_trained": trained, "seconds": round(seconds, 3) if seconds else seconds,
@@ -97,7 +101,9 @@ def finish(job: Job, plan: Plan, where: Location, seconds: float | None = None,
         "val_loss": first["val_loss"], "val_metric": first["val_metric"],
         "fused_val_loss": fused_metric["loss"], "fused_val_metric": fused_metric["metric"],
         "best_step": first["best_step"],
-        "rounds_skipped": sum(c["rounds_skipped"] for c in clusters),
+        "rounds_skipped": sum(c["rounds_skipped"] for c in figures),
+        "rounds_partial": sum(c.get("rounds_partial", 0) for c in figures),
+        "rejoined": {str(c["cluster"]): c["rejoined"] for c in figures if c.get("rejoined")},
         "model": f"{where}/{OUTPUTS['model']}",
         "best_model": f"{where}/{OUTPUTS['bestModel']}" if best is not None else None,
     }

@@ -20,10 +20,17 @@ SIGTERM or SIGHUP stops the workers and records the run as Failed (`ravnest run`
 the signal's number); if the runner dies outright (SIGKILL), the kernel kills its workers (Linux's
 parent-death signal, see `ravnest.run.worker.exit_with_runner`).
 
-If a worker dies, every worker is stopped and the whole run restarts from the newest checkpoint
-complete for all nodes, as the operator restarts a job's pods: at most `spec.runPolicy.backoffLimit`
-times, each restart logged and counted in ``status.json``. Past that limit the run fails: no
-process is left behind, and the error names the node, its exit code and the end of its log.
+If a worker dies in a job of several clusters (`spec.runPolicy.recovery: cluster`, the default),
+only its cluster is stopped and started again: the other clusters train on, their ring rounds
+going without it, and the restarted workers take their stages' state from the nodes that hold the
+same parameters in the other clusters and rejoin at a round boundary (train/rejoining.py says
+which batches the paused cluster skips). At most `spec.runPolicy.recoveryLimit` such recoveries,
+each logged and counted in ``status.json``. Otherwise (one cluster, no other cluster whole, a
+cluster that failed the same way twice, the limit reached, or `recovery: job`) every worker is
+stopped and the whole run restarts from the newest checkpoint complete for all nodes, as the
+operator restarts a job's pods: at most `spec.runPolicy.backoffLimit` times, each restart logged
+and counted in ``status.json``. Past that limit the run fails: no process is left behind, and the
+error names the node, its exit code and the end of its log.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from ravnest.plan import building
 from ravnest.plan.plans import Plan
 from ravnest.run import finishing
 from ravnest.run.metadata import (
+    REJOIN_ENV,
     RUNNER_PID_ENV,
     TOKEN_ENV,
     TORCH_THREADS_ENV,
@@ -63,6 +71,8 @@ from ravnest.train import checkpointing
 
 log = logging.getLogger(__name__)
 
+SPEC_ERROR_EXIT = 2
+"""A worker's exit code for a spec error (`ravnest.cli`)."""
 PRIVATE_UMASK = 0o077
 """The umask of a run and its workers: its folders 0700, its files 0600."""
 LOCK_FILE = "run.lock"
@@ -143,6 +153,12 @@ class LocalRun:
         self.procs: list[_Proc] = []
         self.plan: Plan | None = None
         self.restarts = 0
+        self.recoveries: list[dict[str, Any]] = []
+        """The clusters restarted alone: cluster, the worker that failed, how, and when."""
+        self._cluster_failures: dict[int, tuple[int, str] | None] = {}
+        self._token = ""
+        self.abandoned: set[int] = set()
+        """Clusters that failed once every other one had finished: the run ends without them."""
         self.resumed_from = 0
         """The checkpoint step the run started from (0: from scratch)."""
         self.conditions: list[dict[str, str]] = []
@@ -190,10 +206,14 @@ class LocalRun:
         (self.out / "plan.txt").write_text(plan.table() + "\n")
         return metas
 
-    def start(self, metas: list[NodeMetadata]) -> None:
-        token = secrets.token_hex(16)
-        env = {**os.environ, TOKEN_ENV: token, "OMP_NUM_THREADS": str(self.worker_threads),
-               TORCH_THREADS_ENV: str(self.worker_threads), RUNNER_PID_ENV: str(os.getpid())}
+    def start(self, metas: list[NodeMetadata], rejoin: bool = False) -> None:
+        """Start a worker for each of `metas` (`rejoin`: the workers of a cluster restarted
+        alone, which rejoin the others)."""
+        if not rejoin:
+            self._token = secrets.token_hex(16)
+        env = {**os.environ, TOKEN_ENV: self._token, "OMP_NUM_THREADS": str(self.worker_threads),
+               TORCH_THREADS_ENV: str(self.worker_threads), RUNNER_PID_ENV: str(os.getpid()),
+               **({REJOIN_ENV: "1"} if rejoin else {})}
         for m in metas:
             logfile = self.out / "logs" / f"{m.node}.log"
             with open(logfile, "ab") as fh:
@@ -204,13 +224,15 @@ class LocalRun:
                     start_new_session=True, umask=PRIVATE_UMASK)
             self.procs.append(_Proc(m.node, popen, logfile, m.metrics_port))
 
-    def stop(self) -> None:
-        """Terminate every worker still running (their whole process groups)."""
-        for p in self.procs:
+    def stop(self, procs: list[_Proc] | None = None, grace: float = 5.0) -> None:
+        """Terminate every worker still running (their whole process groups), or those of
+        `procs`, killing those still there after `grace` seconds."""
+        procs = self.procs if procs is None else procs
+        for p in procs:
             if p.popen.poll() is None:
-                _signal_group(p.popen.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        for p in self.procs:
+                _signal_group(p.popen.pid, signal.SIGTERM if grace else signal.SIGKILL)
+        deadline = time.monotonic() + grace
+        for p in procs:
             try:
                 p.popen.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -230,7 +252,10 @@ class LocalRun:
                 codes = {p.node: p.popen.poll() for p in self.procs}
                 failed = [p for p in self.procs if codes[p.node] not in (None, 0)]
                 if failed:
-                    return min(failed, key=lambda p: p.log.stat().st_mtime)
+                    dead = min(failed, key=lambda p: p.log.stat().st_mtime)
+                    if self._abandon(dead):
+                        continue
+                    return dead
                 if all(c == 0 for c in codes.values()):
                     return None
                 if deadline and time.monotonic() - self._started > deadline:
@@ -251,6 +276,8 @@ class LocalRun:
         last: tuple[int, str] | None = None
         while (dead := self.wait()) is not None:
             failure = f"worker {dead.node} exited with code {dead.popen.returncode}"
+            if self._recover(dead, metas, failure):
+                continue
             seen, last = last, _failure_of(dead)
             if self.restarts >= limit or (last is not None and seen == last):
                 used = f" after {self.restarts} restart(s), backoffLimit {limit}" if limit else ""
@@ -270,10 +297,68 @@ class LocalRun:
             self.write_status("Restarting", {})
             self.start(metas)
 
+    def _abandon(self, dead: _Proc) -> bool:
+        """End the run without the cluster of `dead` (`recovery: cluster`) if every other cluster
+        has finished training (exited 0) and that one, restarted alone before, could not rejoin
+        in time, or failed after they finished: the others' outputs are the job's (the final
+        round averaged them). False: the failure must be acted on."""
+        assert self.plan is not None
+        cluster = self.plan.node(dead.node).cluster
+        others = [p for p in self.procs if self.plan.node(p.node).cluster != cluster]
+        if self.job.spec.run_policy.recovery != "cluster" or not others or any(
+                p.popen.poll() != 0 for p in others):
+            return False
+        mine = [p for p in self.procs if p not in others]
+        self.stop(mine)
+        self.procs = others
+        self.abandoned.add(cluster)
+        log.warning("worker %s exited with code %s after every other cluster finished: the run "
+                    "ends without cluster %d", dead.node, dead.popen.returncode, cluster)
+        return True
+
+    def _recover(self, dead: _Proc, metas: list[NodeMetadata], failure: str) -> bool:
+        """Restart only the cluster of `dead`, if elasticity can absorb its loss: several
+        clusters, another one whole, its root sharing parameters with them, not a spec error
+        (which no restart cures) nor the same failure as that cluster's last, and recoveries
+        left. False: the whole job must restart."""
+        assert self.plan is not None
+        plan, policy = self.plan, self.job.spec.run_policy
+        if policy.recovery != "cluster" or len(plan.clusters) < 2 or \
+                dead.popen.returncode == SPEC_ERROR_EXIT:
+            return False
+        cluster = plan.node(dead.node).cluster
+        mine = {n.name for n in plan.cluster_nodes(cluster)}
+        root = plan.cluster_nodes(cluster)[0].name
+        whole = [c.id for c in plan.clusters if c.id != cluster and all(
+            p.popen.poll() is None for p in self.procs if p.node in c.nodes)]
+        shares = any(plan.node(m).cluster != cluster for r in plan.rings_of(root)
+                     for m in r.members)
+        seen, now = self._cluster_failures.get(cluster), _failure_of(dead)
+        if not whole or not shares or len(self.recoveries) >= policy.recovery_limit or (
+                now is not None and seen == now):
+            return False
+        self._cluster_failures[cluster] = now
+        procs = [p for p in self.procs if p.node in mine]
+        # killed at once: they have nothing to save, and their ports are wanted back now
+        self.stop(procs, grace=0)
+        self.procs = [p for p in self.procs if p.node not in mine]
+        self.recoveries.append({"cluster": cluster, "node": dead.node,
+                                "exitCode": dead.popen.returncode, "at": round(time.time(), 3)})
+        message = (f"{failure}; cluster {cluster} restarted alone (recovery "
+                   f"{len(self.recoveries)}/{policy.recovery_limit}): it takes its state from "
+                   f"cluster(s) {', '.join(map(str, whole))} and rejoins at a round boundary, "
+                   f"while they train on")
+        log.warning("%s", message)
+        self.conditions = [{"type": "Recovering", "status": "True", "reason": "WorkerFailed",
+                            "message": message}]
+        self.write_status("Running", {})
+        self.start([m for m in metas if m.node in mine], rejoin=True)
+        return True
+
     def _recovered(self) -> None:
         """Running again after a restart: Restarting turns False, as in the operator."""
         for c in self.conditions:
-            if c["type"] == "Restarting" and c["status"] == "True":
+            if c["type"] in ("Restarting", "Recovering") and c["status"] == "True":
                 c.update(status="False", reason="Recovered",
                          message=f"running again after: {c['message']}")
 
@@ -285,6 +370,8 @@ class LocalRun:
     def write_status(self, phase: str, now: dict[str, Any], **extra: Any) -> None:
         """`status.json`: what `ravnest status <job>` shows for a local run."""
         body = {"job": self.job.name, "phase": phase, "progress": now, "restarts": self.restarts,
+                "recoveries": len(self.recoveries),
+                **({"recovered": self.recoveries} if self.recoveries else {}),
                 **({"conditions": self.conditions} if self.conditions else {}), **extra}
         tmp = self.out / ".status.json.tmp"
         tmp.write_text(json.dumps(body))
@@ -341,7 +428,9 @@ class LocalRun:
         """Fuse and write the outputs (`finishing`) in the job's output location."""
         assert self.plan is not None
         where = finishing.output_location(self.job.spec, self.out.resolve())
-        summary = finishing.finish(self.job, self.plan, where, seconds, self.resumed_from)
+        summary = finishing.finish(self.job, self.plan, where, seconds, self.resumed_from,
+                                   [c.id for c in self.plan.clusters
+                                    if c.id not in self.abandoned])
         self.outputs = finishing.outputs(where, summary)
         return summary
 

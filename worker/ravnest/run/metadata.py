@@ -38,6 +38,10 @@ TERMINATION_LOG_ENV = "RAVNEST_TERMINATION_LOG"
 """Where a worker leaves its final figures (default: Kubernetes' /dev/termination-log)."""
 RUNNER_PID_ENV = "RAVNEST_RUNNER_PID"
 """The pid of the local runner that started this worker, which dies with it (unset: no runner)."""
+REJOIN_ENV = "RAVNEST_REJOIN"
+"""Set to 1 by the supervisor (the local runner, the operator) in the workers of a cluster it
+restarted alone: they take their state from the other clusters and rejoin at a round boundary
+(train/rejoining.py) instead of resuming from a checkpoint."""
 
 
 def endpoint(host: str, port: int) -> str:

@@ -2,7 +2,9 @@
 
 It rebuilds the model from the job spec (same seed everywhere), keeps only its stage, checks the
 stage against the plan and the plan against its fingerprint, serves gRPC and /metrics, waits for
-its neighbours, resumes from the newest complete checkpoint, trains, and writes its outputs.
+its neighbours, resumes from the newest complete checkpoint (or, in a cluster its supervisor
+restarted alone, `REJOIN_ENV`, takes its state from the other clusters: train/rejoining.py),
+trains, and writes its outputs.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ravnest.run import finishing
 from ravnest.run.assembling import assemble, connect, cut_stage, save_stage
 from ravnest.run.metadata import (
     FINAL_SCRAPE_ENV,
+    REJOIN_ENV,
     RUNNER_PID_ENV,
     TERMINATION_LOG_ENV,
     TOKEN_ENV,
@@ -157,6 +160,8 @@ class Worker:
         self.started = time.monotonic()
         self.resumed_from = 0
         """The checkpoint step training resumed from (0: the start)."""
+        self.rejoin = os.environ.get(REJOIN_ENV) == "1" and len(plan.clusters) > 1
+        """Whether this worker's cluster was restarted alone and rejoins the others."""
 
     @property
     def server(self) -> Server:
@@ -177,15 +182,24 @@ class Worker:
     def run(self) -> None:
         host = host_of(self.meta.listen)
         self.metrics_port = self.metrics.serve(self.meta.metrics_port, addr=host)
+        if self.rejoin:
+            self.wiring.rejoining(True)
         self.wiring.start()
+        failed = True
         try:
-            self.wiring.wait_ready(self.runtime.s.peer_timeout)
+            self.wiring.wait_ready(self.runtime.s.peer_timeout,
+                                   *((self.meta.plan, self.meta.node) if self.rejoin else ()))
             # a pipeline neighbour that dies or falls silent stops this node in seconds (and it
-            # tells its other neighbours why), instead of a frame's wait running out
-            self.wiring.watch_neighbours(self.meta.plan, self.meta.node)
+            # tells its other neighbours why), instead of a frame's wait running out; a ring
+            # member that does is left out of the rounds that follow
+            self.wiring.watch_peers(self.meta.plan, self.meta.node)
             self.started = time.monotonic()
             try:
-                self.resumed_from = self.runtime.resume() or 0
+                if self.rejoin:
+                    self.runtime.rejoin()
+                    self.wiring.rejoining(False)
+                else:
+                    self.resumed_from = self.runtime.resume() or 0
                 if self.me.is_root:
                     self.runtime.drive()
                 else:
@@ -196,9 +210,10 @@ class Worker:
             self.wiring.stop_watching()
             self._write_outputs()
             self.metrics.finished.set(1)
+            failed = False
             self._await_final_scrape()
         finally:
-            self.wiring.close()
+            self.wiring.close(failed=failed)
 
     def _await_final_scrape(self) -> None:
         """Where Prometheus scrapes the workers (the chart's PodMonitor sets
@@ -220,7 +235,10 @@ class Worker:
         where = finishing.output_location(self.spec, self.meta.output_dir, self.pvc_root)
         save_stage(rt, where.child(finishing.STAGES))
         result: dict[str, Any] = {"node": self.me.name, "updates": rt.updates,
-                                  "rounds_skipped": rt.rounds_skipped}
+                                  "rounds_skipped": rt.rounds_skipped,
+                                  "rounds_partial": rt.rounds_partial}
+        if rt.rejoined is not None:
+            result["rejoined"] = rt.rejoined
         if self.me.is_root:
             train_losses = [r["train_loss"] for r in rt.curve.rows if "train_loss" in r]
             result.update({"cluster": self.me.cluster, "samples": rt.samples,

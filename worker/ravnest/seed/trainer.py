@@ -128,7 +128,7 @@ class Trainer:
         self.runtime = rt
         try:
             node.wiring.wait_ready(settings.peer_timeout)
-            node.wiring.watch_neighbours(node.plan, node.name)
+            node.wiring.watch_peers(node.plan, node.name)
             if node.me.is_root:
                 for name in (node.loss_filename, self._val_file()):
                     Path(name).write_text("")

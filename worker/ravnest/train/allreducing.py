@@ -4,13 +4,25 @@ written back only if the round completes.
 
 A ring round that misses a peer for longer than the timeout is *skipped*: local tensors keep their
 values, the round is counted as skipped, and pieces of it that arrive late are dropped.
+
+Given who is absent (`lost`: a watch of the ring's members, run/assembling.py, and the rejoins of
+restarted ones, train/rejoining.py), a round is held among
+the members present: its ring closes over them in the plan's order, the mean is theirs, and the
+round records who was missing (`RingReducer.missing`). A loss reported while a round waits fails
+that round at once (`Inbox.interrupt_ring`) instead of after the timeout (except the final round,
+which members leave as soon as it is over for them). Each round's pieces carry
+a tag of its membership in the high bits of their phase, so that two members that disagree for a
+moment on who is present (one saw the loss a second before the other) never add up pieces cut for
+different rings: they miss each other's pieces, and the round is skipped.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import zlib
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +47,18 @@ MAX_TAIL = 1 << 18
 """Most elements `average` copies through the tail of the buffer it moves tensors into (integer
 buffers, say): more (averaged optimizer state) and it copies everything instead, since the moved
 tensors share that buffer and `torch.save` of one of them writes all of it."""
+
+
+TAG_SHIFT = 32
+"""A round's membership tag sits above this bit of its pieces' phase (0: every member present)."""
+
+
+def membership_tag(members: Sequence[str], planned: Sequence[str]) -> int:
+    """The tag of a round among `members` of a ring planned with `planned`: 0 when all are there,
+    else 24 bits of a checksum of the names (never 0)."""
+    if tuple(members) == tuple(planned):
+        return 0
+    return (zlib.crc32("\0".join(members).encode()) & 0xFFFFFF) or 1
 
 
 def _flatten(tensors: Sequence[torch.Tensor], buffer: torch.Tensor | None,
@@ -103,11 +127,23 @@ class RingReducer:
 
     def __init__(self, ring: RingPlan, me: str, peers: Mapping[str, RingSender], inbox: Inbox,
                  timeout: float, sender: str = "", compression: str = "none",
-                 piece_bytes: int = PIECE_BYTES) -> None:
+                 piece_bytes: int = PIECE_BYTES,
+                 lost: Callable[[int], Collection[str]] | None = None) -> None:
+        """`peers`: a sender to this node's successor on the ring, and, given `lost` (the
+        members a round goes without, asked with the round's number as it begins), to every
+        member that may
+        become its successor when others are missing."""
         self.ring = ring
-        self.rank = ring.members.index(me)
-        self.size = len(ring.members)
-        self._next = peers[ring.successor(me)] if self.size > 1 else None
+        self.me = me
+        self._peers = peers
+        self._lost = lost
+        self.members: tuple[str, ...] = ()
+        """The members of the last round (the plan's, less the missing ones)."""
+        self.missing: tuple[str, ...] = ()
+        """The ring's members the last round went without."""
+        self.rank = self.size = self._tag = 0
+        self._next: RingSender | None = None
+        self._form(ring.members)
         self._inbox = inbox
         self._timeout = timeout
         self._sender = sender or me
@@ -123,6 +159,37 @@ class RingReducer:
         self._wired = torch.empty(0, dtype=self._wire or torch.float32)
         """The gathered pieces this node owns, in the wire's dtype, as they are posted."""
 
+    def _form(self, members: tuple[str, ...]) -> None:
+        """Close the ring over `members` (this node among them), in the plan's order."""
+        self.members, self.rank, self.size = members, members.index(self.me), len(members)
+        self.missing = tuple(m for m in self.ring.members if m not in members)
+        self._tag = membership_tag(members, self.ring.members)
+        self._next = None
+        if self.size > 1:
+            successor = members[(self.rank + 1) % self.size]
+            if successor not in self._peers:
+                raise TransportError(f"ring {self.ring.id}: no link to {successor}, this "
+                                     f"node's successor while {', '.join(self.missing)} "
+                                     f"{'is' if len(self.missing) == 1 else 'are'} missing")
+            self._next = self._peers[successor]
+
+    def _begin(self, round_: int) -> None:
+        """Form the round's ring over the members present (when a watch says who is lost)."""
+        if self._lost is None:
+            return
+        # resumed before the lost are read: a loss reported in between fails this round at
+        # worst (skipped), where the other order could leave it waiting out the timeout. The
+        # final round is not failed by a loss: members leave once it is over for them.
+        self._inbox.resume_ring(self.ring.id, interruptible=round_ != FINAL_ROUND)
+        lost = set(self._lost(round_))
+        members = tuple(m for m in self.ring.members if m == self.me or m not in lost)
+        if members != self.members:
+            missing = [m for m in self.ring.members if m not in members]
+            log.warning("ring %s from round %d on: %d of %d members (%s)", self.ring.id, round_,
+                        len(members), len(self.ring.members),
+                        f"without {', '.join(missing)}" if missing else "all back")
+            self._form(members)
+
     def average(self, tensors: Sequence[torch.Tensor], round_: int, movable: int = 0) -> bool:
         """Average `tensors` in place with the other members; False if the round was skipped
         (then every tensor keeps its value).
@@ -133,7 +200,15 @@ class RingReducer:
         reads them in place and writes the mean to a second buffer, which they are pointed at
         when the round completes, instead of copying everything in and out. The other tensors
         are copied in and out (through the buffer's tail, or, when they hold more than
-        MAX_TAIL elements, all tensors are copied as if none were movable)."""
+        MAX_TAIL elements, all tensors are copied as if none were movable).
+
+        With the other members all missing, the average of those present is this node's own
+        tensors: True, and `missing` names them."""
+        try:
+            self._begin(round_)
+        except TransportError as e:
+            log.warning("ring %s round %d skipped: %s", self.ring.id, round_, e)
+            return False
         if self.size == 1:
             return True
         # the order on the ring depends only on dtypes: the same on every member, moved or not
@@ -189,6 +264,7 @@ class RingReducer:
         hold their own buffer (and for measuring the ring alone against gloo's all_reduce)."""
         if flat.dtype != torch.float32 or not flat.is_contiguous() or flat.dim() != 1:
             raise ValueError("all_reduce_ takes a contiguous 1-d float32 tensor")
+        self._begin(round_)
         if self.size == 1:
             return
         self._reduce(flat, flat, round_)
@@ -223,8 +299,10 @@ class RingReducer:
         mine, pieces = cut(src), cut(dst)
         per = max(len(p) for p in pieces)  # phase id = ring step * per + piece
 
+        tag = self._tag << TAG_SHIFT
+
         def phase(step: int, k: int) -> int:
-            return step * per + k
+            return tag | (step * per + k)
 
         wired: Iterator[torch.Tensor] = iter(())
         if self._wire is not None:  # where the pieces this node owns are rounded and posted
@@ -301,16 +379,30 @@ class RingReducer:
                 frame.release()  # the data plane reuses the buffer for a later piece
 
 
+@dataclass
+class Rounds:
+    """What one round of each of a node's rings came to."""
+
+    done: int = 0
+    skipped: int = 0
+    partial: int = 0
+    """Rounds done (counted in `done` too) without some of their ring's members."""
+    missing: int = 0
+    """Members the node's rings went without, summed over its rings."""
+
+
 def reduce_all(reducers: Sequence[tuple[RingReducer,
                                         Callable[[], tuple[list[torch.Tensor], int]]]],
-               round_: int) -> tuple[int, int]:
-    """Run every ring of a node in ring-id order (deadlock-free); return (done, skipped).
-    Each ring's callable gives its tensors and how many of the first are movable (`average`)."""
-    done = skipped = 0
+               round_: int) -> Rounds:
+    """Run every ring of a node in ring-id order (deadlock-free). Each ring's callable gives its
+    tensors and how many of the first are movable (`average`)."""
+    out = Rounds()
     for reducer, tensors in sorted(reducers, key=lambda x: x[0].ring.id):
         ts, movable = tensors()
         if reducer.average(ts, round_, movable):
-            done += 1
+            out.done += 1
+            out.partial += bool(reducer.missing)
         else:
-            skipped += 1
-    return done, skipped
+            out.skipped += 1
+        out.missing += len(reducer.missing)
+    return out

@@ -7,7 +7,7 @@ A node takes part in one ring per group of parameters it shares with nodes of ot
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 
@@ -25,11 +25,13 @@ RingTensors = Callable[[], tuple[list[torch.Tensor], int]]
 
 
 def ring_reducers(plan: Plan, node: str, links: Mapping[str, RingSender], inbox: Inbox,
-                  settings: Settings) -> list[RingReducer]:
+                  settings: Settings,
+                  lost: Callable[[int], Collection[str]] | None = None) -> list[RingReducer]:
     """A reducer for each ring of `node`, which reaches its successor through `links` (by node
-    name) and takes pieces from `inbox`."""
+    name) and takes pieces from `inbox`; given `lost`, its rounds go on among the members
+    present."""
     return [RingReducer(r, node, links, inbox, settings.reduce_timeout,
-                        compression=settings.compression)
+                        compression=settings.compression, lost=lost)
             for r in plan.rings_of(node)]
 
 

@@ -48,3 +48,18 @@ class Op(StrEnum):
     when its watch lost a neighbour); the cluster stops, naming it."""
     FINISH = "finish"
     """Down: training is over."""
+    REJOIN = "rejoin"
+    """Down a restarted cluster, before it trains: its join `round`, and where it resumes
+    (`updates`, `epoch`, `next_batch`; `final`: it takes the final state), see `rejoining`."""
+    WHERE = "where"
+    """From a restarted cluster's root to a ring member: where is training?"""
+    HERE = "here"
+    """The answer: the member's `updates`, its last `round` and its `seconds_per_round`."""
+    JOIN = "join"
+    """From a restarted node to the other members of its `ring`: take it in after `round`, and
+    (`serve`) send it the ring's state then."""
+    STATE = "state"
+    """To a restarted node: a `ring`'s tensors and optimizer state after `round`, with the
+    sender's `updates` (tensors named as `rejoining.pack_state` names them)."""
+    LATE = "late"
+    """To a restarted node: the sender is past the join `round` already (its last is `last`)."""

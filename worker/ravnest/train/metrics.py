@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -102,6 +102,12 @@ class WorkerMetrics:
         self.reduce_rounds = counter("ravnest_reduce_rounds", "Ring rounds completed.")
         self.reduce_skipped = counter("ravnest_reduce_rounds_skipped",
                                       "Ring rounds skipped because a peer timed out.")
+        self.reduce_partial = counter("ravnest_reduce_rounds_partial",
+                                      "Ring rounds completed among the members present, without "
+                                      "some lost ones (counted in ravnest_reduce_rounds too).")
+        self.ring_missing = gauge("ravnest_ring_members_missing",
+                                  "Members this node's rings went without in their last round.")
+        self._elastic(counter, gauge)
         self.peer_errors = counter("ravnest_peer_errors", "Failed calls to peers.")
         self._activity = Counter(
             "ravnest_training_seconds",
@@ -116,6 +122,21 @@ class WorkerMetrics:
         self._received = Counter("ravnest_received_bytes", "Tensor bytes received, by frame kind.",
                                  kinds, registry=r)
         self._lab = lab
+
+    def _elastic(self, counter: Callable[[str, str], Counter],
+                 gauge: Callable[[str, str], Gauge]) -> None:
+        """The metrics of elastic training (train/rejoining.py)."""
+        self.clusters_active = gauge("ravnest_clusters_active",
+                                     "Clusters this node's last ring round went with (planned "
+                                     "clusters less those with a member missing).")
+        self.recoveries = counter("ravnest_recoveries",
+                                  "Times this node rejoined a running job live, its state taken "
+                                  "from the other clusters (elastic training).")
+        self.recovery_seconds = gauge("ravnest_recovery_duration_seconds",
+                                      "Seconds this node's last rejoin took, from its start to "
+                                      "its state loaded.")
+        self.recovery_bytes = counter("ravnest_recovery_bytes",
+                                      "Bytes of state this node received to rejoin.")
 
     def start_loop(self) -> None:
         """The training loop starts now: time before it (building, waiting for peers) is not

@@ -14,7 +14,10 @@ them, and the cluster's root also drives it by reading batches and feeding micro
   (`averaging`, `allreducing`);
 - validation (`validating`, `curves`), checkpoints (`resuming`) and the end of training travel
   down the pipeline as control frames (`messages`) at drained points, so every node acts on the
-  same weights.
+  same weights;
+- a node of a cluster restarted alone (elastic training) takes its state from the other clusters
+  and comes back into the rings at a round boundary (`rejoin`, `rejoining`), and the other
+  clusters' nodes answer it between their rounds.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +35,9 @@ import torch
 from ravnest.comm.framing import Frame
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.sending import RingSender, Sender
-from ravnest.errors import PeerFailed, PeerTimeout, RavnestError
+from ravnest.errors import PeerFailed, PeerTimeout, RavnestError, TransportError
 from ravnest.plan.partitioning import OUTPUT, Stage
-from ravnest.plan.plans import NodePlan, Plan
+from ravnest.plan.plans import NodePlan, Plan, RingPlan
 from ravnest.train.allreducing import FINAL_ROUND, RingReducer, reduce_all
 from ravnest.train.averaging import RingTensors, ring_reducers, ring_tensors
 from ravnest.train.curves import Curve, LossMeter
@@ -42,6 +46,14 @@ from ravnest.train.messages import LABELS, Kind, Op
 from ravnest.train.metrics import WorkerMetrics
 from ravnest.train.optimizing import Optimization
 from ravnest.train.pipelining import Pending, StagePasses
+from ravnest.train.rejoining import (
+    RingMembership,
+    RoundClock,
+    join_round,
+    pack_state,
+    resume_position,
+    unpack_state,
+)
 from ravnest.train.resuming import Checkpoints
 from ravnest.train.schedules import WeightStash, drains
 from ravnest.train.settings import Settings
@@ -71,6 +83,9 @@ class Batches:
 class NodeRuntime:
     """The training loop of one node."""
 
+    rejoined: dict[str, Any] | None
+    """How this node rejoined a running job (round, updates, seconds, bytes, from), if it did."""
+
     def __init__(self, name: str, plan: Plan, stage: Stage, settings: Settings,
                  optimizer: torch.optim.Optimizer | None, scheduler: Any,
                  criterion: Callable[..., torch.Tensor] | None, inbox: Inbox,
@@ -78,12 +93,14 @@ class NodeRuntime:
                  batches: Batches | None = None,
                  ring_peers: Mapping[str, RingSender] | None = None,
                  reducers: Sequence[RingReducer] | None = None,
-                 targets: Targets | None = None) -> None:
-        """`peers`: links to the pipeline neighbours (and, without `ring_peers`, to the ring
-        successors), by node name. `ring_peers`: the ring successors' data-plane links
+                 targets: Targets | None = None,
+                 membership: RingMembership | None = None) -> None:
+        """`peers`: links to the pipeline neighbours (and, without `ring_peers`, to the other
+        ring members), by node name. `ring_peers`: the other ring members' data-plane links
         (training.ringTransport: tcp). `reducers`: one per ring of this node in the plan;
-        without them, `averaging.ring_reducers` over `ring_peers` or else `peers`. `targets`:
-        where a leaf's criterion gets its targets (default: the labels the root sends)."""
+        without them, `averaging.ring_reducers` over `ring_peers` or else `peers`, whose rounds
+        go on without the members `membership` says are absent. `targets`: where a leaf's
+        criterion gets its targets (default: the labels the root sends)."""
         self.name = name
         self.plan = plan
         self.me: NodePlan = plan.node(name)
@@ -104,8 +121,15 @@ class NodeRuntime:
         self.optimization = Optimization(optimizer, scheduler, list(params.values()), settings,
                                          metrics)
         self.reducers = self._with_tensors(reducers if reducers is not None else ring_reducers(
-            plan, name, ring_peers or peers, inbox, settings))
+            plan, name, ring_peers or peers, inbox, settings,
+            lost=membership.absent if membership is not None else None))
+        self.membership = membership
         self.rounds_skipped = 0
+        self.rounds_partial = 0
+        self.rounds, self.rejoined = RoundClock(), None  # how this node rejoined, if it did
+        self._joins: list[tuple[str, str, int | None]] = []  # (node, ring, round) to serve
+        self._deferred: deque[Frame] = deque()  # frames that came while rejoining
+        metrics.clusters_active.set(len(plan.clusters))
         self.validation = Validation(criterion, settings.metric, settings.validation_smoothing,
                                      metrics)
         self.val_result: dict[str, Any] | None = None
@@ -191,6 +215,8 @@ class NodeRuntime:
             self.up.post(frame, snapshot=False)
 
     def _next_frame(self) -> Frame:
+        if self._deferred:
+            return self._deferred.popleft()
         try:
             with self.metrics.timed("waiting"):
                 return self.inbox.pipeline.get(timeout=self.s.peer_timeout)
@@ -259,12 +285,20 @@ class NodeRuntime:
             return
         t0 = time.perf_counter()
         with self.metrics.timed("communication"):
-            done, skipped = reduce_all(self.reducers, round_)
+            rounds = reduce_all(self.reducers, round_)
         self.stash.drop()
         self.metrics.allreduce_seconds.observe(time.perf_counter() - t0)
-        self.metrics.reduce_rounds.inc(done)
-        self.metrics.reduce_skipped.inc(skipped)
-        self.rounds_skipped += skipped
+        self.metrics.reduce_rounds.inc(rounds.done)
+        self.metrics.reduce_skipped.inc(rounds.skipped)
+        self.metrics.reduce_partial.inc(rounds.partial)
+        self.metrics.ring_missing.set(rounds.missing)
+        gone = {self.plan.node(m).cluster for r, _ in self.reducers for m in r.missing}
+        self.metrics.clusters_active.set(len(self.plan.clusters) - len(gone))
+        self.rounds_skipped += rounds.skipped
+        self.rounds_partial += rounds.partial
+        if round_ != FINAL_ROUND:
+            self.rounds.done(round_, time.monotonic())
+        self._serve_joins(round_)
 
     @torch.no_grad()
     def _eval_forward(self, tensors: dict[str, Any], control: dict[str, Any]) -> None:
@@ -324,12 +358,206 @@ class NodeRuntime:
             case Op.FINISH:
                 self._pass_down(c)
                 self._finished = True
+            case Op.WHERE:
+                self._answer(str(c.get("node")), {
+                    "op": Op.HERE, "updates": self.updates, "round": self.rounds.last,
+                    "seconds_per_round": self.rounds.seconds or 0.0})
+            case Op.JOIN:
+                self._join(c)
+            case Op.HERE | Op.STATE | Op.LATE:
+                log.info("%s: a late %s from a restarted node's exchange, dropped", self.name,
+                         op)
             case _:
                 raise RavnestError(f"{self.name}: unknown control {op!r}")
 
     def _pass_down(self, c: dict[str, Any]) -> None:
         if not self.me.is_leaf:
             self._send_down(Frame(Kind.CONTROL, control=c))
+
+    # ----------------------------------------------------------------------------- rejoining
+
+    def _answer(self, node: str, control: dict[str, Any],
+                tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """A control to a node outside the pipeline (a restarted one): unordered (its process
+        may be new to the link), and a failure only logged (it may be gone again)."""
+        peer = self.peers.get(node)
+        if peer is None:
+            log.warning("%s: no link to %s, which asked for %s", self.name, node, control["op"])
+            return
+        try:
+            peer.post(Frame(Kind.CONTROL, tensors or {}, sender=self.name, control=control),
+                      ordered=False)
+        except TransportError as e:
+            log.warning("%s: could not answer %s: %s", self.name, node, e)
+
+    def _join(self, c: dict[str, Any]) -> None:
+        """A restarted node asks to come back into a ring after a round (`rejoining`)."""
+        who, ring_id, round_ = str(c.get("node")), str(c.get("ring")), c.get("round")
+        ring = next((r for r in self.plan.rings_of(self.name) if r.id == ring_id), None)
+        if ring is None or who not in ring.members or who == self.name or not (
+                round_ is None or isinstance(round_, int)):
+            log.warning("%s: a join of %s to ring %s that is not its, dropped", self.name, who,
+                        ring_id)
+            return
+        if round_ is not None and round_ <= self.rounds.last:
+            self._answer(who, {"op": Op.LATE, "ring": ring_id, "round": round_,
+                               "last": self.rounds.last})
+            return
+        if self.membership is not None:
+            self.membership.admit(who, FINAL_ROUND + 1 if round_ is None else round_ + 1)
+        log.info("%s: %s rejoins ring %s after round %s", self.name, who, ring_id,
+                 "final" if round_ is None else round_)
+        if c.get("serve"):
+            self._joins.append((who, ring_id, round_))
+
+    def _serve_joins(self, round_: int) -> None:
+        """Send each restarted node waiting for this round its ring's state (at the final
+        round, every one still waiting)."""
+        final = round_ == FINAL_ROUND
+        due = [j for j in self._joins if final or (j[2] is not None and j[2] <= round_)]
+        for who, ring_id, _ in due:
+            self._joins.remove((who, ring_id, _))
+            ring = next(r for r in self.plan.rings_of(self.name) if r.id == ring_id)
+            tensors, extra = pack_state(self.stage, self.optimization, ring.state)
+            self._answer(who, {"op": Op.STATE, "ring": ring_id, "round": round_,
+                               "updates": self.updates, "final": final, **extra}, tensors)
+            log.info("%s: sent %s ring %s's state after round %s (%d tensors)", self.name, who,
+                     ring_id, "final" if final else round_, len(tensors))
+
+    def _await_controls(self, ops: tuple[Op, ...], timeout: float,
+                        from_: Collection[str] = ()) -> dict[str, Any]:
+        """The next control of one of `ops` in the pipeline queue; controls for this node
+        (abort, where, join) are acted on, other frames kept for later, in order. Raises if a
+        node it is awaited `from_` is lost meanwhile."""
+        deadline = time.monotonic() + timeout
+        while True:
+            gone = self._lost_now() & set(from_)
+            if gone:
+                raise PeerFailed(", ".join(sorted(gone)), "it was lost while this node was "
+                                 "rejoining", via=self.name)
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise queue.Empty
+                frame = self.inbox.pipeline.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                if left > 0.5:
+                    continue
+                raise PeerTimeout(f"{self.name}: rejoining, no {'/'.join(ops)} within "
+                                  f"{timeout:.0f}s") from None
+            op = frame.control.get("op") if frame.kind == Kind.CONTROL else None
+            if op in ops:
+                return dict(frame.control, _sender=frame.sender, _tensors=frame.tensors)
+            if op in (Op.ABORT, Op.WHERE, Op.JOIN):
+                self.handle(frame)
+            else:
+                self._deferred.append(frame)
+
+    def _lost_now(self) -> set[str]:
+        """The members of this node's rings known to be lost (or restarted and not back)."""
+        return self.membership.absent(0) if self.membership is not None else set()
+
+    def _elsewhere(self, ring: RingPlan) -> list[str]:
+        """The members of `ring` in other clusters that are there, in the plan's order."""
+        lost = self._lost_now()
+        return [m for m in ring.members if m not in lost
+                and self.plan.node(m).cluster != self.me.cluster]
+
+    def _last_round_of_job(self) -> int:
+        assert self.batches is not None
+        per = -(-self.batches.per_epoch // self.s.update_frequency)
+        return self.s.epochs * per // self.s.reduce_factor
+
+    def _choose_join(self) -> dict[str, Any]:
+        """The root of a restarted cluster: ask a ring member where training is, and pick the
+        round its cluster rejoins after and where its data resumes."""
+        assert self.batches is not None
+        asked = next((m for r in self.plan.rings_of(self.name) for m in self._elsewhere(r)),
+                     None)
+        if asked is None:
+            raise RavnestError(f"{self.name}: cannot rejoin: no member of its rings in another "
+                               f"cluster is there to take the state from")
+        self._answer(asked, {"op": Op.WHERE, "node": self.name})
+        here = self._await_controls((Op.HERE,), self.s.peer_timeout, (asked,))
+        last = self._last_round_of_job()
+        rf = self.s.reduce_factor
+        round_ = join_round(int(here["round"]), float(here.get("seconds_per_round") or 1.0),
+                            last)
+        if round_ is None:
+            return {"op": Op.REJOIN, "round": None, "final": True, "updates": last * rf,
+                    "epoch": self.s.epochs, "next_batch": 0, "asked": asked}
+        epoch, next_batch = resume_position(round_ * rf, self.batches.per_epoch,
+                                            self.s.update_frequency)
+        return {"op": Op.REJOIN, "round": round_, "final": False, "updates": round_ * rf,
+                "epoch": epoch, "next_batch": next_batch, "asked": asked}
+
+    def rejoin(self) -> dict[str, Any]:
+        """Bring this node of a restarted cluster back: agree on the join round along the
+        pipeline (the root picks it), ask the members of its rings to take it in after that
+        round, and load the state they send then (`rejoining`). Returns how it went."""
+        if self.s.reduce_each_epoch:
+            raise RavnestError(f"{self.name}: a cluster can only rejoin a job that averages "
+                               f"every reduceFactor updates")
+        started = time.monotonic()
+        if self.me.is_root:
+            c = self._choose_join()
+        else:
+            c = self._await_controls((Op.REJOIN,), self.s.peer_timeout)
+            c = {k: v for k, v in c.items() if not k.startswith("_")}
+        self._pass_down(c)
+        round_ = c.get("round")
+        wanted: dict[str, str] = {}
+        for ring in self.plan.rings_of(self.name):
+            there = self._elsewhere(ring)
+            if not there:
+                continue
+            wanted[ring.id] = there[0]
+            for m in there:
+                self._answer(m, {"op": Op.JOIN, "node": self.name, "ring": ring.id,
+                                 "round": round_, "serve": m == there[0]})
+        updates, nbytes = self._load_states(wanted, c)
+        self.updates, self.epoch, self.next_batch = updates, int(c["epoch"]), int(c["next_batch"])
+        if c.get("final"):
+            self.epoch = self.s.epochs
+        self.rounds.last = updates // self.s.reduce_factor
+        self.stash.drop()
+        self.metrics.step.set(self.updates)
+        seconds = time.monotonic() - started
+        self.metrics.recoveries.inc()
+        self.metrics.recovery_seconds.set(seconds)
+        self.metrics.recovery_bytes.inc(nbytes)
+        self.rejoined = {"round": round_, "updates": updates, "seconds": round(seconds, 3),
+                         "bytes": nbytes, "from": sorted(set(wanted.values()))}
+        log.warning("%s rejoined after round %s at update %d: %d bytes of state from %s in "
+                    "%.2f s (its data resumes at epoch %d, batch %d)", self.name,
+                    "final" if round_ is None else round_, updates, nbytes,
+                    ", ".join(sorted(set(wanted.values()))) or "nobody (no parameters shared)",
+                    seconds, self.epoch, self.next_batch)
+        return self.rejoined
+
+    def _load_states(self, wanted: dict[str, str], c: dict[str, Any]) -> tuple[int, int]:
+        """Load the state of each ring in `wanted` (ring -> the member asked for it) once it
+        comes; the updates to resume from (the members' own after a final join) and the bytes
+        loaded."""
+        updates, nbytes, round_ = int(c["updates"]), 0, c.get("round")
+        rings = {r.id: r for r in self.plan.rings_of(self.name)}
+        got: set[str] = set()
+        while got != set(wanted):
+            reply = self._await_controls((Op.STATE, Op.LATE), self.s.peer_timeout,
+                                         set(wanted.values()))
+            ring_id = str(reply.get("ring"))
+            if ring_id not in wanted or reply["_sender"] != wanted[ring_id] or ring_id in got:
+                continue
+            if reply["op"] == Op.LATE:
+                raise RavnestError(f"{self.name}: {reply['_sender']} was past round {round_} "
+                                   f"(at {reply.get('last')}) when asked to take this node in "
+                                   f"again; its cluster must be restarted again")
+            nbytes += unpack_state(self.stage, self.optimization, rings[ring_id].state,
+                                   reply["_tensors"], reply)
+            if c.get("final"):
+                updates = int(reply.get("updates", updates))
+            got.add(ring_id)
+        return updates, nbytes
 
     def _checkpoint(self, c: dict[str, Any]) -> None:
         if not self.checkpoints.directory:

@@ -1,0 +1,159 @@
+"""Steps lost to one failure: elastic recovery (a lost cluster restarted alone, which rejoins
+live) against today's whole-job restart from the newest checkpoint, on the same job in the same
+run of this script.
+
+The job is digits in 3 clusters on 9 workers (as tests/integration/test_elastic.py). Each variant
+is run `--repeats` times; in each, the same node is killed with SIGKILL once every cluster reached
+`--at` updates. Reported per variant (medians):
+
+- *redone*: updates the clusters computed twice, summed over clusters (a whole-job restart
+  repeats, in every cluster, the updates since the checkpoint it resumes from; elastic: none);
+- *skipped*: updates of the lost cluster's data shard it never trained (elastic: from the update
+  it was killed at to the one it rejoined at; whole-job restart: none);
+- *stalled*: the longest time the other clusters' step counters stood still;
+- *wall*: the run's wall time, and the fused model's validation accuracy.
+
+    python bench/elastic.py [--epochs 80] [--at 100] [--every 40] [--repeats 1] [--victim root]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ravnest.run.progress import scrape
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _job(folder: Path, epochs: int, every: int, recovery: str) -> Path:
+    doc = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
+    spec = doc["spec"]
+    spec["plan"]["clusters"] = 3
+    spec["providers"] += [{"ram": 4, "bandwidth": 1000}, {"ram": 8, "bandwidth": 1000},
+                          {"ram": 2, "bandwidth": 500}]
+    spec["training"]["epochs"] = epochs
+    spec["checkpoint"] = {"everySteps": every, "keep": 2}
+    spec["runPolicy"] = {"backoffLimit": 3, "recovery": recovery}
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _steps(ports: dict[str, int]) -> dict[str, int]:
+    out = {}
+    for name, port in ports.items():
+        try:
+            out[name] = int(scrape(port, timeout=0.5).get("ravnest_step", -1))
+        except OSError:
+            continue
+    return out
+
+
+def _pid(node_file: Path) -> int | None:
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if str(node_file) in cmd and "worker" in cmd:
+                return int(pid)
+    return None
+
+
+def one_run(recovery: str, args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        out = folder / "out"
+        cmd = [sys.executable, "-m", "ravnest", "run",
+               str(_job(folder, args.epochs, args.every, recovery)), "-o", str(out),
+               "--no-progress"]
+        started = time.monotonic()
+        run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            while not (out / "plan.txt").exists():
+                time.sleep(0.1)
+            plan = json.loads(sorted((out / "nodes").glob("node_*.json"))[0].read_text())["plan"]
+            nodes = plan["nodes"]
+            ports = {n["name"]: json.loads((out / "nodes" / f"{n['name']}.json").read_text())[
+                "metricsPort"] for n in nodes}
+            victim = next(n for n in nodes if n["role"] == args.victim and n["cluster"] == 1)
+            roots = {n["cluster"]: n["name"] for n in nodes if n["role"] == "root"}
+            while not ((s := _steps(ports)) and len(s) == len(ports)
+                       and min(s.values()) >= args.at):
+                time.sleep(0.05)
+            reached = {c: s[r] for c, r in roots.items()}
+            os.kill(_pid(out / "nodes" / f"{victim['name']}.json") or 0, signal.SIGKILL)
+            others = {r: ports[r] for c, r in roots.items() if c != victim["cluster"]}
+            last, still, stalled = _steps(others), time.monotonic(), 0.0
+            while run.poll() is None:
+                now = _steps(others)
+                if now and any(now.get(n, -1) > v for n, v in last.items()):
+                    last, still = now, time.monotonic()
+                elif now:
+                    stalled = max(stalled, time.monotonic() - still)
+                time.sleep(0.1)
+            err = run.stderr.read() if run.stderr else ""
+        finally:
+            if run.poll() is None:
+                run.kill()
+            run.wait()
+        wall = time.monotonic() - started
+        if run.returncode != 0:
+            raise SystemExit(f"{recovery}: the run failed:\n{err[-2000:]}")
+        summary = json.loads((out / "summary.json").read_text())
+        logs = "".join(p.read_text() for p in (out / "logs").glob("*.log"))
+    redone = skipped = 0
+    restart = re.search(r"resumes from checkpoint at step (\d+)", err)
+    if restart:
+        redone = sum(v - int(restart[1]) for v in reached.values())
+    join = re.search(r"rejoined after round \S+ at update (\d+)", logs)
+    if join:
+        skipped = int(join[1]) - reached[victim["cluster"]]
+    elif recovery == "cluster":  # the others finished first: the run ended without it
+        skipped = summary["updates"] - reached[victim["cluster"]]
+    return {"redone": redone, "skipped": skipped, "stalled": stalled, "wall": wall,
+            "accuracy": summary["fused_val_metric"], "rejoined": bool(join)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=int, default=80)
+    p.add_argument("--at", type=int, default=100, help="kill once every cluster reached it")
+    p.add_argument("--every", type=int, default=40, help="checkpoint interval (updates)")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--victim", choices=("root", "stem", "leaf"), default="root")
+    args = p.parse_args()
+    rows: dict[str, list[dict[str, Any]]] = {"cluster": [], "job": []}
+    for _ in range(args.repeats):  # alternate, so that load elsewhere hits both alike
+        for recovery in rows:
+            rows[recovery].append(one_run(recovery, args))
+    print(f"digits, 3 clusters, {args.epochs * (1437 // 96)} updates, {args.victim} of cluster 1 "
+          f"killed at update {args.at}, checkpoints every {args.every} ({args.repeats} repeat(s))")
+    print(f"{'recovery':<24}{'redone':>8}{'skipped':>9}{'stalled s':>11}{'wall s':>9}"
+          f"{'accuracy':>10}")
+    for recovery, runs in rows.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "rejoined"}
+        name = "cluster (elastic)" if recovery == "cluster" else "job (whole restart)"
+        back = "" if recovery == "job" else (
+            f"  (rejoined in {sum(r['rejoined'] for r in runs)} of {len(runs)}; the others "
+            "finished first in the rest)")
+        print(f"{name:<24}{med['redone']:>8.0f}{med['skipped']:>9.0f}{med['stalled']:>11.1f}"
+              f"{med['wall']:>9.1f}{med['accuracy']:>10.4f}{back}")
+
+
+if __name__ == "__main__":
+    main()

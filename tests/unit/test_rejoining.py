@@ -1,0 +1,114 @@
+"""Rejoining (elastic training): who a round goes without, the join round and where a restarted
+cluster's data resumes, and the state a ring member sends a restarted node, which must continue
+training exactly as the sender does (compared with the sender itself, stepped on the same
+gradients)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import nn
+
+from ravnest.plan.partitioning import OUTPUT, build_stage, profile
+from ravnest.train.metrics import Identity, WorkerMetrics
+from ravnest.train.optimizing import Optimization
+from ravnest.train.rejoining import (
+    RingMembership,
+    join_round,
+    pack_state,
+    resume_position,
+    unpack_state,
+)
+from ravnest.train.settings import Settings
+
+
+def test_a_lost_member_stays_out_until_it_rejoins_or_is_back_from_a_cut():
+    m = RingMembership()
+    assert m.absent(5) == set()
+    m.lost("b")
+    m.lost("c")
+    assert m.absent(5) == {"b", "c"} and m.absent(10**12) == {"b", "c"}
+    m.admit("b", 8)  # restarted: in again from round 8
+    assert m.absent(7) == {"b", "c"} and m.absent(8) == {"c"}
+    m.back("c")  # a cut healed: in again at once
+    assert m.absent(9) == set()
+    m.lost("b")  # lost again after it rejoined
+    assert m.absent(9) == {"b"}
+
+
+def test_the_join_round_is_the_margin_ahead_and_the_final_one_past_the_end():
+    assert join_round(10, 0.5, last=100, margin=5.0) == 20
+    assert join_round(10, 60.0, last=100, margin=5.0) == 12  # at least two rounds ahead
+    assert join_round(10, 0.0, last=None, margin=1.0) == 1010  # unknown pace: 1 ms a round
+    assert join_round(95, 0.5, last=100, margin=5.0) is None  # past the last round: final
+
+
+def test_a_resumed_root_starts_where_the_drive_loop_would_have_counted_those_updates():
+    per_epoch, uf = 14, 2  # 7 updates an epoch
+    assert resume_position(0, per_epoch, uf) == (0, 0)
+    assert resume_position(3, per_epoch, uf) == (0, 6)
+    assert resume_position(10, per_epoch, uf) == (1, 6)
+    # at an epoch's end: that epoch's end (its validation and epoch step still to come)
+    assert resume_position(7, per_epoch, uf) == (0, 14)
+    assert resume_position(14, per_epoch, uf) == (1, 14)
+    # the batch after the resume position completes update (updates + 1), as in `drive`
+    for updates in range(1, 30):
+        epoch, batch = resume_position(updates, per_epoch, uf)
+        if batch == per_epoch:
+            epoch, batch = epoch + 1, 0
+        assert epoch * 7 + (batch + uf) // uf == updates + 1
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def _node(seed: int):
+    torch.manual_seed(seed)
+    gm, prof = profile(Net(), [torch.randn(4, 6)])
+    stage = build_stage(gm, 0, len(prof.layers))
+    params = list(stage.parameters())
+    opt = torch.optim.Adam(params, lr=0.01, betas=(0.8, 0.95))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    metrics = WorkerMetrics(Identity("j", "", f"n{seed}", "root", 0, 0))
+    return stage, Optimization(opt, sched, params, Settings(), metrics)
+
+
+def _train_step(stage, optimization, x, y) -> None:
+    out = stage(**dict(zip(stage.input_names, [x], strict=True)))[OUTPUT]
+    nn.functional.cross_entropy(out, y).backward()
+    optimization.step()
+
+
+def test_the_state_sent_lets_a_restarted_node_continue_exactly_as_its_sender():
+    sender, sent_opt = _node(1)
+    joiner, join_opt = _node(2)  # another initialisation, a fresh optimizer and scheduler
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g))
+               for _ in range(6)]
+    for x, y in batches[:3]:
+        _train_step(sender, sent_opt, x, y)
+    names = tuple(sender.stage_state_dict())
+    tensors, control = pack_state(sender, sent_opt, names)
+    # as a frame carries them: the control through JSON, every tensor a copy
+    control = json.loads(json.dumps(control))
+    tensors = {k: v.clone() for k, v in tensors.items()}
+    nbytes = unpack_state(joiner, join_opt, names, tensors, control)
+    assert nbytes > sum(p.numel() * 4 for p in sender.parameters())  # optimizer state too
+    assert join_opt.optimizer.param_groups[0]["lr"] == sent_opt.optimizer.param_groups[0]["lr"]
+    assert join_opt.optimizer.param_groups[0]["betas"] == (0.8, 0.95)
+    for x, y in batches[3:]:  # both go on with the same batches
+        _train_step(sender, sent_opt, x, y)
+        _train_step(joiner, join_opt, x, y)
+    a, b = sender.stage_state_dict(), joiner.stage_state_dict()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, msg=k)
+    assert join_opt.scheduler.get_last_lr() == sent_opt.scheduler.get_last_lr()

@@ -1,0 +1,197 @@
+"""Rejoining: a cluster that was lost and restarted (elastic training: the local runner or the
+operator restarts only that cluster) takes its stages' current state from the nodes that hold the
+same parameters in the other clusters, not from a checkpoint, and comes back into the rings at a
+round boundary, while the other clusters go on training.
+
+The exchange, in control frames on the nodes' authenticated links (tensors framed as any frame's,
+no pickle):
+
+1. the restarted root asks a member of one of its rings where training is (`where`; the answer,
+   `here`, gives the member's last round and the seconds a round takes there) and picks the
+   *join round* R: the first round at least `JOIN_MARGIN_SECONDS` ahead, so that every node of the
+   cluster can ask before the others get there (past the last round: the final one);
+2. it sends `rejoin` (R, and where its data resumes) down its pipeline, and every node of the
+   cluster passes it on and sends `join` (R) to the other members of each of its rings: from
+   round R + 1 they take it in again (`RingMembership.admit`), and one member of each ring, the
+   first present in the plan's order, sends it that ring's `state` once its round R is over: the
+   parameters and buffers the ring averages, their optimizer state, the scheduler's state and the
+   update count (a member past R already answers `late`: the node fails and its cluster is
+   restarted again);
+3. each node loads what it got and trains on from update R x reduceFactor.
+
+The data schedule stays the one `worker.cluster_batches` documents (batch b of epoch e is the same
+samples for a cluster however often it is restarted): the restarted cluster's root resumes at the
+batch of update R x reduceFactor, so its shard's batches from the update it had last completed up
+to that one are skipped, for that epoch only. A ring member that a watch lost and that answers
+again without having restarted (a network cut healed) is taken in again from the next round.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ravnest.errors import RavnestError
+from ravnest.plan.partitioning import Stage
+from ravnest.train.optimizing import Optimization
+
+JOIN_MARGIN_SECONDS = 5.0
+"""How far ahead of the round the others are at a restarted cluster's join round is chosen: time
+for each of its nodes to get the `rejoin` down the pipeline and ask the members of its rings."""
+
+PARAM = "p/"
+OPTIM = "o/"
+"""Prefixes of a `state` frame's tensors: a parameter or buffer, and an optimizer state tensor
+(``o/<parameter>/<key>``)."""
+
+
+class RingMembership:
+    """Who a node's ring rounds go without: members a watch lost stay out until they answer again
+    without having restarted (`back`: a cut healed; from the next round), or, restarted, rejoin
+    (`admit`: from a given round). Thread-safe: the watch threads report, the training loop
+    asks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_from: dict[str, float] = {}
+        """member -> the first round it takes part in again (inf: not yet known)."""
+
+    def lost(self, name: str) -> None:
+        with self._lock:
+            self._in_from[name] = math.inf
+
+    def back(self, name: str) -> None:
+        with self._lock:
+            self._in_from[name] = 0
+
+    def admit(self, name: str, round_: int) -> None:
+        with self._lock:
+            self._in_from[name] = round_
+
+    def absent(self, round_: int) -> set[str]:
+        """The members a round `round_` goes without."""
+        with self._lock:
+            return {n for n, first in self._in_from.items() if first > round_}
+
+
+@dataclass
+class RoundClock:
+    """A node's last ring round (by updates) and the seconds between its rounds (a moving
+    average), which a restarted root asks to pick its join round."""
+
+    last: int = 0
+    at: float | None = None
+    seconds: float | None = None
+
+    def done(self, round_: int, now: float) -> None:
+        if self.at is not None:
+            took = (now - self.at) / max(1, round_ - self.last)
+            self.seconds = took if self.seconds is None else 0.7 * self.seconds + 0.3 * took
+        self.last, self.at = round_, now
+
+
+def join_round(last_round: int, seconds_per_round: float, last: int | None,
+               margin: float = JOIN_MARGIN_SECONDS) -> int | None:
+    """The join round of a restarted cluster whose ring peer completed `last_round`, a round
+    taking `seconds_per_round` there: the first at least `margin` seconds ahead; None when that
+    is past `last`, the job's last round by updates (the cluster then takes the final state)."""
+    ahead = max(2, math.ceil(margin / max(seconds_per_round, 1e-3)))
+    round_ = last_round + ahead
+    return None if last is not None and round_ > last else round_
+
+
+def resume_position(updates: int, per_epoch: int, update_frequency: int) -> tuple[int, int]:
+    """(epoch, next batch) of a root that resumes after `updates` updates. At an epoch's end it is
+    that epoch's end, not the next one's start, so that the root still closes the epoch
+    (validation, a scheduler's epoch step) as the other clusters do."""
+    per = -(-per_epoch // update_frequency)
+    epoch, done = divmod(updates, per)
+    if done == 0 and epoch > 0:
+        return epoch - 1, per_epoch
+    return epoch, done * update_frequency
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def pack_state(stage: Stage, optimization: Optimization, names: tuple[str, ...]
+               ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A ring's part of this node's state as a frame's tensors and control: the parameters and
+    buffers `names`, the optimizer's state of those parameters (its non-tensor values in the
+    control), the optimizer's hyperparameters and the scheduler's state."""
+    state = stage.stage_state_dict()
+    params = dict(stage.named_parameters())
+    tensors = {f"{PARAM}{n}": state[n].detach() for n in names}
+    scalars: dict[str, dict[str, Any]] = {}
+    for n in names:
+        for key, value in optimization.state_of(params.get(f"graph_module.{n}")).items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{OPTIM}{n}/{key}"] = value.detach()
+            elif _jsonable(value):
+                scalars.setdefault(n, {})[key] = value
+    control: dict[str, Any] = {"scalars": scalars}
+    opt = optimization.optimizer
+    if opt is not None:
+        control["groups"] = [{k: v for k, v in g.items() if k != "params" and _jsonable(v)}
+                             for g in opt.param_groups]
+    sched = optimization.scheduler
+    if sched is not None:
+        sd = sched.state_dict()
+        control["scheduler"] = sd if _jsonable(sd) else None
+    return tensors, control
+
+
+def unpack_state(stage: Stage, optimization: Optimization, names: tuple[str, ...],
+                 tensors: Mapping[str, torch.Tensor], control: Mapping[str, Any]) -> int:
+    """Load a `state` frame of a ring whose tensors are `names` into this node; the bytes it
+    carried. Raises RavnestError when it does not fit this stage (another plan, another model)."""
+    state = stage.stage_state_dict(keep_vars=True)
+    params = dict(stage.named_parameters())
+    nbytes = 0
+    with torch.no_grad():
+        for n in names:
+            got = tensors.get(f"{PARAM}{n}")
+            mine = state.get(n)
+            if got is None or mine is None or got.shape != mine.shape:
+                raise RavnestError(f"rejoin: the state sent for {n} does not fit this stage "
+                                   f"({None if got is None else tuple(got.shape)} vs "
+                                   f"{None if mine is None else tuple(mine.shape)})")
+            mine.copy_(got.to(mine.dtype))
+            nbytes += got.numel() * got.element_size()
+    opt = optimization.optimizer
+    if opt is None:
+        return nbytes
+    scalars = control.get("scalars") or {}
+    for n in names:
+        p = params.get(f"graph_module.{n}")
+        if p is None:
+            continue
+        prefix = f"{OPTIM}{n}/"
+        entry: dict[str, Any] = {k.removeprefix(prefix): t.clone() for k, t in tensors.items()
+                                 if k.startswith(prefix)}
+        entry.update(scalars.get(n) or {})
+        if entry:
+            opt.state[p] = entry
+            nbytes += sum(t.numel() * t.element_size() for t in entry.values()
+                          if isinstance(t, torch.Tensor))
+    groups = control.get("groups") or []
+    for i, g in enumerate(opt.param_groups):
+        hyper = groups[min(i, len(groups) - 1)] if groups else {}
+        for k, v in hyper.items():
+            if k in g:
+                g[k] = tuple(v) if isinstance(g[k], tuple) and isinstance(v, list) else v
+    sched = optimization.scheduler
+    if sched is not None and control.get("scheduler") is not None:
+        sched.load_state_dict(control["scheduler"])
+    return nbytes
