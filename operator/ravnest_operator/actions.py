@@ -70,6 +70,11 @@ class CountRestart:
 
 
 @dataclass(frozen=True)
+class CountRecovery:
+    """The operator's metric of clusters restarted alone (elastic training) goes up by one."""
+
+
+@dataclass(frozen=True)
 class CountRunning:
     """The operator's metric of time to running observes this job (created at `created`)."""
     created: str | None
@@ -85,7 +90,7 @@ class CountFinished:
 
 
 Action = (SetStatus | CreateJobObjects | Create | DeletePod | DeleteJob | Event | ScrapeProgress
-          | CountRestart | CountRunning | CountFinished)
+          | CountRestart | CountRecovery | CountRunning | CountFinished)
 
 
 @dataclass

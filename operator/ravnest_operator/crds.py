@@ -88,6 +88,8 @@ PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Plan", "type": "string", "jsonPath": ".status.plan.summary",
      "description": "clusters x stages"},
+    {"name": "Clusters", "type": "string", "jsonPath": ".status.clusters",
+     "description": "clusters active / planned"},
     {"name": "Epoch", "type": "integer", "jsonPath": ".status.progress.epoch"},
     {"name": "Step", "type": "string", "jsonPath": ".status.progress.display"},
     {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},

@@ -26,6 +26,7 @@ from ravnest.spec import Job
 from . import resources
 from .actions import (
     CountFinished,
+    CountRecovery,
     CountRestart,
     CountRunning,
     Create,
@@ -38,9 +39,11 @@ from .actions import (
 )
 from .planning import PlannerPod
 from .settings import Settings
-from .statuses import Observation, observe, parse_time, set_condition, timestamp
+from .statuses import NodeState, Observation, observe, parse_time, set_condition, timestamp
 
 FINISHED = ("Succeeded", "Failed")
+SPEC_ERROR_EXIT = 2
+"""A worker's exit code for a spec error (`ravnest.cli`): no restart cures it."""
 NOT_DURABLE = ("checkpoints are on the pods' emptyDir volumes: a restart or a suspend starts over "
                "from step 0; to keep them, set spec.checkpoint.path to an object store "
                "(s3://bucket/prefix) or a claim (pvc://claim/path), or mount "
@@ -229,8 +232,9 @@ def _plan_status(plan: Plan) -> dict[str, Any]:
 
 
 def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
-    """A planned job: suspend, clear pods of an earlier attempt, restart or fail on a failure,
-    finish, or create the missing pods and watch the running ones."""
+    """A planned job: suspend, clear pods of an earlier attempt (or recovery), restart a lost
+    cluster alone or the whole job, or fail, on a failure; finish, or create the missing pods and
+    watch the running ones."""
     conditions = run.status.get("conditions") or []
     if run.run_policy.get("suspend"):
         _suspend(run, phase, conditions, f"pods deleted; {_resumes(job)}")
@@ -239,20 +243,32 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
         conditions = set_condition(conditions, "Suspended", False, "Resumed", "", run.at)
         run.out.set({"conditions": conditions})
     restarts = int(run.status.get("restarts", 0))
+    recoveries = _cluster_recoveries(run.status, plan)
+    rejoining = {int(c) for c in run.status.get("rejoining") or [] if c in recoveries}
     obs = observe(run.observed.name, plan, list(run.observed.pods))
-    run.out.set({"nodes": {n: s.to_status() for n, s in obs.nodes.items()}})
-    stale = [s for s in obs.nodes.values() if s.phase != "Missing" and s.attempt != restarts]
+    run.out.set({"nodes": {n: s.to_status() for n, s in obs.nodes.items()},
+                 "clusters": f"{len(plan.clusters) - len(rejoining)}/{len(plan.clusters)}"})
+    stale = [s for s in obs.nodes.values() if s.phase != "Missing" and (
+        s.attempt != restarts or s.recovery != recoveries[s.cluster])]
     run.out.do(*(DeletePod(s.pod) for s in stale if not s.deleting))
     if stale:
         return
+    without = _ended_without(run, job, plan, obs, rejoining)
+    if without:
+        obs = Observation({n: s for n, s in obs.nodes.items() if s.cluster not in without})
+        rejoining -= without
+        conditions = run.status.get("conditions") or conditions
     # A worker pod that vanishes (or is being deleted) from a running job, by `kubectl delete pod`,
     # an eviction or a node drain, is lost like a failed one: its peers would wait for it forever.
-    lost = [s for s in obs.nodes.values() if s.phase == "Missing" or s.deleting] \
-        if phase == "Running" else []
+    # (The pods of a cluster restarted alone are missing until created again: not lost.)
+    lost = [s for s in obs.nodes.values() if s.deleting or (
+        s.phase == "Missing" and s.cluster not in rejoining)] if phase == "Running" else []
     if obs.failed or lost:
         message = "; ".join(filter(None, [obs.failure_message(),
                                           *(f"pod {s.pod} was deleted" for s in lost)]))
-        _failed(run, job, obs, restarts, conditions, message)
+        if not _recover(run, job, plan, obs, [*obs.failed, *lost], recoveries, rejoining,
+                        conditions, message):
+            _failed(run, job, obs, restarts, conditions, message)
         return
     if obs.all_succeeded:
         if job.spec.output.uri:
@@ -262,11 +278,116 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
         return
     owner = resources.Owner(run.observed.name, run.observed.namespace, run.observed.uid)
     for node in plan.nodes:
-        if obs.nodes[node.name].phase == "Missing":
+        if node.name in obs.nodes and obs.nodes[node.name].phase == "Missing":
             run.out.do(Create(resources.pod(
                 owner, job, plan, node, run.settings.worker_image, attempt=restarts,
-                final_scrape_seconds=run.settings.final_scrape_seconds)))
-    _watch(run, plan, obs, phase, conditions)
+                final_scrape_seconds=run.settings.final_scrape_seconds,
+                recovery=recoveries[node.cluster])))
+    conditions, rejoining = _rejoined(run, plan, obs, rejoining, conditions)
+    _watch(run, plan, obs, phase, conditions, rejoining)
+
+
+def _ended_without(run: _Pass, job: Job, plan: Plan, obs: Observation,
+                   rejoining: set[int]) -> set[int]:
+    """The clusters the job ends without (status.abandoned): with runPolicy.recovery cluster, once
+    every other cluster has finished, those that failed or were lost, or were restarted alone and
+    not yet running again (there is nobody left to take the state from). The final round averaged
+    the others, whose model is the job's. Their pods are deleted, and the job finishes."""
+    before = {int(c) for c in run.status.get("abandoned") or []}
+    if job.spec.run_policy.recovery != "cluster":
+        return before
+    done = {c.id for c in plan.clusters if all(obs.nodes[n].phase == "Succeeded"
+                                               for n in c.nodes)}
+    rest = {c.id for c in plan.clusters} - done
+    if not done or not rest or not all(c in before or c in rejoining or any(
+            s.cluster == c and (s.deleting or s.phase in ("Failed", "Missing"))
+            for s in obs.nodes.values()) for c in rest):
+        return before
+    new = rest - before
+    if new:
+        ids = ", ".join(map(str, sorted(new)))
+        text = (f"cluster(s) {ids} could not rejoin before the others finished (failed, lost or "
+                f"restarting): the job ends without them, with the model of cluster(s) "
+                f"{', '.join(map(str, sorted(done)))}, which the final round averaged")
+        conditions = set_condition(run.status.get("conditions") or [], "Recovering", False,
+                                   "Abandoned", text, run.at)
+        run.status.update(conditions=conditions, abandoned=sorted(rest))
+        run.out.set({"abandoned": sorted(rest), "rejoining": sorted(rejoining - rest),
+                     "clusters": f"{len(done)}/{len(plan.clusters)}", "conditions": conditions})
+        run.out.do(Event("Abandoned", text, warning=True),
+                   *(DeletePod(s.pod) for s in obs.nodes.values() if s.cluster in new
+                     and s.phase in ("Running", "Pending") and not s.deleting))  # failed: kept
+    return rest
+
+
+def _cluster_recoveries(status: Mapping[str, Any], plan: Plan) -> dict[int, int]:
+    """Each cluster's recoveries in this attempt (status.clusterRecoveries, by cluster id)."""
+    given = status.get("clusterRecoveries")
+    given = given if isinstance(given, list) else []
+    return {c.id: given[c.id] if 0 <= c.id < len(given) and isinstance(given[c.id], int) else 0
+            for c in plan.clusters}
+
+
+def _recover(run: _Pass, job: Job, plan: Plan, obs: Observation, down: list[NodeState],
+             recoveries: dict[int, int], rejoining: set[int], conditions: list[dict[str, Any]],
+             message: str) -> bool:
+    """Restart only the cluster of the pods `down` (elastic training, runPolicy.recovery:
+    cluster): its pods are deleted and created again, and their workers take their state from
+    the other clusters and rejoin them at a round boundary while those train on. Only when the
+    loss is one cluster's, another cluster runs whole, the lost one shares parameters with the
+    others, it is no spec error (which no restart cures) and recoveryLimit is not reached; False
+    otherwise (the whole job restarts from its last checkpoint)."""
+    policy = job.spec.run_policy
+    clusters = {s.cluster for s in down}
+    if policy.recovery != "cluster" or len(plan.clusters) < 2 or len(clusters) != 1 or any(
+            s.exit_code == SPEC_ERROR_EXIT for s in down):
+        return False
+    cluster = clusters.pop()
+    whole = [c.id for c in plan.clusters if c.id != cluster and c.id not in rejoining and all(
+        obs.nodes[n].phase == "Running" and not obs.nodes[n].deleting for n in c.nodes)]
+    root = plan.cluster_nodes(cluster)[0].name
+    shares = any(plan.node(m).cluster != cluster for r in plan.rings_of(root)
+                 for m in r.members)
+    total = int(run.status.get("recoveries", 0))
+    if not whole or not shares or total >= policy.recovery_limit:
+        return False
+    recoveries = {**recoveries, cluster: recoveries[cluster] + 1}
+    run.out.do(*(DeletePod(s.pod) for s in obs.nodes.values()
+                 if s.cluster == cluster and s.phase != "Missing" and not s.deleting))
+    text = (f"{message}; cluster {cluster} restarted alone (recovery {total + 1}/"
+            f"{policy.recovery_limit}): it takes its state from cluster(s) "
+            f"{', '.join(map(str, whole))} and rejoins at a round boundary, while they train on")
+    rejoining = rejoining | {cluster}
+    run.out.set({"recoveries": total + 1,
+                 "clusterRecoveries": [recoveries.get(i, 0)
+                                       for i in range(max(recoveries) + 1)],
+                 "rejoining": sorted(rejoining),
+                 "clusters": f"{len(plan.clusters) - len(rejoining)}/{len(plan.clusters)}",
+                 "conditions": set_condition(conditions, "Recovering", True, "WorkerFailed",
+                                             text, run.at)})
+    run.out.do(Event("Recovering", text, warning=True), CountRecovery())
+    return True
+
+
+def _rejoined(run: _Pass, plan: Plan, obs: Observation, rejoining: set[int],
+              conditions: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], set[int]]:
+    """Clusters restarted alone whose pods all run again are no longer rejoining; once none is,
+    Recovering turns False. The conditions as they stand, and the clusters still rejoining."""
+    back = {c for c in rejoining if all(s.phase in ("Running", "Succeeded")
+                                        for s in obs.nodes.values() if s.cluster == c)}
+    if not back:
+        return conditions, rejoining
+    left = rejoining - back
+    recovering = next((c for c in conditions if c["type"] == "Recovering"), None)
+    if not left and recovering is not None and recovering["status"] == "True":
+        conditions = set_condition(conditions, "Recovering", False, "Rejoined",
+                                   f"cluster(s) {', '.join(map(str, sorted(back)))} running "
+                                   f"again after: {recovering['message']}", run.at)
+    run.out.set({"rejoining": sorted(left), "conditions": conditions,
+                 "clusters": f"{len(plan.clusters) - len(left)}/{len(plan.clusters)}"})
+    run.out.do(Event("Rejoined", f"cluster(s) {', '.join(map(str, sorted(back)))} running "
+                                 f"again, rejoining the others"))
+    return conditions, left
 
 
 def _durability(job: Job) -> str:
@@ -315,7 +436,8 @@ def _failed(run: _Pass, job: Job, obs: Observation, restarts: int,
     if restarts < int(run.run_policy.get("backoffLimit", 3)):
         run.out.do(*(DeletePod(s.pod) for s in obs.nodes.values()
                      if s.phase != "Missing" and not s.deleting))
-        run.out.set({"restarts": restarts + 1, "phase": "Restarting",
+        run.out.set({"restarts": restarts + 1, "phase": "Restarting", "rejoining": [],
+                     "clusterRecoveries": [],
                      "conditions": set_condition(
                          conditions, "Restarting", True, "WorkerFailed",
                          f"{message}; restart {restarts + 1} {_resumes(job)}",
@@ -400,7 +522,7 @@ def _succeeded(run: _Pass, plan: Plan, phase: str, conditions: list[dict[str, An
                fused: dict[str, Any] | None = None) -> None:
     """Every pod succeeded: the job's result and final figures from the cluster-0 root (and,
     with outputs written, where they are and the fused model's figures)."""
-    result = {**_result(run.observed, plan), **(fused or {})}
+    result = {**_result(run.observed, plan, run.status), **(fused or {})}
     if outputs:
         run.out.set({"outputs": outputs})
     final = {**(run.status.get("progress") or {})}
@@ -422,13 +544,15 @@ def _succeeded(run: _Pass, plan: Plan, phase: str, conditions: list[dict[str, An
     run.clean("All" if run.run_policy.get("cleanPodPolicy") == "All" else "None")
 
 
-def _result(observed: Observed, plan: Plan) -> dict[str, Any]:
-    """The final figures the cluster-0 root wrote as its termination message."""
-    root = resources.pod_name(observed.name, plan.clusters[0].nodes[0])
-    for p in observed.pods:
-        if p["metadata"]["name"] != root:
-            continue
-        for cs in (p.get("status") or {}).get("containerStatuses") or []:
+def _result(observed: Observed, plan: Plan, status: Mapping[str, Any]) -> dict[str, Any]:
+    """The final figures the first cluster's root wrote as its termination message (of the
+    clusters the job did not end without, status.abandoned)."""
+    gone = {int(c) for c in status.get("abandoned") or []}
+    roots = [resources.pod_name(observed.name, c.nodes[0]) for c in plan.clusters
+             if c.id not in gone]
+    pods = {p["metadata"]["name"]: p for p in observed.pods}
+    for root in roots[:1]:
+        for cs in (pods.get(root, {}).get("status") or {}).get("containerStatuses") or []:
             msg = ((cs.get("state") or {}).get("terminated") or {}).get("message")
             if msg:
                 try:
@@ -439,7 +563,7 @@ def _result(observed: Observed, plan: Plan) -> dict[str, Any]:
 
 
 def _watch(run: _Pass, plan: Plan, obs: Observation, phase: str,
-           conditions: list[dict[str, Any]]) -> None:
+           conditions: list[dict[str, Any]], rejoining: set[int] | None = None) -> None:
     """Running once every pod runs, progress from the roots' metrics, and the deadline."""
     started = run.status.get("startTime")
     if obs.all_running:
@@ -455,17 +579,23 @@ def _watch(run: _Pass, plan: Plan, obs: Observation, phase: str,
                 started = run.at
                 run.out.set({"startTime": started})
                 run.out.do(CountRunning(run.observed.created))
-        _progress(run, plan, obs, started)
+        _progress(run, plan, obs, started, rejoining or set())
+    elif rejoining and started:  # the others train on: their progress goes on
+        _progress(run, plan, obs, started, rejoining)
     deadline = run.run_policy.get("activeDeadlineSeconds")
     if deadline and started and (run.now - parse_time(started)).total_seconds() > deadline:
         run.fail("DeadlineExceeded", f"job ran longer than activeDeadlineSeconds={deadline}")
         run.clean("All")
 
 
-def _progress(run: _Pass, plan: Plan, obs: Observation, started: str | None) -> None:
-    """status.progress from the cluster roots' metrics, once every root has an address."""
+def _progress(run: _Pass, plan: Plan, obs: Observation, started: str | None,
+              rejoining: set[int]) -> None:
+    """status.progress from the cluster roots' metrics, once every root has an address (of the
+    clusters training: not those restarted alone and not back yet, nor those the job ended
+    without)."""
     base = dict(run.status.get("progress") or {})
-    hosts = [obs.nodes[c.nodes[0]].ip for c in plan.clusters]
+    hosts = [obs.nodes[c.nodes[0]].ip for c in plan.clusters
+             if c.nodes[0] in obs.nodes and c.id not in rejoining]
     if not all(hosts):
         run.out.set({"progress": base})
         return

@@ -32,6 +32,7 @@ from . import monitoring, resources
 from .actions import (
     Action,
     CountFinished,
+    CountRecovery,
     CountRestart,
     CountRunning,
     Create,
@@ -199,6 +200,8 @@ def _carry_out(action: Action, body: kopf.Body, patch: kopf.Patch,
         patch.status["progress"] = {**action.base, **_scraped(action.hosts, action.started)}
     elif isinstance(action, CountRestart):
         monitoring.restarted()
+    elif isinstance(action, CountRecovery):
+        monitoring.recovered()
     elif isinstance(action, CountRunning):
         monitoring.running(action.created)
     elif isinstance(action, CountFinished):

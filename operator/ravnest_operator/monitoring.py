@@ -24,6 +24,9 @@ DURATION = Histogram("ravnest_operator_job_duration_seconds",
                      "From start to completion of finished jobs.", ["phase"],
                      buckets=(10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400))
 RESTARTS = Counter("ravnest_operator_job_restarts", "Job restarts after worker failures.")
+RECOVERIES = Counter("ravnest_operator_cluster_recoveries",
+                     "Clusters restarted alone after a worker failure, rejoining the others live "
+                     "(elastic training).")
 
 _phases: dict[tuple[str, str], str] = {}
 _lock = threading.Lock()
@@ -84,3 +87,7 @@ def finished(previous: str | None, phase: str, started: str | None) -> None:
 
 def restarted() -> None:
     RESTARTS.inc()
+
+
+def recovered() -> None:
+    RECOVERIES.inc()

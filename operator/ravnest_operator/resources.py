@@ -22,6 +22,7 @@ from ravnest.run.metadata import (
     FINAL_SCRAPE_ENV,
     GRPC_PORT,
     METRICS_PORT,
+    REJOIN_ENV,
     RING_PORT,
     TOKEN_ENV,
     TORCH_THREADS_ENV,
@@ -51,6 +52,10 @@ PLANNER_RESOURCES: dict[str, Any] = {"requests": {"cpu": "500m", "memory": "1Gi"
                                      "limits": {"memory": "4Gi"}}
 """The planner pod's resources unless spec.plan.resources says otherwise."""
 JOB_FILE = "job.json"
+ATTEMPT_ANNOTATION = "ravnest.io/attempt"
+"""A worker pod's attempt: the job's restarts when it was created."""
+RECOVERY_ANNOTATION = "ravnest.io/recovery"
+"""A worker pod's cluster recovery in its attempt (absent: 0, the cluster as first started)."""
 
 
 @dataclass(frozen=True)
@@ -289,11 +294,16 @@ def _resources(provider: Provider) -> dict[str, Any]:
 
 
 def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
-        attempt: int = 0, final_scrape_seconds: float = 0) -> dict[str, Any]:
+        attempt: int = 0, final_scrape_seconds: float = 0, recovery: int = 0) -> dict[str, Any]:
     """The worker pod of one provider. With `final_scrape_seconds` (Prometheus scrapes the
-    workers) a finished worker stays up to that long for one scrape of its final metrics."""
+    workers) a finished worker stays up to that long for one scrape of its final metrics.
+    `recovery` > 0: the pod of a cluster restarted alone for the recovery-th time in this attempt
+    (elastic training), whose worker takes its state from the other clusters and rejoins them
+    (`REJOIN_ENV`) instead of resuming from a checkpoint."""
     provider = job.spec.expanded_providers()[node.provider]
-    annotations = {"ravnest.io/plan": plan.fingerprint, "ravnest.io/attempt": str(attempt)}
+    annotations = {"ravnest.io/plan": plan.fingerprint, ATTEMPT_ANNOTATION: str(attempt)}
+    if recovery:
+        annotations[RECOVERY_ANNOTATION] = str(recovery)
     if provider.bandwidth is not None:
         annotations["ravnest.io/bandwidth-mbps"] = f"{provider.bandwidth:g}"
     data_volume: dict[str, Any] = {"name": "data"}
@@ -311,6 +321,7 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
                 {"name": TORCH_THREADS_ENV, "value": str(max(1, round(provider.compute)))},
                 *([{"name": FINAL_SCRAPE_ENV, "value": f"{final_scrape_seconds:g}"}]
                   if final_scrape_seconds > 0 else []),
+                *([{"name": REJOIN_ENV, "value": "1"}] if recovery else []),
                 *_s3_credentials(job)],
         "ports": [{"name": "grpc", "containerPort": GRPC_PORT},
                   {"name": "metrics", "containerPort": METRICS_PORT},

@@ -9,7 +9,7 @@ from typing import Any
 from ravnest.plan.plans import Plan
 from ravnest.run.progress import progress as job_progress
 
-from .resources import pod_name
+from .resources import ATTEMPT_ANNOTATION, RECOVERY_ANNOTATION, pod_name
 
 PHASES = ("Created", "Planning", "Planned", "Running", "Restarting", "Succeeded", "Failed",
           "Suspended")
@@ -39,6 +39,9 @@ class NodeState:
     reason: str | None = None
     ip: str | None = None
     attempt: int = 0
+    recovery: int = 0
+    """Which recovery of its cluster in this attempt created the pod (0: none)."""
+    cluster: int = 0
     deleting: bool = False
 
     def to_status(self) -> dict[str, Any]:
@@ -85,6 +88,14 @@ def _terminated(pod: dict[str, Any]) -> tuple[int | None, str | None]:
     return None, None
 
 
+def _int(value: Any) -> int:
+    """An annotation's integer (anything else, or none: 0)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
 def observe(job: str, plan: Plan, pods: list[dict[str, Any]]) -> Observation:
     """Per-node state from the job's pods (dicts as the API returns them)."""
     by_name = {p["metadata"]["name"]: p for p in pods}
@@ -93,14 +104,15 @@ def observe(job: str, plan: Plan, pods: list[dict[str, Any]]) -> Observation:
         name = pod_name(job, node.name)
         p = by_name.get(name)
         if p is None:
-            obs.nodes[node.name] = NodeState(pod=name, phase="Missing")
+            obs.nodes[node.name] = NodeState(pod=name, phase="Missing", cluster=node.cluster)
             continue
         status = p.get("status") or {}
         code, reason = _terminated(p)
         annotations = p["metadata"].get("annotations") or {}
         obs.nodes[node.name] = NodeState(
             pod=name, phase=status.get("phase") or "Pending", exit_code=code, reason=reason,
-            ip=status.get("podIP"), attempt=int(annotations.get("ravnest.io/attempt", "0")),
+            ip=status.get("podIP"), attempt=_int(annotations.get(ATTEMPT_ANNOTATION)),
+            recovery=_int(annotations.get(RECOVERY_ANNOTATION)), cluster=node.cluster,
             deleting=bool(p["metadata"].get("deletionTimestamp")))
     return obs
 

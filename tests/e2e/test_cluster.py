@@ -179,6 +179,7 @@ def test_deleted_worker_pod_restarts_job_from_checkpoint(cluster: Cluster, relea
 
     try:
         doc = digits_doc(name, epochs=20)  # ~50 s: the pod goes well before the end
+        doc["spec"]["runPolicy"] = {"recovery": "job"}  # every pod restarts from the checkpoint
         doc["spec"]["checkpoint"] = {"path": "checkpoints", "everySteps": 10,
                                      "volume": {"persistentVolumeClaim": {"claimName": name}}}
         cluster.apply(doc)

@@ -170,7 +170,8 @@ def _kill_when(kube, kubelet, operator, job: str, pod: str, step: int) -> None:
 
 def test_killed_worker_restarts_from_checkpoint(cluster, tmp_path):
     kube, kubelet, operator = cluster
-    doc = job_doc("restart", epochs=4, checkpoint__everySteps=10, checkpoint__volume=CLAIM)
+    doc = job_doc("restart", epochs=4, checkpoint__everySteps=10, checkpoint__volume=CLAIM,
+                  runPolicy__recovery="job")  # every pod restarts (elastic: its cluster only)
     assert apply(kube, doc, tmp_path).returncode == 0
     # progress.step is the roots'; the other nodes trail it by the micro-batches in flight, so
     # by step 30 every node has written step 20's checkpoint
@@ -205,7 +206,8 @@ def test_a_job_on_s3_resumes_from_the_bucket_and_hands_back_its_model(cluster, t
                   checkpoint={"path": f"s3://{bucket}/ckpt", "everySteps": 10},
                   output={"uri": f"s3://{bucket}/out"},
                   storage={"s3": {"endpointUrl": s3_server.endpoint_url, "region": "us-east-1",
-                                  "credentialsSecret": "s3-creds"}})
+                                  "credentialsSecret": "s3-creds"}},
+                  runPolicy={"recovery": "job"})
     assert apply(kube, doc, tmp_path).returncode == 0
     _kill_when(kube, kubelet, operator, "stored", "stored-node-3", 30)
     wait_for("stored to succeed", lambda: phase_of(kube, "stored") == "Succeeded", 500, kube,
@@ -261,9 +263,54 @@ def test_a_job_on_a_claim_keeps_its_checkpoints_and_model_there(cluster, tmp_pat
         worker["volumes"]
 
 
+def test_a_killed_worker_costs_only_its_cluster_which_rejoins_live(cluster, tmp_path):
+    """Elastic training on Kubernetes (runPolicy.recovery: cluster, the default): a worker of
+    cluster 1 is killed; the operator recreates only cluster 1's pods, which take their state from
+    cluster 0 and rejoin it, while cluster 0's pods run on untouched (no restart, no checkpoint:
+    its emptyDirs would have lost them)."""
+    kube, kubelet, operator = cluster
+    doc = job_doc("elastic", epochs=40)  # 880 updates: cluster 0 still trains when 1 is back
+    assert apply(kube, doc, tmp_path).returncode == 0
+    _kill_when(kube, kubelet, operator, "elastic", "elastic-node-3", 30)
+    uids = {}
+
+    def recovering() -> bool:
+        st = (get(kube, "rj", "elastic") or {}).get("status", {})
+        return st.get("recoveries") == 1
+
+    wait_for("elastic to restart cluster 1 alone", recovering, 60, kube, operator)
+    for n in (0, 5):  # cluster 0: node_0 (root) and node_5 (leaf)
+        uids[n] = get(kube, "pod", f"elastic-node-{n}")["metadata"]["uid"]
+    shown = kctl(kube, "get", "rj", "elastic").stdout
+    wait_for("elastic to succeed", lambda: phase_of(kube, "elastic") == "Succeeded", 500, kube,
+             operator)
+    status = get(kube, "rj", "elastic")["status"]
+    assert status.get("restarts", 0) == 0 and status["recoveries"] == 1
+    assert status["clusterRecoveries"] == [0, 1] and status["rejoining"] == []
+    assert status["clusters"] == "2/2"
+    conds = {c["type"]: c for c in status["conditions"]}
+    assert conds["Recovering"]["status"] == "False" and conds["Recovering"]["reason"] == "Rejoined"
+    assert "pod elastic-node-3 failed with exit code 137" in conds["Recovering"]["message"]
+    assert "cluster 1 restarted alone" in conds["Recovering"]["message"]
+    # cluster 0's pods are the ones first started; cluster 1's were made again, and rejoined
+    for n, uid in uids.items():
+        assert get(kube, "pod", f"elastic-node-{n}")["metadata"]["uid"] == uid
+    assert kubelet.started.count("elastic-node-0") == 1
+    for n in (1, 2, 3, 4):
+        pod = get(kube, "pod", f"elastic-node-{n}")
+        assert pod["metadata"]["annotations"]["ravnest.io/recovery"] == "1"
+        assert kubelet.started.count(f"elastic-node-{n}") == 2
+        assert "rejoined after round" in kubelet.log_of(f"elastic-node-{n}")
+    assert "resumed from checkpoint" not in kubelet.log_of("elastic-node-0")
+    assert status["result"]["updates"] == 880
+    assert status["progress"]["validationMetric"] >= 0.95
+    assert "CLUSTERS" in shown  # kubectl get rj shows the clusters active / planned
+    print(f"\nelastic: kubectl get rj while cluster 1 rejoined:\n{shown}")
+
+
 def test_backoff_limit_zero_fails_naming_pod_and_exit_code(cluster, tmp_path):
     kube, kubelet, operator = cluster
-    doc = job_doc("fragile", epochs=4, runPolicy__backoffLimit=0)
+    doc = job_doc("fragile", epochs=4, runPolicy__backoffLimit=0, runPolicy__recovery="job")
     assert apply(kube, doc, tmp_path).returncode == 0
     _kill_when(kube, kubelet, operator, "fragile", "fragile-node-1", 5)
     wait_for("fragile to fail", lambda: phase_of(kube, "fragile") == "Failed", 60, kube,

@@ -19,6 +19,7 @@ from ravnest.plan.handoff import encode
 from ravnest_operator import resources
 from ravnest_operator.actions import (
     CountFinished,
+    CountRecovery,
     CountRestart,
     CountRunning,
     Create,
@@ -38,6 +39,8 @@ NOW = dt.datetime(2026, 1, 2, 3, 4, 5, 250_000, tzinfo=dt.UTC)
 AT = "2026-01-02T03:04:05Z"
 SETTINGS = Settings(worker_image="ravnest:test", final_scrape_seconds=30)
 EARLIER = "2000-01-01T00:00:00Z"
+WHOLE = {"recovery": "job"}
+"""runPolicy: a lost worker restarts the whole job (the default, cluster, restarts its cluster)."""
 EMPTY = "starts over from step 0 (its checkpoints were on the pods' emptyDir volumes)"
 """What a restart or resume of the digits example (no checkpoint volume) continues from."""
 
@@ -60,7 +63,7 @@ def _cond(type_: str, status: str = "True", reason: str = "", message: str = "")
 
 
 def _pod(plan, i: int, phase: str, code: int | None = None, attempt: int = 0, ip: bool = True,
-         message: str | None = None, deleting: bool = False):
+         message: str | None = None, deleting: bool = False, recovery: int = 0):
     """Node i's pod, at 10.0.0.<i + 1> unless it has no address yet."""
     node = plan.names()[i]
     status: dict[str, Any] = {"phase": phase}
@@ -72,6 +75,8 @@ def _pod(plan, i: int, phase: str, code: int | None = None, attempt: int = 0, ip
             "message": message}}}]
     meta: dict[str, Any] = {"name": resources.pod_name("digits", node),
                             "annotations": {"ravnest.io/attempt": str(attempt)}}
+    if recovery:
+        meta["annotations"]["ravnest.io/recovery"] = str(recovery)
     if deleting:
         meta["deletionTimestamp"] = AT
     return {"metadata": meta, "status": status}
@@ -257,7 +262,8 @@ def test_a_job_says_whether_a_restart_keeps_its_progress(digits):
     _, _, plan = digits
     pods = _pods(plan, "Running")
     pods[1] = _pod(plan, 1, "Failed", code=1)
-    d = decide(_observed(digits, _running(), pods, checkpoint=volume), NOW, SETTINGS)
+    d = decide(_observed(digits, _running(), pods, checkpoint=volume, runPolicy=WHOLE), NOW,
+               SETTINGS)
     assert _conditions(d)["Restarting"]["message"].endswith(
         "restart 1 resumes from the last checkpoint")
     d = decide(_observed(digits, _running(), _pods(plan, "Running"), checkpoint=volume,
@@ -455,7 +461,7 @@ def test_pods_of_an_earlier_attempt_are_deleted_first(digits):
     d = decide(_observed(digits, status, pods), NOW, SETTINGS)
     assert d.actions == [DeletePod(p["metadata"]["name"]) for i, p in enumerate(pods)
                          if i not in (1, 2)]
-    assert set(d.status) == {"nodes"}
+    assert set(d.status) == {"nodes", "clusters"}
 
 
 # --- failures ----------------------------------------------------------------------------------
@@ -465,7 +471,7 @@ def test_a_failed_pod_restarts_the_job_within_backoff_limit(digits):
     pods = _pods(plan, "Running", attempt=1)
     pods[2] = _pod(plan, 2, "Failed", code=137, attempt=1)
     failed = pods[2]["metadata"]["name"]
-    d = decide(_observed(digits, _running(restarts=1), pods), NOW, SETTINGS)
+    d = decide(_observed(digits, _running(restarts=1), pods, runPolicy=WHOLE), NOW, SETTINGS)
     message = f"pod {failed} failed with exit code 137 (Error)"
     assert d.status["phase"] == "Restarting" and d.status["restarts"] == 2
     assert _conditions(d)["Restarting"]["message"] == (
@@ -487,6 +493,157 @@ def test_a_pod_lost_from_a_running_job_restarts_it(digits):
     assert _conditions(d)["Restarting"]["message"] == (
         f"pod {deleting} was deleted; pod {gone} was deleted; restart 1 {EMPTY}")
     assert d.actions[:-2] == [DeletePod(p["metadata"]["name"]) for p in pods[1:]]
+
+
+# --- elastic: a lost cluster restarted alone ----------------------------------------------------
+# digits plans 2 clusters: cluster 0 is node_0 (root) and node_5 (leaf), cluster 1 node_1..node_4;
+# each of cluster 0's nodes shares a ring with cluster 1.
+
+CLUSTER_0, CLUSTER_1 = (0, 5), (1, 2, 3, 4)
+
+
+def _env(pod: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_a_failed_pod_restarts_only_its_cluster_while_the_others_train_on(digits):
+    _, _, plan = digits
+    pods = _pods(plan, "Running")
+    pods[5] = _pod(plan, 5, "Failed", code=137)
+    failed = pods[5]["metadata"]["name"]
+    d = decide(_observed(digits, _running(), pods), NOW, SETTINGS)
+    message = (f"pod {failed} failed with exit code 137 (Error); cluster 0 restarted alone "
+               f"(recovery 1/10): it takes its state from cluster(s) 1 and rejoins at a round "
+               f"boundary, while they train on")
+    assert "phase" not in d.status and "restarts" not in d.status  # the job runs on
+    assert d.status["recoveries"] == 1 and d.status["clusterRecoveries"] == [1, 0]
+    assert d.status["rejoining"] == [0] and d.status["clusters"] == "1/2"
+    cond = _conditions(d)["Recovering"]
+    assert (cond["status"], cond["reason"], cond["message"]) == ("True", "WorkerFailed", message)
+    assert d.actions == [*(DeletePod(pods[i]["metadata"]["name"]) for i in CLUSTER_0),
+                         Event("Recovering", message, warning=True), CountRecovery()]
+
+
+def test_a_cluster_restarted_alone_gets_pods_that_rejoin_and_is_not_lost_meanwhile(digits):
+    _, _, plan = digits
+    status = _running(recoveries=1, clusterRecoveries=[1], rejoining=[0])
+    pods = [p for i, p in enumerate(_pods(plan, "Running")) if i not in CLUSTER_0]
+    # a pod of the cluster from before its recovery is deleted first, then waited for
+    stale = [*pods, _pod(plan, 0, "Running")]
+    d = decide(_observed(digits, status, stale), NOW, SETTINGS)
+    assert d.actions == [DeletePod(stale[-1]["metadata"]["name"])]
+    d = decide(_observed(digits, status, pods), NOW, SETTINGS)
+    created = [a.manifest for a in d.actions if isinstance(a, Create)]
+    assert [m["metadata"]["name"] for m in created] == [
+        resources.pod_name("digits", plan.names()[i]) for i in CLUSTER_0]
+    for m in created:
+        assert m["metadata"]["annotations"]["ravnest.io/recovery"] == "1"
+        assert _env(m)["RAVNEST_REJOIN"] == "1"
+    assert "phase" not in d.status and "conditions" not in d.status
+    # progress goes on from the clusters training (cluster 1's root, node_1 at 10.0.0.2)
+    assert [(a.hosts, a.started) for a in d.actions if isinstance(a, ScrapeProgress)] == [
+        (("10.0.0.2",), _ago(100))]
+    # a new pod of the other cluster is created as it was: it does not rejoin
+    assert "RAVNEST_REJOIN" not in _env(resources.pod(
+        resources.Owner("digits", "team-a", "uid-1"), digits[1], plan, plan.nodes[1], "img"))
+
+
+def test_once_its_pods_run_the_cluster_is_back_and_recovering_ends(digits):
+    _, _, plan = digits
+    running = _running(recoveries=1, clusterRecoveries=[1], rejoining=[0])
+    running["conditions"].append(_cond("Recovering", "True", "WorkerFailed", "pod x failed"))
+    pods = [_pod(plan, i, "Running", recovery=1 if i in CLUSTER_0 else 0) for i in range(6)]
+    d = decide(_observed(digits, running, pods), NOW, SETTINGS)
+    assert d.status["rejoining"] == [] and d.status["clusters"] == "2/2"
+    cond = _conditions(d)["Recovering"]
+    assert (cond["status"], cond["reason"]) == ("False", "Rejoined")
+    assert cond["message"] == "cluster(s) 0 running again after: pod x failed"
+    assert Event("Rejoined", "cluster(s) 0 running again, rejoining the others") in d.actions
+    assert not any(isinstance(a, (Create, DeletePod)) for a in d.actions)
+    # lost again later: its second recovery
+    pods[0] = _pod(plan, 0, "Failed", code=1, recovery=1)
+    later = _running(recoveries=1, clusterRecoveries=[1], rejoining=[])
+    d = decide(_observed(digits, later, pods), NOW, SETTINGS)
+    assert d.status["recoveries"] == 2 and d.status["clusterRecoveries"] == [2, 0]
+
+
+@pytest.mark.parametrize("case", ["policy job", "both clusters", "limit", "spec error",
+                                  "other not running", "deleted from both"])
+def test_a_loss_elasticity_cannot_absorb_restarts_the_whole_job(digits, case):
+    _, _, plan = digits
+    pods = _pods(plan, "Running")
+    pods[5] = _pod(plan, 5, "Failed", code=2 if case == "spec error" else 137)
+    status, policy = _running(), {}
+    if case == "policy job":
+        policy = WHOLE
+    elif case == "both clusters":
+        pods[1] = _pod(plan, 1, "Failed", code=137)
+    elif case == "limit":
+        policy, status = {"recoveryLimit": 2}, _running(recoveries=2)
+    elif case == "other not running":
+        pods[3] = _pod(plan, 3, "Pending")
+    elif case == "deleted from both":
+        pods[5] = _pod(plan, 5, "Running", deleting=True)
+        pods.pop(2)
+    seen = _observed(digits, status, pods, **({"runPolicy": policy} if policy else {}))
+    d = decide(seen, NOW, SETTINGS)
+    assert d.status["phase"] == "Restarting" and d.status["restarts"] == 1
+    assert d.status["clusterRecoveries"] == [] and d.status["rejoining"] == []
+    assert "recoveries" not in d.status or d.status["recoveries"] == status.get("recoveries")
+    assert CountRestart() in d.actions and CountRecovery() not in d.actions
+
+
+@pytest.mark.parametrize("how", ["failed", "rejoining"])
+def test_a_cluster_that_cannot_rejoin_before_the_others_finish_is_left_out(digits, how):
+    """Cluster 0 fails (or is restarted alone and not running yet) once cluster 1 has finished:
+    nobody is left to take the state from, so the job ends with cluster 1's model (the final round
+    averaged both) instead of starting everything over."""
+    _, _, plan = digits
+    result = {"updates": 66, "train_loss": 0.1, "val_loss": 0.2, "val_metric": 0.97}
+    pods = _pods(plan, "Succeeded", code=0)
+    pods[1] = _pod(plan, 1, "Succeeded", code=0, message=json.dumps(result))  # cluster 1's root
+    status = _running()
+    if how == "failed":
+        pods[0] = _pod(plan, 0, "Failed", code=1)
+        pods[5] = _pod(plan, 5, "Running")
+    else:
+        pods = [p for i, p in enumerate(pods) if i not in CLUSTER_0]
+        status = _running(recoveries=1, clusterRecoveries=[1], rejoining=[0])
+    d = decide(_observed(digits, status, pods), NOW, SETTINGS)
+    assert d.status["abandoned"] == [0] and d.status["rejoining"] == []
+    assert d.status["phase"] == "Succeeded" and d.status["result"] == result
+    assert "restarts" not in d.status
+    cond = _conditions(d)["Recovering"]
+    assert (cond["status"], cond["reason"]) == ("False", "Abandoned")
+    assert cond["message"].startswith("cluster(s) 0 could not rejoin before the others finished")
+    deleted = [a.name for a in d.actions if isinstance(a, DeletePod)]
+    assert deleted == ([pods[5]["metadata"]["name"]] if how == "failed" else [])
+    # with recovery: job, the same failure restarts everything as before
+    if how == "failed":
+        d = decide(_observed(digits, _running(), pods, runPolicy=WHOLE), NOW, SETTINGS)
+        assert d.status["phase"] == "Restarting" and "abandoned" not in d.status
+
+
+def test_a_cluster_running_late_is_waited_for_not_left_out(digits):
+    _, _, plan = digits
+    pods = _pods(plan, "Succeeded", code=0)
+    pods[0] = _pod(plan, 0, "Running")
+    d = decide(_observed(digits, _running(), pods), NOW, SETTINGS)
+    assert "abandoned" not in d.status and "phase" not in d.status
+    assert not any(isinstance(a, (Create, DeletePod)) for a in d.actions)
+
+
+def test_a_one_cluster_job_restarts_whole(digits):
+    _, _, plan = digits
+    pods = _pods(plan, "Running")[:1]
+    pods[0] = _pod(plan, 0, "Failed", code=137)
+    doc, _, _ = digits
+    one = parse_job({**doc, "spec": {**doc["spec"], "plan": {"clusters": 1}}})
+    plan1, _, _ = plan_job(one)
+    seen = dataclasses.replace(_observed(digits, _running(), pods), job=one, plan=plan1,
+                               pods=tuple(_pods(plan1, "Running")[:-1]))
+    d = decide(seen, NOW, SETTINGS)
+    assert d.status["phase"] == "Restarting"
 
 
 def test_missing_pods_of_a_job_not_yet_running_are_created_not_lost(digits):
@@ -524,7 +681,7 @@ def test_backoff_limit_zero_and_clean_pod_policy_all(digits):
     pods = _pods(plan, "Running")
     pods[1] = _pod(plan, 1, "Failed", code=1)
     seen = _observed(digits, _running(), pods,
-                     runPolicy={"backoffLimit": 0, "cleanPodPolicy": "All"})
+                     runPolicy={"backoffLimit": 0, "cleanPodPolicy": "All", **WHOLE})
     d = decide(seen, NOW, SETTINGS)
     assert d.status["phase"] == "Failed"
     assert [a for a in d.actions if isinstance(a, DeletePod)] == [

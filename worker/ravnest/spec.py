@@ -383,11 +383,11 @@ class RunPolicy(_Model):
     """What a lost worker costs. cluster (elastic): only its cluster is restarted, takes its state
     from the other clusters and rejoins at a round boundary while they train on (with one
     cluster, or when no other cluster is whole, the job restarts from its newest checkpoint);
-    job: every worker restarts from the newest checkpoint. `ravnest run` does both; the operator
-    restarts the whole job for now."""
+    job: every worker restarts from the newest checkpoint. The same on `ravnest run` (the runner
+    restarts the cluster's processes) and on Kubernetes (the operator recreates its pods)."""
     recovery_limit: int = Field(10, ge=0)
-    """How many times clusters are restarted alone in all before a loss restarts the whole job
-    (counted against backoffLimit)."""
+    """How many times, in all, clusters are restarted alone; past that a loss restarts the whole
+    job, which backoffLimit counts."""
     active_deadline_seconds: int | None = Field(None, gt=0)
     ttl_seconds_after_finished: int | None = Field(None, ge=0)
     clean_pod_policy: Literal["Running", "All", "None"] = "Running"

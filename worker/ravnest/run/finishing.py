@@ -63,10 +63,14 @@ def finish(job: Job, plan: Plan, where: Location, seconds: float | None = None,
            resumed_from: int | None = None, clusters: list[int] | None = None
            ) -> dict[str, Any]:
     """Fuse, evaluate and write the outputs in `where` from the stages and clusters there; return
-    the summary. `clusters`: those that finished (default: all; one restarted alone that could not
-    rejoin before the others finished has no outputs), the first of which is fused. `seconds` and
-    `resumed_from` (the step training started from) default to what its root recorded."""
-    ids = [c.id for c in plan.clusters] if clusters is None else sorted(clusters)
+    the summary. `clusters`: those that finished (default: those whose root wrote its figures; a
+    cluster restarted alone that could not rejoin before the others finished has none), the first
+    of which is fused. `seconds` and `resumed_from` (the step training started from) default to
+    what its root recorded."""
+    if clusters is None:
+        written = set(where.child(CLUSTERS).files())
+        clusters = [c.id for c in plan.clusters if f"cluster_{c.id}.json" in written]
+    ids = sorted(clusters)
     if not ids:
         raise RavnestError("no cluster finished: nothing to fuse")
     model = building.build_model(job.spec)
