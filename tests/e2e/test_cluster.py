@@ -215,6 +215,48 @@ def test_deleted_worker_pod_restarts_job_from_checkpoint(cluster: Cluster, relea
                         "--wait=true", timeout=120, check=False)
 
 
+def test_deleted_worker_pod_costs_only_its_cluster_which_rejoins_live(cluster: Cluster,
+                                                                       release: str):
+    """Elastic training (runPolicy.recovery: cluster, the default) on the cluster: a worker pod of
+    cluster 1 is deleted; the operator recreates that cluster's pods alone, they take their state
+    from cluster 0 over the job's authenticated links and rejoin it, and cluster 0's pods train on
+    untouched. No checkpoint volume: nothing is read back from disk."""
+    name = "elastic"
+    doc = digits_doc(name, epochs=60)  # cluster 0 still trains when cluster 1 is back
+    try:
+        cluster.apply(doc)
+
+        def step() -> int:
+            return int((status_of(cluster, name).get("progress") or {}).get("step") or 0)
+
+        cluster.wait_for("the elastic job past step 30", lambda: step() >= 30, 600)
+        clusters = status_of(cluster, name)["plan"]["clusters"]
+        first = [f"{name}-{n.replace('_', '-')}" for n in clusters[0]["nodes"]]
+        lost = [f"{name}-{n.replace('_', '-')}" for n in clusters[1]["nodes"]]
+        uids = {p: cluster.get("pod", p)["metadata"]["uid"] for p in first + lost}
+        cluster.kubectl("delete", "pod", "-n", JOBS_NS, lost[-1], "--grace-period=1",
+                        "--wait=false")
+        cluster.wait_for(f"cluster 1 restarted alone after pod {lost[-1]} was deleted",
+                         lambda: status_of(cluster, name).get("recoveries", 0) >= 1, 180)
+        cluster.wait_for("the elastic job to succeed", lambda: succeeded(cluster, name), 900)
+        st = status_of(cluster, name)
+        assert st.get("restarts", 0) == 0 and st["recoveries"] == 1, st
+        conds = {c["type"]: c for c in st["conditions"]}
+        assert conds["Recovering"]["reason"] == "Rejoined", conds["Recovering"]
+        assert f"pod {lost[-1]} was deleted" in conds["Recovering"]["message"]
+        for p in first:  # cluster 0 ran on in its first pods
+            assert cluster.get("pod", p)["metadata"]["uid"] == uids[p], p
+        for p in lost:  # cluster 1's pods were made again, and took the others' state
+            assert cluster.get("pod", p)["metadata"]["uid"] != uids[p], p
+            log = cluster.kubectl("logs", "-n", JOBS_NS, p).stdout
+            assert "rejoined after round" in log, log[-3000:]
+        assert st["result"]["updates"] == 60 * 22, st["result"]
+        assert st["progress"]["validationMetric"] >= 0.95, st["progress"]
+    finally:
+        cluster.kubectl("delete", "rj", "-n", JOBS_NS, name, "--ignore-not-found", "--wait=true",
+                        timeout=180, check=False)
+
+
 S3 = f"http://minio.{JOBS_NS}:9000"
 S3_ENV = [*({"name": key, "valueFrom": {"secretKeyRef": {"name": "s3-credentials", "key": key}}}
             for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")),

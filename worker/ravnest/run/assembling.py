@@ -14,7 +14,7 @@ import contextlib
 import io
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,17 +207,24 @@ class Wiring:
                     self.peers[n].post(Frame(Kind.CONTROL, sender=node, control={
                         "op": Op.ABORT, "node": origin, "error": text}))
 
-    def close(self, failed: bool = False) -> None:
+    def close(self, failed: bool = False, neighbours: Collection[str] = ()) -> None:
         """Let the links deliver what was posted, then stop the servers. `failed`: this node
-        stops on an error (or a signal): its servers stop first, so that the watches of its
-        peers, in its cluster and in the others' rings, know at once (NOT_SERVING), and the links
-        get FAILED_CLOSE_SECONDS for the aborts they carry, not 5 s each for frames to peers that
-        may be gone."""
+        stops on an error (or a signal): the links to its pipeline `neighbours` get
+        FAILED_CLOSE_SECONDS to deliver the aborts they carry, not 5 s each for frames to peers
+        that may be gone; then its server stops, so that the watches of its other peers (the
+        members of its rings in other clusters) know at once (NOT_SERVING). The aborts go first:
+        a neighbour that saw this node shut down before its abort arrived would name this node
+        as the one that failed, not the one it was told of."""
         self.stop_watching()
+        timeout = FAILED_CLOSE_SECONDS if failed else 5.0
         if failed:
+            for name in neighbours:
+                if name in self.peers:
+                    self.peers[name].close(timeout)
             self.server.stop(grace=0.5)
-        for peer in self.peers.values():
-            peer.close(FAILED_CLOSE_SECONDS if failed else 5.0)
+        for name, peer in self.peers.items():
+            if not failed or name not in neighbours:
+                peer.close(timeout)
         for link in self.ring_links.values():
             link.close()
         if self.ring_server is not None:

@@ -213,7 +213,8 @@ class Worker:
             failed = False
             self._await_final_scrape()
         finally:
-            self.wiring.close(failed=failed)
+            self.wiring.close(failed=failed, neighbours=[
+                n for n in self.meta.plan.neighbours(self.meta.node) if n is not None])
 
     def _await_final_scrape(self) -> None:
         """Where Prometheus scrapes the workers (the chart's PodMonitor sets
