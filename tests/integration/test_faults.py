@@ -468,7 +468,7 @@ def test_cluster_cut_off_rounds_go_on_without_it_and_take_it_in_again(tmp_path, 
 @pytest.mark.parametrize("transport", ["grpc", "tcp"])
 def test_slow_link_rounds_take_longer_then_time_out_and_nothing_hangs(tmp_path, digits_doc,
                                                                       link, transport):
-    """At 4 Mbit/s rounds take longer; at 256 kbit/s they time out and are skipped (and the
+    """At 4 Mbit/s rounds take longer; at 256 kbit/s they time out and are skipped (or the
     watches may count the far side lost: its pings wait behind the ring's bytes, and the rounds
     go on without it); once the link is back, rounds with every member complete again before the
     job ends (the last one averages both clusters' weights)."""
@@ -490,11 +490,13 @@ def test_slow_link_rounds_take_longer_then_time_out_and_nothing_hangs(tmp_path, 
         slow = run.wait_for("3 slow rounds", lambda: (x := m(node)) and x[count] >= start[
             count] + 3 and x)
         link.slow("256kbit")  # a round now needs far longer than the 3 s reduce timeout
-        # the skipped counter counts each of the node's rings; a round may already be under way
-        # (its update counted in `slow`) when the link slows: wait for two whole rounds skipped
+        # the counters count each of the node's rings; a round may already be under way (its
+        # update counted in `slow`) when the link slows: wait for two whole rounds that did not
+        # complete with every member: skipped (timed out), or held without the far side once
+        # the watch counted it lost (on gRPC its pings queue behind the ring's bytes)
         rings = len(run.plan.rings_of(node))
-        crawl = run.wait_for("2 rounds skipped", lambda: (x := m(node)) and x[
-            SKIPPED] >= slow[SKIPPED] + 2 * rings and x)
+        crawl = run.wait_for("2 rounds skipped or partial", lambda: (x := m(node)) and x[
+            SKIPPED] + x[PARTIAL] >= slow[SKIPPED] + slow[PARTIAL] + 2 * rings and x)
         link.heal()
         full = crawl[ROUNDS] - crawl[PARTIAL]
         run.wait_for("3 rounds with every member after the heal", lambda: (
@@ -505,12 +507,14 @@ def test_slow_link_rounds_take_longer_then_time_out_and_nothing_hangs(tmp_path, 
     # 4 Mbit/s: every round of this node took at least its bytes / rate, and the histogram says so
     assert slow[fast] == start[fast], (start, slow)
     assert slow[SKIPPED] == start[SKIPPED]
-    # 256 kbit/s: rounds time out and are skipped, training goes on, and the job finishes
+    # 256 kbit/s: rounds time out and are skipped (or go on without the far side), training
+    # goes on, and the job finishes
     assert crawl[STEP] > slow[STEP]
     _replicas_equal(tmp_path)
     assert summary["updates"] == NET_EPOCHS * 22 and summary["fused_val_metric"] >= 0.95
     mean = (slow["ravnest_allreduce_duration_seconds_sum"] - start[
         "ravnest_allreduce_duration_seconds_sum"]) / (slow[count] - start[count])
     print(f"\nslow link: {node} reduce rounds at 4 Mbit/s took {mean:.2f}s on average (floor "
-          f"{floor:.2f}s); at 256 kbit/s {crawl[SKIPPED] - slow[SKIPPED]:.0f} skipped while "
+          f"{floor:.2f}s); at 256 kbit/s {crawl[SKIPPED] - slow[SKIPPED]:.0f} skipped and "
+          f"{crawl[PARTIAL] - slow[PARTIAL]:.0f} without the far side while "
           f"training went from step {slow[STEP]:.0f} to {crawl[STEP]:.0f}")
