@@ -166,14 +166,14 @@ class FakeKubelet(threading.Thread):
                                                  p.metadata.uid, proc,
                                                  pod_dir / "termination-log")
         self.started.append(p.metadata.name)
-        self.api.patch_namespaced_pod_status(p.metadata.name, p.metadata.namespace, {"status": {
+        self._patch_status(p, {
             "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
             "startTime": _now(),
             "conditions": [{"type": "Ready", "status": "True"}],
             "containerStatuses": [{"name": container.name, "image": container.image,
                                    "imageID": "", "ready": True, "restartCount": 0,
                                    "started": True,
-                                   "state": {"running": {"startedAt": _now()}}}]}})
+                                   "state": {"running": {"startedAt": _now()}}}]})
 
     def _worker_files(self, p: Any, job: str, pod_dir: Path) -> str:
         """A worker pod's node metadata, rewritten for this host: its IP."""
@@ -241,13 +241,27 @@ class FakeKubelet(threading.Thread):
                 "startedAt": _now(), "finishedAt": _now()}
         if message:
             term["message"] = message
-        self.api.patch_namespaced_pod_status(p.metadata.name, p.metadata.namespace, {"status": {
+        self._patch_status(p, {
             "phase": "Succeeded" if code == 0 else "Failed",
             "conditions": [{"type": "Ready", "status": "False"}],
             "containerStatuses": [{"name": p.spec.containers[0].name,
                                    "image": p.spec.containers[0].image, "imageID": "",
                                    "ready": False, "restartCount": 0,
-                                   "state": {"terminated": term}}]}})
+                                   "state": {"terminated": term}}]})
+
+    def _patch_status(self, p: Any, status: dict[str, Any]) -> None:
+        """Set these fields of the pod's status, if it is still the pod `p` (a JSON patch whose
+        first operation tests its uid): the operator may have deleted it meanwhile and created
+        another of the same name, which must not be given this one's end (a real kubelet
+        reports by uid). A pod of that name that is another one is left alone."""
+        ops = [{"op": "test", "path": "/metadata/uid", "value": p.metadata.uid},
+               *({"op": "add", "path": f"/status/{k}", "value": v} for k, v in status.items())]
+        try:
+            self.api.patch_namespaced_pod_status(p.metadata.name, p.metadata.namespace, ops,
+                                                 _content_type="application/json-patch+json")
+        except ApiException as e:
+            if e.status not in (404, 409, 422):
+                raise
 
     def log_of(self, pod: str) -> str:
         logs = sorted((self.workdir / "pods" / pod).glob("*/worker.log"))
