@@ -10,7 +10,8 @@ is run `--repeats` times; in each, the same node is killed with SIGKILL once eve
   repeats, in every cluster, the updates since the checkpoint it resumes from; elastic: none);
 - *skipped*: updates of the lost cluster's data shard it never trained (elastic: from the update
   it was killed at to the one it rejoined at; whole-job restart: none);
-- *stalled*: the longest time the other clusters' step counters stood still;
+- *stalled*: the longest time the other clusters' step counters stood still before their last
+  update (the end of the run, outputs and exits, is not a stall);
 - *wall*: the run's wall time, and the fused model's validation accuracy.
 
     python bench/elastic.py [--epochs 80] [--at 100] [--every 40] [--repeats 1] [--victim root]
@@ -31,47 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from ravnest.run.progress import scrape
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _job(folder: Path, epochs: int, every: int, recovery: str) -> Path:
-    doc = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
-    spec = doc["spec"]
-    spec["plan"]["clusters"] = 3
-    spec["providers"] += [{"ram": 4, "bandwidth": 1000}, {"ram": 8, "bandwidth": 1000},
-                          {"ram": 2, "bandwidth": 500}]
-    spec["training"]["epochs"] = epochs
-    spec["checkpoint"] = {"everySteps": every, "keep": 2}
-    spec["runPolicy"] = {"backoffLimit": 3, "recovery": recovery}
-    path = folder / "job.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
-
-
-def _steps(ports: dict[str, int]) -> dict[str, int]:
-    out = {}
-    for name, port in ports.items():
-        try:
-            out[name] = int(scrape(port, timeout=0.5).get("ravnest_step", -1))
-        except OSError:
-            continue
-    return out
-
-
-def _pid(node_file: Path) -> int | None:
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if str(node_file) in cmd and "worker" in cmd:
-                return int(pid)
-    return None
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+from elastic_job import elastic_job, steps  # tests/integration/elastic_job.py: the test's job
+from processes import worker_pid  # tests/integration/processes.py
 
 
 def one_run(recovery: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -79,7 +42,8 @@ def one_run(recovery: str, args: argparse.Namespace) -> dict[str, Any]:
         folder = Path(tmp)
         out = folder / "out"
         cmd = [sys.executable, "-m", "ravnest", "run",
-               str(_job(folder, args.epochs, args.every, recovery)), "-o", str(out),
+               str(elastic_job(folder, args.epochs, {"everySteps": args.every, "keep": 2},
+                               {"backoffLimit": 3, "recovery": recovery})), "-o", str(out),
                "--no-progress"]
         started = time.monotonic()
         run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -92,20 +56,24 @@ def one_run(recovery: str, args: argparse.Namespace) -> dict[str, Any]:
                 "metricsPort"] for n in nodes}
             victim = next(n for n in nodes if n["role"] == args.victim and n["cluster"] == 1)
             roots = {n["cluster"]: n["name"] for n in nodes if n["role"] == "root"}
-            while not ((s := _steps(ports)) and len(s) == len(ports)
+            while not ((s := steps(ports)) and len(s) == len(ports)
                        and min(s.values()) >= args.at):
                 time.sleep(0.05)
             reached = {c: s[r] for c, r in roots.items()}
-            os.kill(_pid(out / "nodes" / f"{victim['name']}.json") or 0, signal.SIGKILL)
+            os.kill(worker_pid(out / "nodes" / f"{victim['name']}.json") or 0, signal.SIGKILL)
             others = {r: ports[r] for c, r in roots.items() if c != victim["cluster"]}
-            last, still, stalled = _steps(others), time.monotonic(), 0.0
-            while run.poll() is None:
-                now = _steps(others)
+            total = args.epochs * (1437 // 96)
+            last, still, stalled = steps(others), time.monotonic(), 0.0
+            while run.poll() is None:  # until the others trained their last update
+                now = steps(others)
+                if now and len(now) == len(others) and min(now.values()) >= total:
+                    break
                 if now and any(now.get(n, -1) > v for n, v in last.items()):
                     last, still = now, time.monotonic()
                 elif now:
                     stalled = max(stalled, time.monotonic() - still)
                 time.sleep(0.1)
+            run.wait()
             err = run.stderr.read() if run.stderr else ""
         finally:
             if run.poll() is None:

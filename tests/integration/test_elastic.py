@@ -23,49 +23,24 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
+from elastic_job import elastic_job, steps
 from processes import worker_pid
 
 from ravnest.run.progress import scrape
 from ravnest.train.fusing import fuse_stage_files
 
-ROOT = Path(__file__).resolve().parents[2]
 EPOCHS = 60
 PER_EPOCH = 1437 // (3 * 32)  # batches (= updates, updateFrequency 1) per epoch per cluster
 TOTAL = EPOCHS * PER_EPOCH
-
-
-def _job(tmp: Path) -> Path:
-    """digits on 9 providers in 3 clusters: each has a root, and the planner gives two of them a
-    stem (one with 37,536 parameters, one with none) and all of them a leaf."""
-    doc = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
-    spec = doc["spec"]
-    spec["plan"]["clusters"] = 3
-    spec["providers"] += [{"ram": 4, "bandwidth": 1000}, {"ram": 8, "bandwidth": 1000},
-                          {"ram": 2, "bandwidth": 500}]
-    spec["training"]["epochs"] = EPOCHS
-    spec["checkpoint"] = {"everySteps": 0}  # nothing to fall back on: the state is live
-    job = tmp / "job.yaml"
-    job.write_text(yaml.safe_dump(doc))
-    return job
-
-
-def _steps(ports: dict[str, int]) -> dict[str, int]:
-    out = {}
-    for n, port in ports.items():
-        try:
-            out[n] = int(scrape(port, timeout=0.5).get("ravnest_step", -1))
-        except OSError:
-            continue
-    return out
 
 
 def _run(tmp: Path, role: str | None, seed: int) -> dict[str, Any]:
     """One run; with `role`, a node of that role in a random cluster is killed at a random step,
     and the survivors' steps are sampled until the lost cluster rejoined."""
     out = tmp / "out"
-    cmd = [sys.executable, "-m", "ravnest", "run", str(_job(tmp)), "-o", str(out),
-           "--no-progress"]
+    # no checkpoints: nothing to fall back on, the state is live
+    job = elastic_job(tmp, EPOCHS, {"everySteps": 0})
+    cmd = [sys.executable, "-m", "ravnest", "run", str(job), "-o", str(out), "--no-progress"]
     run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     got: dict[str, Any] = {"out": out}
     try:
@@ -95,21 +70,21 @@ def _kill(run: subprocess.Popen[str], out: Path, role: str, rng: random.Random
     survivors = {n: p for n, p in ports.items() if n not in lost}
     at = rng.randint(40, 120)
     deadline = time.monotonic() + 300
-    while not ((s := _steps(ports)) and len(s) == len(ports) and min(s.values()) >= at):
+    while not ((s := steps(ports)) and len(s) == len(ports) and min(s.values()) >= at):
         assert run.poll() is None and time.monotonic() < deadline, f"step {at} not reached"
         time.sleep(0.1)
     pid = worker_pid(out / "nodes" / f"{victim['name']}.json")
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
-    samples = [(0.0, _steps(survivors))]
+    samples = [(0.0, steps(survivors))]
     root = next(n["name"] for n in nodes if n["cluster"] == victim["cluster"]
                 and n["role"] == "root")
     rejoined = None
     while rejoined is None:
         assert run.poll() is None, "the run ended before the lost cluster rejoined"
         assert time.monotonic() - killed < 300, "the lost cluster did not rejoin"
-        samples.append((time.monotonic() - killed, _steps(survivors)))
+        samples.append((time.monotonic() - killed, steps(survivors)))
         try:
             if scrape(ports[root], timeout=0.5).get("ravnest_recoveries_total", 0) >= 1:
                 rejoined = time.monotonic() - killed
