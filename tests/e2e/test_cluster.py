@@ -122,8 +122,8 @@ def test_digits_trains_on_the_cluster(cluster: Cluster, release: str):
     elif not succeeded(cluster, "digits"):  # the pod may have finished already
         pytest.fail(f"kubectl exec into {pods[0]['metadata']['name']}: {out.stderr}")
     table = cluster.kubectl("get", "rj", "-n", JOBS_NS).stdout
-    assert table.split()[:8] == ["NAME", "PHASE", "PLAN", "EPOCH", "STEP", "LOSS", "ACCURACY",
-                                 "AGE"], table
+    assert table.split()[:9] == ["NAME", "PHASE", "PLAN", "CLUSTERS", "EPOCH", "STEP", "LOSS",
+                                 "ACCURACY", "AGE"], table
     cluster.wait_for("digits to succeed", lambda: succeeded(cluster, "digits", phases), 600)
     TIMINGS["digits_job_s"] = time.monotonic() - start
     st = status_of(cluster, "digits")
@@ -133,8 +133,8 @@ def test_digits_trains_on_the_cluster(cluster: Cluster, release: str):
     assert st.get("restarts", 0) == 0
     table = cluster.kubectl("get", "rj", "digits", "-n", JOBS_NS).stdout
     row = table.splitlines()[1].split()
-    assert row[1] == "Succeeded" and row[4] == "66/66", table
-    assert float(row[5]) > 0 and float(row[6]) >= 0.95, table
+    assert row[1] == "Succeeded" and row[3] == "2/2" and row[5] == "66/66", table
+    assert float(row[6]) > 0 and float(row[7]) >= 0.95, table
     pods = cluster.get("pods", selector=WORKERS)["items"]
     assert len(pods) == 6 and all(p["status"]["phase"] == "Succeeded" for p in pods)
     # planned by a pod of the job's image, deleted once it had handed the plan back
