@@ -247,7 +247,7 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     rejoining = {int(c) for c in run.status.get("rejoining") or [] if c in recoveries}
     obs = observe(run.observed.name, plan, list(run.observed.pods))
     run.out.set({"nodes": {n: s.to_status() for n, s in obs.nodes.items()},
-                 "clusters": f"{len(plan.clusters) - len(rejoining)}/{len(plan.clusters)}"})
+                 "clusters": _active(plan, rejoining)})
     stale = [s for s in obs.nodes.values() if s.phase != "Missing" and (
         s.attempt != restarts or s.recovery != recoveries[s.cluster])]
     run.out.do(*(DeletePod(s.pod) for s in stale if not s.deleting))
@@ -313,11 +313,16 @@ def _ended_without(run: _Pass, job: Job, plan: Plan, obs: Observation,
                                    "Abandoned", text, run.at)
         run.status.update(conditions=conditions, abandoned=sorted(rest))
         run.out.set({"abandoned": sorted(rest), "rejoining": sorted(rejoining - rest),
-                     "clusters": f"{len(done)}/{len(plan.clusters)}", "conditions": conditions})
+                     "clusters": _active(plan, rest), "conditions": conditions})
         run.out.do(Event("Abandoned", text, warning=True),
                    *(DeletePod(s.pod) for s in obs.nodes.values() if s.cluster in new
                      and s.phase in ("Running", "Pending") and not s.deleting))  # failed: kept
     return rest
+
+
+def _active(plan: Plan, away: set[int]) -> str:
+    """status.clusters: the clusters training / planned (`away`: those rejoining or left out)."""
+    return f"{len(plan.clusters) - len(away)}/{len(plan.clusters)}"
 
 
 def _cluster_recoveries(status: Mapping[str, Any], plan: Plan) -> dict[int, int]:
@@ -362,7 +367,7 @@ def _recover(run: _Pass, job: Job, plan: Plan, obs: Observation, down: list[Node
                  "clusterRecoveries": [recoveries.get(i, 0)
                                        for i in range(max(recoveries) + 1)],
                  "rejoining": sorted(rejoining),
-                 "clusters": f"{len(plan.clusters) - len(rejoining)}/{len(plan.clusters)}",
+                 "clusters": _active(plan, rejoining),
                  "conditions": set_condition(conditions, "Recovering", True, "WorkerFailed",
                                              text, run.at)})
     run.out.do(Event("Recovering", text, warning=True), CountRecovery())
@@ -384,7 +389,7 @@ def _rejoined(run: _Pass, plan: Plan, obs: Observation, rejoining: set[int],
                                    f"cluster(s) {', '.join(map(str, sorted(back)))} running "
                                    f"again after: {recovering['message']}", run.at)
     run.out.set({"rejoining": sorted(left), "conditions": conditions,
-                 "clusters": f"{len(plan.clusters) - len(left)}/{len(plan.clusters)}"})
+                 "clusters": _active(plan, left)})
     run.out.do(Event("Rejoined", f"cluster(s) {', '.join(map(str, sorted(back)))} running "
                                  f"again, rejoining the others"))
     return conditions, left
