@@ -21,6 +21,7 @@ from ravnest import storing
 from ravnest.errors import PlanError
 from ravnest.plan.handoff import decode
 from ravnest.plan.plans import Plan
+from ravnest.run import elastic
 from ravnest.spec import Job
 
 from . import resources
@@ -140,6 +141,12 @@ def decide(observed: Observed, now: dt.datetime, settings: Settings) -> Decision
     return run.out
 
 
+SPARES_IDLE = ("provider(s) {} set aside as spares (spec.plan.spares) get no pod on Kubernetes "
+               "yet: they train nothing, and a lost provider's cluster is restarted on its own "
+               "providers; hot spares that take over a lost stage run on `ravnest run`")
+"""The Warning of a job whose plan has spares (status.plan.spares names them)."""
+
+
 def _planned(run: _Pass, job: Job, plan: Plan) -> None:
     """Phase Planned; and whether a restart keeps the job's progress: without a volume its
     checkpoints live on the pods' emptyDir, which the job says in a condition and a Warning."""
@@ -152,6 +159,9 @@ def _planned(run: _Pass, job: Job, plan: Plan) -> None:
     run.out.set({"phase": "Planned", "plan": _plan_status(plan), "conditions": conds})
     if not durable:
         run.out.do(Event("NoDurableCheckpoints", NOT_DURABLE, warning=True))
+    if plan.spares:
+        run.out.do(Event("SparesIdle", SPARES_IDLE.format(
+            ", ".join(str(s.provider) for s in plan.spares)), warning=True))
 
 
 def _expire(run: _Pass) -> None:
@@ -228,7 +238,8 @@ def _planning(run: _Pass, message: str) -> None:
 def _plan_status(plan: Plan) -> dict[str, Any]:
     return {"fingerprint": plan.fingerprint, "summary": plan.summary(),
             "clusters": [{"id": c.id, "nodes": list(c.nodes)} for c in plan.clusters],
-            "stages": {n.name: f"{n.first_layer}..{n.last_layer}" for n in plan.nodes}}
+            "stages": {n.name: f"{n.first_layer}..{n.last_layer}" for n in plan.nodes},
+            **({"spares": [s.name for s in plan.spares]} if plan.spares else {})}
 
 
 def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
@@ -294,14 +305,12 @@ def _ended_without(run: _Pass, job: Job, plan: Plan, obs: Observation,
     not yet running again (there is nobody left to take the state from). The final round averaged
     the others, whose model is the job's. Their pods are deleted, and the job finishes."""
     before = {int(c) for c in run.status.get("abandoned") or []}
-    if job.spec.run_policy.recovery != "cluster":
-        return before
     done = {c.id for c in plan.clusters if all(obs.nodes[n].phase == "Succeeded"
                                                for n in c.nodes)}
-    rest = {c.id for c in plan.clusters} - done
-    if not done or not rest or not all(c in before or c in rejoining or any(
-            s.cluster == c and (s.deleting or s.phase in ("Failed", "Missing"))
-            for s in obs.nodes.values()) for c in rest):
+    unable = before | rejoining | {s.cluster for s in obs.nodes.values()
+                                   if s.deleting or s.phase in ("Failed", "Missing")}
+    rest = elastic.ended_without(job.spec.run_policy, plan, done, unable)
+    if not rest:
         return before
     new = rest - before
     if new:
@@ -344,18 +353,13 @@ def _recover(run: _Pass, job: Job, plan: Plan, obs: Observation, down: list[Node
     otherwise (the whole job restarts from its last checkpoint)."""
     policy = job.spec.run_policy
     clusters = {s.cluster for s in down}
-    if policy.recovery != "cluster" or len(plan.clusters) < 2 or len(clusters) != 1 or any(
-            s.exit_code == SPEC_ERROR_EXIT for s in down):
+    whole = [c.id for c in plan.clusters if c.id not in clusters and c.id not in rejoining and all(
+        obs.nodes[n].phase == "Running" and not obs.nodes[n].deleting for n in c.nodes)]
+    total = int(run.status.get("recoveries", 0))
+    if not elastic.restart_alone(plan, policy, clusters, whole, total,
+                                 any(s.exit_code == SPEC_ERROR_EXIT for s in down)):
         return False
     cluster = clusters.pop()
-    whole = [c.id for c in plan.clusters if c.id != cluster and c.id not in rejoining and all(
-        obs.nodes[n].phase == "Running" and not obs.nodes[n].deleting for n in c.nodes)]
-    root = plan.cluster_nodes(cluster)[0].name
-    shares = any(plan.node(m).cluster != cluster for r in plan.rings_of(root)
-                 for m in r.members)
-    total = int(run.status.get("recoveries", 0))
-    if not whole or not shares or total >= policy.recovery_limit:
-        return False
     recoveries = {**recoveries, cluster: recoveries[cluster] + 1}
     run.out.do(*(DeletePod(s.pod) for s in obs.nodes.values()
                  if s.cluster == cluster and s.phase != "Missing" and not s.deleting))

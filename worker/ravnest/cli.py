@@ -168,8 +168,15 @@ def _worker(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, terminate)
     heap.tune(os.environ)
-    Worker(NodeMetadata.load(args.metadata), token,
-           pvc_root=os.environ.get(PVC_ROOT_ENV, PVC_ROOT)).run()
+    meta = NodeMetadata.load(args.metadata)
+    if args.spare:
+        from ravnest.run.worker import hold_as_spare
+
+        taken = hold_as_spare(meta, sys.stdin)
+        if taken is None:
+            return 0
+        meta = taken
+    Worker(meta, token, pvc_root=os.environ.get(PVC_ROOT_ENV, PVC_ROOT)).run()
     return 0
 
 
@@ -229,6 +236,10 @@ def parser() -> argparse.ArgumentParser:
     w = sub.add_parser("worker", help="run one worker from its node metadata")
     w.add_argument("--metadata", required=True, help="node metadata JSON file")
     w.add_argument("--token-file", help=f"file with the job token (default: ${TOKEN_ENV})")
+    w.add_argument("--spare", action="store_true",
+                   help="wait as a hot spare (the metadata's node is the spare's name): warm up, "
+                        "then take over the node whose metadata file is named on stdin, or exit "
+                        "when stdin closes")
     w.set_defaults(func=_worker)
     f = sub.add_parser("finish", help="as a finishing pod: fuse a trained job's stages and "
                                       "write its outputs (model, curve, summary)")

@@ -319,6 +319,20 @@ class PlanSpec(_Model):
     default 500m CPU and 1Gi requested, 4Gi memory limit."""
     timeout_seconds: int = Field(600, gt=0, le=86400)
     """On Kubernetes, how long the planner pod may take, from its creation, before the job fails."""
+    spares: Annotated[int | Literal["auto"], WithJsonSchema({
+        "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "description": "Providers kept as hot spares instead of training: a number (the ones "
+                       "the plan misses least), or 'auto' (those it does not need). A spare "
+                       "runs no stage; when a provider is lost it takes over that provider's "
+                       "stage if the stage fits its RAM."})] = 0
+    """Providers kept as hot spares instead of training (see `planning.make_plan`)."""
+
+    @field_validator("spares", mode="before")
+    @classmethod
+    def _spares(cls, v: Any) -> int | str:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1000):
+            return v  # type: ignore[no-any-return]
+        raise ValueError(f"must be 'auto' or a count from 0 to 1000, got {shown(v)}")
 
 
 def _location(v: str | None) -> str | None:

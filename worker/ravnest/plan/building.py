@@ -184,7 +184,7 @@ def _plan_model(spec: JobSpec, model: nn.Module,
     pool = [ProviderInfo(p.ram, p.bandwidth, p.compute) for p in spec.expanded_providers()]
     plan = make_plan(prof, pool, Workload.from_spec(spec), clusters=spec.plan.clusters,
                      max_clusters=spec.plan.max_clusters, identity=identity(spec),
-                     train_samples=train_samples)
+                     train_samples=train_samples, spares=spec.plan.spares)
     return plan, prof, gm
 
 

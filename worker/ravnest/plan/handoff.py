@@ -107,6 +107,16 @@ def _node_problems(plan: Plan, providers: int) -> list[str]:
             out.append(f"{where}: layers {n.start}..{n.end} are not a range")
         if max(len(n.first_layer), len(n.last_layer)) > NAME_LIMIT:
             out.append(f"{where}: a layer name is longer than {NAME_LIMIT} characters")
+    for i, sp in enumerate(plan.spares):
+        where = f"plan.spares[{i}]"
+        if sp.name != f"spare_{sp.provider}":
+            out.append(f"{where}.name: {sp.name[:40]!r} is not spare_<provider>")
+        if not 0 <= sp.provider < providers:
+            out.append(f"{where}.provider: {sp.provider} is not one of the job's {providers} "
+                       f"providers")
+        if sp.provider in seen:
+            out.append(f"{where}.provider: provider {sp.provider} is a node or spare already")
+        seen.add(sp.provider)
     return out
 
 

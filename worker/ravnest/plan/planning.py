@@ -3,14 +3,15 @@
 All stage, cluster and ring arithmetic lives here and in `costs`, and the result is a
 deterministic, JSON-serialisable `plans.Plan`.
 
-Cluster formation uses every provider. For each candidate number of clusters (all of them for
-small pools, a geometric grid refined by bisection for large ones, skipping counts whose upper
-bound cannot beat the best so far) a local search moves or swaps providers out of the slowest
-cluster, minimising the estimated time of the slowest cluster under every provider's memory
-limit; the count with the best estimated throughput, ring all-reduce included, wins. Within a
-cluster, providers are ordered by link speed (both ways are tried) and a vectorised dynamic
-program finds the contiguous split that minimises the slowest stage's time while respecting each
-provider's RAM. `estimate` scores any grouping and split with the same cost model (`costs`).
+Cluster formation uses every provider but those set aside as hot spares (spec.plan.spares). For
+each candidate number of clusters (all of them for small pools, a geometric grid refined by
+bisection for large ones, skipping counts whose upper bound cannot beat the best so far) a local
+search moves or swaps providers out of the slowest cluster, minimising the estimated time of the
+slowest cluster under every provider's memory limit; the count with the best estimated throughput,
+ring all-reduce included, wins. Within a cluster, providers are ordered by link speed (both ways
+are tried) and a vectorised dynamic program finds the contiguous split that minimises the slowest
+stage's time while respecting each provider's RAM. `estimate` scores any grouping and split with
+the same cost model (`costs`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ import numpy as np
 from ravnest.errors import PlanError
 from ravnest.plan.costs import REF_FLOPS, Costs, Workload
 from ravnest.plan.partitioning import Profile
-from ravnest.plan.plans import GB, ClusterPlan, NodePlan, Plan, ProviderInfo, RingPlan, fingerprint
+from ravnest.plan.plans import (
+    GB,
+    ClusterPlan,
+    NodePlan,
+    Plan,
+    ProviderInfo,
+    RingPlan,
+    SparePlan,
+    fingerprint,
+)
 
 
 def _too_many_stages(costs: Costs, s: int) -> PlanError:
@@ -267,35 +277,104 @@ def _upper_bound(costs: Costs, pool: Sequence[ProviderInfo], k: int) -> float:
     return k * costs.batch_size / seconds if seconds > 0 else math.inf
 
 
+SPARE_TOLERANCE = 0.01
+"""`spares: auto` sets a provider aside only while the plan without the spares is estimated at
+most this much slower (a fraction of samples/s) than the plan that uses every provider."""
+SPARE_CANDIDATES = 4
+"""Providers tried as the next spare: the weakest of those still used (least RAM, then compute,
+then bandwidth)."""
+AUTO_SPARE_ROUNDS = 8
+"""The most spares `spares: auto` sets aside."""
+
+
 def make_plan(profile: Profile, pool: Sequence[ProviderInfo], work: Workload,
               clusters: int | None = None, max_clusters: int | None = None,
-              identity: dict[str, Any] | None = None, train_samples: int | None = None) -> Plan:
+              identity: dict[str, Any] | None = None, train_samples: int | None = None,
+              spares: int | str = 0) -> Plan:
     """Plan clusters, stages and rings; `identity` (model/data spec) goes into the fingerprint.
 
     With `train_samples` (the training set's size), every cluster must get a batch each step: the
     planner chooses at most that many clusters, and refuses a fixed `clusters` beyond it.
-    Every provider is used. Each candidate cluster count gets a short local search (all counts
-    for small pools; for large ones a geometric grid, refined around the best by bisection),
-    skipping counts whose upper bound cannot beat the best so far; the best count then gets a
-    longer search. Deterministic: no randomness, and budgets count evaluations, not seconds.
+    Every provider is used, but for `spares` (spec.plan.spares) set aside as hot spares: a number,
+    the providers whose absence costs the least estimated throughput, one at a time; ``auto``,
+    those the plan does not need (set aside while the estimate stays within `SPARE_TOLERANCE` of
+    the plan with every provider: a provider that would hold a stage of no parameters, say).
+    Each candidate cluster count gets a short local search (all counts for small pools; for large
+    ones a geometric grid, refined around the best by bisection), skipping counts whose upper
+    bound cannot beat the best so far; the best count then gets a longer search. Deterministic:
+    no randomness, and budgets count evaluations, not seconds.
     """
     if not pool:
         raise PlanError("spec.providers: at least one provider is needed")
     costs = Costs(profile, work)
     if train_samples is not None:
         max_clusters = _data_clusters(work, train_samples, clusters, max_clusters)
-    lo, hi = _cluster_range(costs, pool, clusters, max_clusters)
-    n = len(pool)
-    search = _Search(costs, pool)
+    used = list(range(len(pool)))
+    throughput, ordered = _form(costs, pool, used, clusters, max_clusters)
+    aside: list[int] = []
+    if spares:
+        throughput, ordered, aside = _set_aside(costs, pool, clusters, max_clusters, spares,
+                                                throughput, ordered)
+    plan = _build(profile, costs, pool, ordered, throughput, identity or {},
+                  tuple(SparePlan(f"spare_{i}", i, pool[i].ram_gb) for i in sorted(aside)))
+    return plan
+
+
+def _form(costs: Costs, pool: Sequence[ProviderInfo], used: Sequence[int], clusters: int | None,
+          max_clusters: int | None) -> tuple[float, list[tuple[int, ...]]]:
+    """(estimated samples/s, clusters in pipeline order, by index into `pool`) of the best plan
+    over the providers `used`; PlanError when they cannot hold the model."""
+    sub = [pool[i] for i in used]
+    lo, hi = _cluster_range(costs, sub, clusters, max_clusters)
+    n = len(sub)
+    search = _Search(costs, sub)
     finalists = search.finalists(lo, hi, budget=4 * n + 100)
     if not finalists:
         for g in search.deal(lo):
-            split_cluster(costs, [pool[i] for i in g])
+            split_cluster(costs, [sub[i] for i in g])
         raise PlanError(f"no way to form {lo} cluster(s) that each hold the model")
     throughput, groups = max((search.plan(k, 20 * n + 200) for k in finalists),
                              key=lambda r: (round(r[0], 9), -len(r[1])))
-    ordered = sorted((search.cluster(g)[1] for g in groups), key=min)
-    return _build(profile, costs, pool, ordered, throughput, identity or {})
+    ordered = sorted((tuple(used[i] for i in search.cluster(g)[1]) for g in groups), key=min)
+    return throughput, ordered
+
+
+def _set_aside(costs: Costs, pool: Sequence[ProviderInfo], clusters: int | None,
+               max_clusters: int | None, spares: int | str, throughput: float,
+               ordered: list[tuple[int, ...]]
+               ) -> tuple[float, list[tuple[int, ...]], list[int]]:
+    """Set providers aside one at a time (see `make_plan`): each round tries the weakest
+    `SPARE_CANDIDATES` still used and keeps the one whose absence leaves the fastest plan.
+    (throughput, clusters, spares)."""
+    auto = spares == "auto"
+    want = AUTO_SPARE_ROUNDS if auto else int(spares)
+    if not auto and want >= len(pool):
+        raise PlanError(f"spec.plan.spares: {want} spare(s) leave none of the {len(pool)} "
+                        f"provider(s) to train")
+    floor = throughput * (1 - SPARE_TOLERANCE)
+    aside: list[int] = []
+    while len(aside) < want:
+        used = [i for g in ordered for i in g]
+        weakest = sorted(used, key=lambda i: (pool[i].ram_gb, pool[i].compute,
+                                              pool[i].bytes_per_second, i))
+        best: tuple[float, list[tuple[int, ...]], int] | None = None
+        for c in weakest[:SPARE_CANDIDATES] if len(used) > 1 else ():
+            try:
+                t, groups = _form(costs, pool, sorted(i for i in used if i != c), clusters,
+                                  max_clusters)
+            except PlanError:
+                continue
+            if best is None or t > best[0]:
+                best = (t, groups, c)
+        if best is None or (auto and best[0] < floor):
+            if auto:
+                break
+            raise PlanError(f"spec.plan.spares: {want} spare(s) leave too few providers to hold "
+                            f"the model in {clusters or 'the'} cluster(s); {len(aside)} can be "
+                            f"set aside")
+        throughput, ordered, _ = best
+        aside.append(best[2])
+    return throughput, ordered, aside
 
 
 def _data_clusters(work: Workload, samples: int, clusters: int | None,
@@ -411,7 +490,8 @@ def estimate(profile: Profile, pool: Sequence[ProviderInfo], work: Workload,
 
 
 def _build(profile: Profile, costs: Costs, pool: Sequence[ProviderInfo],
-           groups: Sequence[Sequence[int]], throughput: float, identity: dict[str, Any]) -> Plan:
+           groups: Sequence[Sequence[int]], throughput: float, identity: dict[str, Any],
+           spares: tuple[SparePlan, ...] = ()) -> Plan:
     nodes: list[NodePlan] = []
     cluster_plans = []
     for cid, group in enumerate(groups):
@@ -439,7 +519,8 @@ def _build(profile: Profile, costs: Costs, pool: Sequence[ProviderInfo],
     rings = _rings(profile, nodes, len(groups))
     plan = Plan(clusters=tuple(cluster_plans), nodes=tuple(nodes), rings=tuple(rings),
                 model_bytes=int(costs.params[-1]), memory_bytes=int(costs.total_memory),
-                samples_per_second=round(throughput, 3), kept_whole=profile.kept_whole)
+                samples_per_second=round(throughput, 3), kept_whole=profile.kept_whole,
+                spares=spares)
     return replace(plan, fingerprint=fingerprint(plan, identity))
 
 

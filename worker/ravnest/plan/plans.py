@@ -79,6 +79,16 @@ class RingPlan:
 
 
 @dataclass(frozen=True)
+class SparePlan:
+    """A provider the planner set aside (spec.plan.spares): it runs no stage, and takes over the
+    stage of a lost provider whose memory it holds (`ravnest.run.elastic.spare_for`)."""
+
+    name: str
+    provider: int
+    ram_gb: float
+
+
+@dataclass(frozen=True)
 class Plan:
     clusters: tuple[ClusterPlan, ...]
     nodes: tuple[NodePlan, ...]
@@ -91,6 +101,9 @@ class Plan:
     """(qualified name, why) of each submodule kept whole as one layer (marked as a leaf, or not
     traceable by torch.fx); left out of the JSON when there is none, so such plans and their
     fingerprints are what they were before it existed."""
+    spares: tuple[SparePlan, ...] = ()
+    """The providers set aside as hot spares, by provider; left out of the JSON when there is
+    none (as `kept_whole`)."""
 
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:
@@ -118,6 +131,8 @@ class Plan:
         d = asdict(self)
         if not self.kept_whole:
             del d["kept_whole"]
+        if not self.spares:
+            del d["spares"]
         return d
 
     def to_json(self) -> str:
@@ -134,7 +149,15 @@ class Plan:
             model_bytes=d["model_bytes"], memory_bytes=d["memory_bytes"],
             samples_per_second=d["samples_per_second"], fingerprint=d.get("fingerprint", ""),
             kept_whole=tuple((str(k[0]), str(k[1])) for k in d.get("kept_whole", ())),
+            spares=tuple(SparePlan(str(s["name"]), int(s["provider"]), float(s["ram_gb"]))
+                         for s in d.get("spares", ())),
         )
+
+    def spare(self, name: str) -> SparePlan:
+        for s in self.spares:
+            if s.name == name:
+                return s
+        raise KeyError(f"no spare {name!r} in the plan")
 
     def summary(self) -> str:
         """One line: clusters x stages."""
@@ -163,6 +186,8 @@ class Plan:
             f"model {_human(self.model_bytes)} parameters, {_human(self.memory_bytes)} to train; "
             f"estimated {self.samples_per_second:,.0f} samples/s; plan {self.fingerprint}")
         lines += [f"kept whole (one layer): {name} ({why})" for name, why in self.kept_whole]
+        lines += [f"spare: {s.name} ({s.ram_gb:g} GB), runs no stage; takes over a lost "
+                  f"provider's stage that fits {s.ram_gb:g} GB" for s in self.spares]
         return "\n".join(lines)
 
 

@@ -31,6 +31,14 @@ stopped and the whole run restarts from the newest checkpoint complete for all n
 operator restarts a job's pods: at most `spec.runPolicy.backoffLimit` times, each restart logged
 and counted in ``status.json``. Past that limit the run fails: no process is left behind, and the
 error names the node, its exit code and the end of its log.
+
+With `spec.plan.spares`, the providers the planner set aside run as hot spares (`ravnest worker
+--spare`: started with the workers, the job's model built, waiting on stdin). When a cluster is
+restarted alone, the free spare whose RAM holds the lost node's stage (`elastic.spare_for`) takes
+that stage over at once, its metadata named on its stdin, while the cluster's other workers
+start again; the lost provider becomes a spare in its turn (started again, cold). ``status.json``
+lists the spares and each takeover, and ``logs/<node>.log`` says which spare's log the node goes
+on in.
 """
 
 from __future__ import annotations
@@ -47,15 +55,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ravnest.comm.tls import identity, issue, make_authority
 from ravnest.errors import RavnestError, SpecError, WorkerFailed
 from ravnest.plan import building
-from ravnest.plan.plans import Plan
-from ravnest.run import finishing
+from ravnest.plan.plans import Plan, SparePlan
+from ravnest.run import elastic, finishing
 from ravnest.run.metadata import (
     REJOIN_ENV,
     RUNNER_PID_ENV,
@@ -166,6 +174,16 @@ class LocalRun:
         self.outputs: dict[str, str] = {}
         """Where `finish` wrote each output (status.json's outputs)."""
         self._started = time.monotonic()
+        self.spares: list[SparePlan] = []
+        """The providers that are spares now: the plan's, less those that took over a stage,
+        plus the providers they took over from."""
+        self.spare_procs: dict[str, _Proc] = {}
+        """The running hot spares, by spare name."""
+        self.takeovers: list[dict[str, Any]] = []
+        """Stages a spare took over: node, spare, its provider, the provider lost, when."""
+        self._ram: dict[int, float] = {}
+        """Each provider's RAM in GB, by provider index (as planned)."""
+        self._env: dict[str, str] = {}
 
     def prepare(self) -> list[NodeMetadata]:
         claims = [f"{field}: {uri!r} names a PersistentVolumeClaim, which only pods on Kubernetes "
@@ -203,6 +221,11 @@ class LocalRun:
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
         for m in metas:
             m.save(self.out / "nodes" / f"{m.node}.json")
+        self._ram = {**{n.provider: n.ram_gb for n in plan.nodes},
+                     **{sp.provider: sp.ram_gb for sp in plan.spares}}
+        self.spares = list(plan.spares)
+        for sp in self.spares:
+            replace(metas[0], node=sp.name).save(self.out / "nodes" / f"{sp.name}.json")
         (self.out / "plan.txt").write_text(plan.table() + "\n")
         return metas
 
@@ -211,9 +234,15 @@ class LocalRun:
         alone, which rejoin the others)."""
         if not rejoin:
             self._token = secrets.token_hex(16)
-        env = {**os.environ, TOKEN_ENV: self._token, "OMP_NUM_THREADS": str(self.worker_threads),
-               TORCH_THREADS_ENV: str(self.worker_threads), RUNNER_PID_ENV: str(os.getpid()),
-               **({REJOIN_ENV: "1"} if rejoin else {})}
+        self._env = {**os.environ, TOKEN_ENV: self._token,
+                     "OMP_NUM_THREADS": str(self.worker_threads),
+                     TORCH_THREADS_ENV: str(self.worker_threads), RUNNER_PID_ENV: str(os.getpid())}
+        env = {**self._env, **({REJOIN_ENV: "1"} if rejoin else {})}
+        if not rejoin:
+            self.stop(list(self.spare_procs.values()), grace=0)
+            self.spare_procs = {}
+            for sp in self.spares:
+                self._start_spare(sp)
         for m in metas:
             logfile = self.out / "logs" / f"{m.node}.log"
             with open(logfile, "ab") as fh:
@@ -224,10 +253,67 @@ class LocalRun:
                     start_new_session=True, umask=PRIVATE_UMASK)
             self.procs.append(_Proc(m.node, popen, logfile, m.metrics_port))
 
+    def _start_spare(self, spare: SparePlan) -> None:
+        """Start a hot spare: a worker that builds the job's model and waits on its stdin for the
+        node metadata of the stage it is to take over (`ravnest.run.worker.hold_as_spare`)."""
+        path = self.out / "nodes" / f"{spare.name}.json"
+        if not path.exists():
+            assert self.plan is not None
+            other = NodeMetadata.load(self.out / "nodes" / f"{self.plan.nodes[0].name}.json")
+            replace(other, node=spare.name).save(path)
+        logfile = self.out / "logs" / f"{spare.name}.log"
+        with open(logfile, "ab") as fh:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "ravnest", "worker", "--spare", "--metadata", str(path)],
+                stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.PIPE, env=self._env,
+                start_new_session=True, umask=PRIVATE_UMASK)
+        self.spare_procs[spare.name] = _Proc(spare.name, popen, logfile, 0)
+
+    def _take_over(self, node: str, cluster: int) -> str | None:
+        """Hand the stage of the lost `node` to a hot spare that holds it, if one is free: the
+        spare's process becomes that node's worker (it rejoins with its cluster), and the lost
+        provider becomes a spare, started again. The spare's name, or None."""
+        assert self.plan is not None
+        spare = elastic.spare_for(self.plan, node, [sp for sp in self.spares
+                                                    if sp.name in self.spare_procs])
+        if spare is None:
+            return None
+        proc = self.spare_procs.pop(spare.name)
+        order = json.dumps({"metadata": str(self.out / "nodes" / f"{node}.json"), "rejoin": True})
+        try:
+            assert proc.popen.stdin is not None
+            proc.popen.stdin.write(order.encode() + b"\n")
+            proc.popen.stdin.close()
+        except OSError:  # it died meanwhile: wait() drops it; the node starts as usual
+            log.warning("spare %s could not be told to take over %s", spare.name, node)
+            self.stop([proc], grace=0)
+            self.spares.remove(spare)
+            return None
+        meta = NodeMetadata.load(self.out / "nodes" / f"{node}.json")
+        self.procs.append(_Proc(node, proc.popen, proc.log, meta.metrics_port))
+        lost = self._runs_on(node)
+        self.spares.remove(spare)
+        self.spares.append(SparePlan(f"spare_{lost}", lost, self._ram[lost]))
+        self.takeovers.append({"node": node, "cluster": cluster, "spare": spare.name,
+                               "provider": spare.provider, "lost": lost,
+                               "at": round(time.time(), 3)})
+        with open(self.out / "logs" / f"{node}.log", "a") as fh:
+            fh.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} provider {lost} lost: spare "
+                     f"{spare.name} (provider {spare.provider}) took over {node}; its log goes on "
+                     f"in {proc.log.name}\n")
+        self._start_spare(self.spares[-1])
+        return spare.name
+
+    def _runs_on(self, node: str) -> int:
+        """The provider that runs `node` now (its planned one, until a spare took it over)."""
+        assert self.plan is not None
+        taken = [t["provider"] for t in self.takeovers if t["node"] == node]
+        return taken[-1] if taken else self.plan.node(node).provider
+
     def stop(self, procs: list[_Proc] | None = None, grace: float = 5.0) -> None:
-        """Terminate every worker still running (their whole process groups), or those of
-        `procs`, killing those still there after `grace` seconds."""
-        procs = self.procs if procs is None else procs
+        """Terminate every worker and spare still running (their whole process groups), or those
+        of `procs`, killing those still there after `grace` seconds."""
+        procs = [*self.procs, *self.spare_procs.values()] if procs is None else procs
         for p in procs:
             if p.popen.poll() is None:
                 _signal_group(p.popen.pid, signal.SIGTERM if grace else signal.SIGKILL)
@@ -249,6 +335,7 @@ class LocalRun:
         bar = _Progress(self.progress)
         try:
             while True:
+                self._drop_dead_spares()
                 codes = {p.node: p.popen.poll() for p in self.procs}
                 failed = [p for p in self.procs if codes[p.node] not in (None, 0)]
                 if failed:
@@ -267,6 +354,15 @@ class LocalRun:
                 time.sleep(0.5)
         finally:
             bar.close()
+
+    def _drop_dead_spares(self) -> None:
+        """A spare whose process ended is no spare: logged, and left out from then on."""
+        for name, p in list(self.spare_procs.items()):
+            if p.popen.poll() is not None:
+                del self.spare_procs[name]
+                self.spares = [sp for sp in self.spares if sp.name != name]
+                log.warning("spare %s exited with code %s; last lines of %s:\n%s", name,
+                            p.popen.returncode, p.log, _tail(p.log, 5))
 
     def supervise(self, metas: list[NodeMetadata]) -> None:
         """Start the workers and restart them all after a worker died, from the newest complete
@@ -303,11 +399,13 @@ class LocalRun:
         in time, or failed after they finished: the others' outputs are the job's (the final
         round averaged them). False: the failure must be acted on."""
         assert self.plan is not None
-        cluster = self.plan.node(dead.node).cluster
-        others = [p for p in self.procs if self.plan.node(p.node).cluster != cluster]
-        if self.job.spec.run_policy.recovery != "cluster" or not others or any(
-                p.popen.poll() != 0 for p in others):
+        plan = self.plan
+        cluster = plan.node(dead.node).cluster
+        finished = {c.id for c in plan.clusters if all(
+            p.popen.poll() == 0 for p in self.procs if p.node in c.nodes)}
+        if not elastic.ended_without(self.job.spec.run_policy, plan, finished, {cluster}):
             return False
+        others = [p for p in self.procs if plan.node(p.node).cluster != cluster]
         mine = [p for p in self.procs if p not in others]
         self.stop(mine)
         self.procs = others
@@ -317,24 +415,19 @@ class LocalRun:
         return True
 
     def _recover(self, dead: _Proc, metas: list[NodeMetadata], failure: str) -> bool:
-        """Restart only the cluster of `dead`, if elasticity can absorb its loss: several
-        clusters, another one whole, its root sharing parameters with them, not a spec error
-        (which no restart cures) nor the same failure as that cluster's last, and recoveries
-        left. False: the whole job must restart."""
+        """Restart only the cluster of `dead`, if elasticity can absorb its loss
+        (`elastic.restart_alone`) and it is not the same failure as that cluster's last; a free
+        hot spare that holds the stage of `dead` takes it over. False: the whole job must
+        restart."""
         assert self.plan is not None
         plan, policy = self.plan, self.job.spec.run_policy
-        if policy.recovery != "cluster" or len(plan.clusters) < 2 or \
-                dead.popen.returncode == SPEC_ERROR_EXIT:
-            return False
         cluster = plan.node(dead.node).cluster
         mine = {n.name for n in plan.cluster_nodes(cluster)}
-        root = plan.cluster_nodes(cluster)[0].name
         whole = [c.id for c in plan.clusters if c.id != cluster and all(
             p.popen.poll() is None for p in self.procs if p.node in c.nodes)]
-        shares = any(plan.node(m).cluster != cluster for r in plan.rings_of(root)
-                     for m in r.members)
         seen, now = self._cluster_failures.get(cluster), _failure_of(dead)
-        if not whole or not shares or len(self.recoveries) >= policy.recovery_limit or (
+        if not elastic.restart_alone(plan, policy, {cluster}, whole, len(self.recoveries),
+                                     dead.popen.returncode == SPEC_ERROR_EXIT) or (
                 now is not None and seen == now):
             return False
         self._cluster_failures[cluster] = now
@@ -344,15 +437,18 @@ class LocalRun:
         self.procs = [p for p in self.procs if p.node not in mine]
         self.recoveries.append({"cluster": cluster, "node": dead.node,
                                 "exitCode": dead.popen.returncode, "at": round(time.time(), 3)})
+        spare = self._take_over(dead.node, cluster)
+        taken = (f"; spare {spare} took over the stage of {dead.node}" if spare else "")
         message = (f"{failure}; cluster {cluster} restarted alone (recovery "
-                   f"{len(self.recoveries)}/{policy.recovery_limit}): it takes its state from "
-                   f"cluster(s) {', '.join(map(str, whole))} and rejoins at a round boundary, "
-                   f"while they train on")
+                   f"{len(self.recoveries)}/{policy.recovery_limit}){taken}: it takes its state "
+                   f"from cluster(s) {', '.join(map(str, whole))} and rejoins at a round "
+                   f"boundary, while they train on")
         log.warning("%s", message)
         self.conditions = [{"type": "Recovering", "status": "True", "reason": "WorkerFailed",
                             "message": message}]
         self.write_status("Running", {})
-        self.start([m for m in metas if m.node in mine], rejoin=True)
+        self.start([m for m in metas if m.node in mine and (spare is None or m.node != dead.node)],
+                   rejoin=True)
         return True
 
     def _recovered(self) -> None:
@@ -372,6 +468,8 @@ class LocalRun:
         body = {"job": self.job.name, "phase": phase, "progress": now, "restarts": self.restarts,
                 "recoveries": len(self.recoveries),
                 **({"recovered": self.recoveries} if self.recoveries else {}),
+                **({"spares": [sp.name for sp in self.spares]} if self.spares else {}),
+                **({"takeovers": self.takeovers} if self.takeovers else {}),
                 **({"conditions": self.conditions} if self.conditions else {}), **extra}
         tmp = self.out / ".status.json.tmp"
         tmp.write_text(json.dumps(body))

@@ -17,7 +17,7 @@ import signal
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
@@ -116,6 +116,38 @@ def build_node_stage(spec: JobSpec, plan: Plan, node: str) -> Stage:
     """Rebuild the model and cut out this node's stage, checking it matches the plan."""
     gm, prof = profile(building.build_model(spec), building.example_inputs(spec))
     return cut_stage(gm, prof, plan, node, "was the model code changed?")
+
+
+def hold_as_spare(meta: NodeMetadata, orders: IO[str]) -> NodeMetadata | None:
+    """A hot spare's wait (`ravnest worker --spare`; `meta` names the spare): build the job's model
+    once, so that its imports are done and its code is known to run here, then wait for one order
+    on `orders`, a JSON line ``{"metadata": <node metadata file>, "rejoin": true}``: the metadata
+    of the node whose stage this process now runs (as a worker whose cluster rejoins, when told).
+    None: `orders` closed without one (the supervisor let the spare go)."""
+    if meta.job is None:
+        raise SpecError([f"{meta.node}: the node metadata names no job"])
+    started = time.monotonic()
+    building.build_model(meta.job.spec)
+    log.info("%s: hot spare ready in %.1f s; waiting to take over a stage", meta.node,
+             time.monotonic() - started)
+    line = orders.readline()
+    if not line.strip():
+        log.info("%s: let go without taking over a stage", meta.node)
+        return None
+    try:
+        order = json.loads(line)
+        taken = NodeMetadata.load(str(order["metadata"]))
+    except (ValueError, KeyError, TypeError) as e:
+        raise SpecError([f"{meta.node}: not an order to take over a stage: {line[:200]!r} "
+                         f"({e})"]) from e
+    if taken.plan.fingerprint != meta.plan.fingerprint:
+        raise PlanError(f"{meta.node}: told to take over {taken.node} of plan "
+                        f"{taken.plan.fingerprint}, not this spare's plan {meta.plan.fingerprint}")
+    if order.get("rejoin"):
+        os.environ[REJOIN_ENV] = "1"
+    log.warning("%s takes over the stage of %s (%.1f s after it was started)", meta.node,
+                taken.node, time.monotonic() - started)
+    return taken
 
 
 class Worker:

@@ -1,0 +1,116 @@
+"""Hot spares on `ravnest run` (issue 20, item 5): the 3-cluster digits job of test_elastic with
+a tenth provider and `spec.plan.spares: 1`. The planner sets one provider aside; the runner starts
+it as a hot spare (its process up, the job's model built, waiting). A node is killed with SIGKILL
+mid-run: the spare takes over that node's stage at once, rejoining with the rest of its cluster
+from the other clusters' live state, while the other clusters train on; the lost provider becomes
+the spare. The run ends with every cluster's weights equal and status.json telling the
+takeover."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from elastic_job import elastic_job, steps
+from processes import pids_with, worker_pid
+
+from ravnest.run.progress import scrape
+from ravnest.train.fusing import fuse_stage_files
+
+EPOCHS = 60
+
+
+def _wait(what: str, ready, run: subprocess.Popen[str], seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert run.poll() is None, f"the run ended before {what}: {run.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, f"not {what} within {seconds} s"
+        time.sleep(0.1)
+
+
+def test_a_hot_spare_takes_over_the_stage_of_a_killed_node(tmp_path: Path) -> None:
+    job = elastic_job(tmp_path, EPOCHS, {"everySteps": 0})
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"]["providers"].append({"ram": 1, "bandwidth": 1000})
+    doc["spec"]["plan"]["spares"] = 1
+    job.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "out"
+    run = subprocess.Popen([sys.executable, "-m", "ravnest", "run", str(job), "-o", str(out),
+                            "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        _wait("a plan", lambda: (out / "plan.txt").exists(), run)
+        plan = json.loads((out / "nodes" / "node_0.json").read_text())["plan"]
+        (spare,) = plan["spares"]
+        assert len(plan["nodes"]) == 9 and len(plan["clusters"]) == 3
+        spare_log = out / "logs" / f"{spare['name']}.log"
+        _wait("a hot spare", lambda: spare_log.exists() and "hot spare ready" in
+              spare_log.read_text(), run)
+        nodes = {n["name"]: n for n in plan["nodes"]}
+        ports = {n: json.loads((out / "nodes" / f"{n}.json").read_text())["metricsPort"]
+                 for n in nodes}
+        # the stem of a cluster that has one (else its leaf): a stage in mid-pipeline
+        victim = min(nodes.values(), key=lambda n: (n["role"] != "stem", n["cluster"],
+                                                     n["name"]))
+        _wait("step 40", lambda: len(s := steps(ports)) == len(ports) and min(s.values()) >= 40,
+              run)
+        pid = worker_pid(out / "nodes" / f"{victim['name']}.json")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        root = next(n for n in nodes.values() if n["cluster"] == victim["cluster"]
+                    and n["stage"] == 0)["name"]
+
+        def rejoined() -> bool:
+            try:
+                return scrape(ports[root], timeout=0.5).get("ravnest_recoveries_total", 0) >= 1
+            except OSError:
+                return False
+        _wait("the cluster rejoined", rejoined, run)
+        took = time.monotonic() - killed
+        # the victim's stage now runs in the spare's process (started with the run)
+        assert pids_with(str(out / "nodes" / f"{spare['name']}.json"), "--spare")
+        _, err = run.communicate(timeout=900)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert run.returncode == 0, err[-3000:]
+    assert f"spare {spare['name']} took over the stage of {victim['name']}" in err
+
+    status = json.loads((out / "status.json").read_text())
+    assert status["phase"] == "Succeeded" and status["restarts"] == 0, status
+    assert status["recoveries"] == 1
+    (takeover,) = status["takeovers"]
+    assert takeover["node"] == victim["name"] and takeover["spare"] == spare["name"]
+    assert takeover["provider"] == spare["provider"] and takeover["lost"] == victim["provider"]
+    assert status["spares"] == [f"spare_{victim['provider']}"]  # the lost provider is the spare
+
+    logs = {p.stem: p.read_text() for p in (out / "logs").glob("*.log")}
+    assert f"spare {spare['name']} (provider {spare['provider']}) took over {victim['name']}" \
+        in logs[victim["name"]]
+    mine = logs[spare["name"]]
+    assert f"{spare['name']} takes over the stage of {victim['name']}" in mine
+    join = re.search(r"rejoined after round (\d+) at update (\d+): (\d+) bytes", mine)
+    assert join, mine[-2000:]
+    assert "hot spare ready" in logs[f"spare_{victim['provider']}"]  # started again, as spare
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["clusters"] == 3 and summary["updates"] == EPOCHS * (1437 // (3 * 32))
+    copies = [fuse_stage_files(out / "stages", c) for c in range(3)]
+    for other in copies[1:]:
+        for k, v in copies[0].items():
+            torch.testing.assert_close(other[k].float(), v.float(), rtol=0, atol=1e-6, msg=k)
+    assert summary["fused_val_metric"] >= 0.95, summary
+    assert not pids_with(str(out))  # no worker nor spare left behind
+    print(f"\nspare {spare['name']} took over {victim['name']} ({victim['role']}); the cluster "
+          f"rejoined {took:.1f} s after the kill at update {join[2]}, {join[3]} bytes; accuracy "
+          f"{summary['fused_val_metric']:.4f}")

@@ -1,0 +1,51 @@
+"""The rules of elastic training that both supervisors follow, the local runner (`run.local`) and
+the operator (`ravnest_operator.deciding`), as pure functions of the plan, the policy and what the
+supervisor saw: whether a loss costs only its cluster, when a job ends without a cluster, and
+which hot spare takes over a lost provider's stage.
+
+Each supervisor observes its own way (processes' exit codes; pods' phases) and acts its own way
+(restarting processes; deleting and creating pods); what it decides is decided here, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+
+from ravnest.plan.plans import GB, Plan, SparePlan
+from ravnest.spec import RunPolicy
+
+
+def restart_alone(plan: Plan, policy: RunPolicy, lost: Collection[int], whole: Collection[int],
+                  recoveries: int, spec_error: bool) -> bool:
+    """Whether the loss of the clusters `lost` is absorbed by restarting that cluster alone
+    (runPolicy.recovery: cluster): one cluster lost of several, another cluster still whole
+    (`whole`: the clusters all of whose workers run), the lost one sharing parameters with the
+    others (so that they hold its state), no spec error (which no restart cures), and fewer than
+    recoveryLimit `recoveries` so far. False: the whole job restarts from its last checkpoint."""
+    if policy.recovery != "cluster" or len(plan.clusters) < 2 or len(lost) != 1 or spec_error:
+        return False
+    (cluster,) = lost
+    root = plan.cluster_nodes(cluster)[0].name
+    shares = any(plan.node(m).cluster != cluster for r in plan.rings_of(root) for m in r.members)
+    return shares and any(c != cluster for c in whole) and recoveries < policy.recovery_limit
+
+
+def ended_without(policy: RunPolicy, plan: Plan, finished: Collection[int],
+                  unable: Collection[int]) -> set[int]:
+    """The clusters a job ends without (runPolicy.recovery: cluster): once at least one cluster
+    has finished training (`finished`), the rest, if each of them is `unable` to finish (failed,
+    lost, or restarted alone and not yet back: nobody is left to take the state from). The final
+    round averaged the finished ones, whose model is the job's. Empty: nothing to end without."""
+    rest = {c.id for c in plan.clusters} - set(finished)
+    if policy.recovery != "cluster" or not finished or not rest or not rest <= set(unable):
+        return set()
+    return rest
+
+
+def spare_for(plan: Plan, node: str, free: Iterable[SparePlan]) -> SparePlan | None:
+    """The hot spare that takes over the stage of `node`, whose provider was lost: among the
+    `free` spares, the smallest whose RAM holds the stage's training memory (ties: the lowest
+    provider); None when none does."""
+    need = plan.node(node).memory_bytes
+    fits = [s for s in free if s.ram_gb * GB >= need]
+    return min(fits, key=lambda s: (s.ram_gb, s.provider), default=None)
