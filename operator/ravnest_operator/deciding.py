@@ -20,7 +20,7 @@ from typing import Any
 from ravnest import storing
 from ravnest.errors import PlanError
 from ravnest.plan.handoff import decode
-from ravnest.plan.plans import Plan
+from ravnest.plan.plans import Plan, SparePlan
 from ravnest.run import elastic
 from ravnest.spec import Job
 
@@ -105,7 +105,9 @@ class _Pass:
         """Delete the pods runPolicy.cleanPodPolicy names: All, Running (and Pending), None."""
         for p in self.observed.pods:
             phase = (p.get("status") or {}).get("phase")
-            if policy == "All" or (policy == "Running" and phase in ("Running", "Pending")):
+            spare = resources.SPARE_LABEL in (p["metadata"].get("labels") or {})
+            if policy == "All" or ((policy == "Running" or spare) and
+                                   phase in ("Running", "Pending")):
                 self.out.do(DeletePod(p["metadata"]["name"]))
 
 
@@ -141,12 +143,6 @@ def decide(observed: Observed, now: dt.datetime, settings: Settings) -> Decision
     return run.out
 
 
-SPARES_IDLE = ("provider(s) {} set aside as spares (spec.plan.spares) get no pod on Kubernetes "
-               "yet: they train nothing, and a lost provider's cluster is restarted on its own "
-               "providers; hot spares that take over a lost stage run on `ravnest run`")
-"""The Warning of a job whose plan has spares (status.plan.spares names them)."""
-
-
 def _planned(run: _Pass, job: Job, plan: Plan) -> None:
     """Phase Planned; and whether a restart keeps the job's progress: without a volume its
     checkpoints live on the pods' emptyDir, which the job says in a condition and a Warning."""
@@ -159,9 +155,6 @@ def _planned(run: _Pass, job: Job, plan: Plan) -> None:
     run.out.set({"phase": "Planned", "plan": _plan_status(plan), "conditions": conds})
     if not durable:
         run.out.do(Event("NoDurableCheckpoints", NOT_DURABLE, warning=True))
-    if plan.spares:
-        run.out.do(Event("SparesIdle", SPARES_IDLE.format(
-            ", ".join(str(s.provider) for s in plan.spares)), warning=True))
 
 
 def _expire(run: _Pass) -> None:
@@ -257,8 +250,10 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     recoveries = _cluster_recoveries(run.status, plan)
     rejoining = {int(c) for c in run.status.get("rejoining") or [] if c in recoveries}
     obs = observe(run.observed.name, plan, list(run.observed.pods))
+    runs_on = _runs_on(run.status, job, plan)
+    spares = _Spares.of(run, job, plan, runs_on)
     run.out.set({"nodes": {n: s.to_status() for n, s in obs.nodes.items()},
-                 "clusters": _active(plan, rejoining)})
+                 "clusters": _active(plan, rejoining), **spares.status()})
     stale = [s for s in obs.nodes.values() if s.phase != "Missing" and (
         s.attempt != restarts or s.recovery != recoveries[s.cluster])]
     run.out.do(*(DeletePod(s.pod) for s in stale if not s.deleting))
@@ -277,11 +272,16 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     if obs.failed or lost:
         message = "; ".join(filter(None, [obs.failure_message(),
                                           *(f"pod {s.pod} was deleted" for s in lost)]))
-        if not _recover(run, job, plan, obs, [*obs.failed, *lost], recoveries, rejoining,
-                        conditions, message):
+        down = [*obs.failed, *lost]
+        if not _recover(run, job, plan, obs, down, recoveries, rejoining, conditions, message):
             _failed(run, job, obs, restarts, conditions, message)
+        if run.status.get("phase") != "Failed" and run.out.status.get("phase") != "Failed":
+            spares.take_over(run, plan, [n for n, st in obs.nodes.items()
+                                         if any(st is d for d in down)])
         return
+    run.out.do(*(DeletePod(name) for name in spares.unwanted()))
     if obs.all_succeeded:
+        run.out.do(*(DeletePod(name) for name in spares.running()))  # training is over
         if job.spec.output.uri:
             _finish(run, job, plan, phase, conditions)
         else:
@@ -293,7 +293,9 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
             run.out.do(Create(resources.pod(
                 owner, job, plan, node, run.settings.worker_image, attempt=restarts,
                 final_scrape_seconds=run.settings.final_scrape_seconds,
-                recovery=recoveries[node.cluster])))
+                recovery=recoveries[node.cluster], provider_index=runs_on.get(node.name))))
+    run.out.do(*(Create(resources.spare_pod(owner, job, plan, i, run.settings.worker_image))
+                 for i in spares.missing()))
     conditions, rejoining = _rejoined(run, plan, obs, rejoining, conditions)
     _watch(run, plan, obs, phase, conditions, rejoining)
 
@@ -397,6 +399,87 @@ def _rejoined(run: _Pass, plan: Plan, obs: Observation, rejoining: set[int],
     run.out.do(Event("Rejoined", f"cluster(s) {', '.join(map(str, sorted(back)))} running "
                                  f"again, rejoining the others"))
     return conditions, left
+
+
+def _runs_on(status: Mapping[str, Any], job: Job, plan: Plan) -> dict[str, int]:
+    """status.takeovers: node -> the provider (a spare's) that runs its stage now, when not the
+    node's own; entries that are not the plan's nodes and providers are ignored."""
+    given = status.get("takeovers")
+    count = len(job.spec.expanded_providers())
+    names = set(plan.names())
+    return {n: p for n, p in (given.items() if isinstance(given, dict) else ())
+            if n in names and isinstance(p, int) and not isinstance(p, bool) and 0 <= p < count}
+
+
+@dataclass
+class _Spares:
+    """The job's hot spares now (spec.plan.spares): the providers that run no node's stage (the
+    plan's spares, less those that took a stage over, plus the providers they took it from), and
+    their pods (`resources.spare_pod`)."""
+    job: Job
+    providers: list[int]
+    pods: dict[int, dict[str, Any]]
+    """Provider -> its spare pod, of any spare pod of the job (a spare's or not)."""
+
+    @classmethod
+    def of(cls, run: _Pass, job: Job, plan: Plan, runs_on: Mapping[str, int]) -> _Spares:
+        working = {runs_on.get(n.name, n.provider) for n in plan.nodes}
+        providers = sorted(set(range(len(job.spec.expanded_providers()))) - working) \
+            if plan.spares else []
+        pods = {}
+        for p in run.observed.pods:
+            label = (p["metadata"].get("labels") or {}).get(resources.SPARE_LABEL)
+            if label is not None and label.isdigit():
+                pods[int(label)] = p
+        return cls(job, providers, pods)
+
+    def _phase(self, i: int) -> str:
+        p = self.pods.get(i)
+        if p is None:
+            return "Missing"
+        if p["metadata"].get("deletionTimestamp"):
+            return "Terminating"
+        return str((p.get("status") or {}).get("phase") or "Pending")
+
+    def status(self) -> dict[str, Any]:
+        """status.spares: each spare's pod phase, by spare name."""
+        if not self.providers:
+            return {}
+        return {"spares": {resources.spare_name(i): self._phase(i) for i in self.providers}}
+
+    def missing(self) -> list[int]:
+        return [i for i in self.providers if i not in self.pods]
+
+    def unwanted(self) -> list[str]:
+        """Spare pods of providers that are no spares (any more), not yet being deleted."""
+        return [p["metadata"]["name"] for i, p in self.pods.items()
+                if i not in self.providers and not p["metadata"].get("deletionTimestamp")]
+
+    def running(self) -> list[str]:
+        return [self.pods[i]["metadata"]["name"] for i in self.providers
+                if self._phase(i) in ("Running", "Pending")]
+
+    def take_over(self, run: _Pass, plan: Plan, lost: list[str]) -> None:
+        """Each node in `lost` (its pod failed or gone, and to be created again) whose stage a
+        running spare holds (`elastic.spare_for`) gets that spare's provider: the spare's pod is
+        deleted and the node's new pod takes its placement; the lost provider becomes a spare."""
+        ram = [p.ram for p in self.job.spec.expanded_providers()]
+        free = [SparePlan(resources.spare_name(i), i, ram[i]) for i in self.providers
+                if self._phase(i) == "Running"]
+        taken: dict[str, int] = {}
+        for node in lost:
+            spare = elastic.spare_for(plan, node, free)
+            if spare is None:
+                continue
+            free.remove(spare)
+            taken[node] = spare.provider
+            run.out.do(DeletePod(self.pods[spare.provider]["metadata"]["name"]),
+                       Event("TookOver", f"spare {spare.name} (provider {spare.provider}) takes "
+                                         f"over the stage of {node}: its pod is placed as that "
+                                         f"provider"))
+        if taken:
+            before = dict(run.out.status.get("takeovers") or run.status.get("takeovers") or {})
+            run.out.set({"takeovers": {**before, **taken}})
 
 
 def _durability(job: Job) -> str:

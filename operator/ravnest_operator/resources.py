@@ -56,6 +56,11 @@ ATTEMPT_ANNOTATION = "ravnest.io/attempt"
 """A worker pod's attempt: the job's restarts when it was created."""
 RECOVERY_ANNOTATION = "ravnest.io/recovery"
 """A worker pod's cluster recovery in its attempt (absent: 0, the cluster as first started)."""
+PROVIDER_ANNOTATION = "ravnest.io/provider"
+"""The provider (index into the expanded spec.providers) whose placement a pod has: a worker pod's
+node's own, or the spare's that took its stage over."""
+SPARE_LABEL = "ravnest.io/spare"
+"""On a spare pod: the provider it holds."""
 
 
 @dataclass(frozen=True)
@@ -294,14 +299,19 @@ def _resources(provider: Provider) -> dict[str, Any]:
 
 
 def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
-        attempt: int = 0, final_scrape_seconds: float = 0, recovery: int = 0) -> dict[str, Any]:
+        attempt: int = 0, final_scrape_seconds: float = 0, recovery: int = 0,
+        provider_index: int | None = None) -> dict[str, Any]:
     """The worker pod of one provider. With `final_scrape_seconds` (Prometheus scrapes the
     workers) a finished worker stays up to that long for one scrape of its final metrics.
     `recovery` > 0: the pod of a cluster restarted alone for the recovery-th time in this attempt
     (elastic training), whose worker takes its state from the other clusters and rejoins them
-    (`REJOIN_ENV`) instead of resuming from a checkpoint."""
-    provider = job.spec.expanded_providers()[node.provider]
-    annotations = {"ravnest.io/plan": plan.fingerprint, ATTEMPT_ANNOTATION: str(attempt)}
+    (`REJOIN_ENV`) instead of resuming from a checkpoint. `provider_index`: the provider whose
+    placement (image, resources, nodeSelector, tolerations) the pod takes, when a spare took the
+    node's stage over (by default the node's own)."""
+    index = node.provider if provider_index is None else provider_index
+    provider = job.spec.expanded_providers()[index]
+    annotations = {"ravnest.io/plan": plan.fingerprint, ATTEMPT_ANNOTATION: str(attempt),
+                   PROVIDER_ANNOTATION: str(index)}
     if recovery:
         annotations[RECOVERY_ANNOTATION] = str(recovery)
     if provider.bandwidth is not None:
@@ -345,6 +355,61 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
                    "metadata": _meta(owner, pod_name(owner.name, node.name),
                                      node_labels(owner.name, node), annotations),
                    "spec": spec}, job.spec.template)
+
+
+def spare_configmap_name(job: str) -> str:
+    return f"{job}-spare"
+
+
+def spare_configmap(owner: Owner, job: Job, plan: Plan) -> dict[str, Any]:
+    """The metadata the spare pods read: the job and its plan (under the node name `spare`)."""
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": _meta(owner, spare_configmap_name(owner.name), job_labels(owner.name),
+                          {"ravnest.io/plan": plan.fingerprint}),
+        "data": {"node.json": json.dumps(node_metadata(owner, job, plan, "spare"),
+                                         sort_keys=True)},
+    }
+
+
+def spare_labels(job: str, provider: int) -> dict[str, str]:
+    return {**job_labels(job), "app.kubernetes.io/component": "spare",
+            SPARE_LABEL: str(provider)}
+
+
+def spare_pod(owner: Owner, job: Job, plan: Plan, provider_index: int,
+              image: str) -> dict[str, Any]:
+    """The pod of a hot spare (spec.plan.spares): on its provider's placement, with its resources
+    held, it builds the job's model (its image pulled, the job's code run once there) and waits,
+    training nothing and serving nothing, until the operator deletes it to place a lost node's
+    pod there instead (`ravnest worker --spare`). It gets no token: it joins no peer."""
+    provider = job.spec.expanded_providers()[provider_index]
+    container = {
+        "name": "worker",
+        "image": provider.image or job.spec.image or image,
+        "command": ["ravnest"],
+        "args": ["worker", "--spare", "--metadata", f"{METADATA_DIR}/node.json"],
+        "env": [{"name": TORCH_THREADS_ENV, "value": "1"}],
+        "resources": _resources(provider),
+        "volumeMounts": [{"name": "node-metadata", "mountPath": METADATA_DIR, "readOnly": True}],
+    }
+    spec = _hardened(container, [{"name": "node-metadata",
+                                  "configMap": {"name": spare_configmap_name(owner.name)}}])
+    if provider.node_selector:
+        spec["nodeSelector"] = dict(provider.node_selector)
+    if provider.tolerations:
+        spec["tolerations"] = list(provider.tolerations)
+    name = pod_name(owner.name, spare_name(provider_index))
+    return merged({"apiVersion": "v1", "kind": "Pod",
+                   "metadata": _meta(owner, name, spare_labels(owner.name, provider_index),
+                                     {"ravnest.io/plan": plan.fingerprint,
+                                      PROVIDER_ANNOTATION: str(provider_index)}),
+                   "spec": spec}, job.spec.template)
+
+
+def spare_name(provider_index: int) -> str:
+    """A spare's name (`ravnest.plan.plans.SparePlan.name`): its pod is `<job>-spare-<i>`."""
+    return f"spare_{provider_index}"
 
 
 S3_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
@@ -442,6 +507,8 @@ def static_objects(owner: Owner, job: Job, plan: Plan, token: str,
         objects.append(tls_secret(owner, certificates))
     if network_policies:
         objects.append(network_policy(owner, ring=_tcp_ring(job)))
+    if plan.spares:
+        objects.append(spare_configmap(owner, job, plan))
     return [*objects, *(node_configmap(owner, job, plan, n) for n in plan.nodes),
             plan_configmap(owner, plan)]
 

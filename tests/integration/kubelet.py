@@ -139,7 +139,7 @@ class FakeKubelet(threading.Thread):
         component = p.metadata.labels.get("app.kubernetes.io/component")
         if component == "planner":
             ip, mounted = self._planner_files(p, pod_dir)
-        elif component == "finisher":
+        elif component in ("finisher", "spare"):
             ip, mounted = self._finisher_files(p, pod_dir), "node.json"
         else:
             ip, mounted = self._worker_files(p, job, pod_dir), "node.json"
@@ -195,8 +195,9 @@ class FakeKubelet(threading.Thread):
         return ip
 
     def _finisher_files(self, p: Any, pod_dir: Path) -> str:
-        """A finishing pod's node metadata (the cluster-0 root's, from its ConfigMap) with an
-        output folder of its own; it serves nothing, so it needs no address of its own."""
+        """A finishing pod's node metadata (the cluster-0 root's, from its ConfigMap), or a spare
+        pod's, with an output folder of its own; it serves nothing, so it needs no address of its
+        own."""
         meta = NodeMetadata.from_dict(json.loads(self._configmap_of(p)["node.json"]))
         (pod_dir / "data").mkdir(exist_ok=True)
         replace(meta, output_dir=str(pod_dir / "data")).save(pod_dir / "node.json")

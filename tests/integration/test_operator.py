@@ -308,6 +308,52 @@ def test_a_killed_worker_costs_only_its_cluster_which_rejoins_live(cluster, tmp_
     print(f"\nelastic: kubectl get rj while cluster 1 rejoined:\n{shown}")
 
 
+def test_a_hot_spare_takes_over_a_killed_workers_stage_on_its_own_machine(cluster, tmp_path):
+    """spec.plan.spares on Kubernetes: the spare provider runs a spare pod (its machine held, the
+    job's model built, no token); when a worker of cluster 1 is killed, its new pod is placed as
+    the spare provider (nodeSelector, annotation), the spare pod goes, the lost provider gets a
+    spare pod, and cluster 1 rejoins live; spare pods are let go when the job succeeds."""
+    kube, kubelet, operator = cluster
+    doc = job_doc("spared", epochs=60, plan__spares=1)
+    for i, p in enumerate(doc["spec"]["providers"]):
+        p["nodeSelector"] = {"ravnest.test/machine": f"m{i}"}
+    assert apply(kube, doc, tmp_path).returncode == 0
+    wait_for("a spare pod", lambda: len(get(kube, "pods", selector=(
+        "ravnest.io/job=spared,app.kubernetes.io/component=spare"))["items"]) == 1, 120, kube,
+        operator)
+    (spare,) = get(kube, "pods", selector="ravnest.io/job=spared,"
+                                          "app.kubernetes.io/component=spare")["items"]
+    k = int(spare["metadata"]["labels"]["ravnest.io/spare"])
+    assert spare["spec"]["nodeSelector"] == {"ravnest.test/machine": f"m{k}"}
+    wait_for("the spare ready", lambda: "hot spare ready" in kubelet.log_of(f"spared-spare-{k}"),
+             120, kube, operator)
+    _kill_when(kube, kubelet, operator, "spared", "spared-node-3", 30)
+    wait_for("node_3 taken over", lambda: (get(kube, "rj", "spared") or {}).get(
+        "status", {}).get("takeovers") == {"node_3": k}, 60, kube, operator)
+    wait_for("node_3 on the spare's machine", lambda: (get(kube, "pod", "spared-node-3") or {})
+             .get("metadata", {}).get("annotations", {}).get("ravnest.io/provider") == str(k),
+             60, kube, operator)
+    moved = get(kube, "pod", "spared-node-3")
+    assert moved["spec"]["nodeSelector"] == {"ravnest.test/machine": f"m{k}"}
+    wait_for("provider 3 a spare", lambda: get(kube, "pod", "spared-spare-3") is not None, 60,
+             kube, operator)
+    assert get(kube, "pod", "spared-spare-3")["spec"]["nodeSelector"] == {
+        "ravnest.test/machine": "m3"}
+    wait_for("spared to succeed", lambda: phase_of(kube, "spared") == "Succeeded", 500, kube,
+             operator)
+    status = get(kube, "rj", "spared")["status"]
+    assert status.get("restarts", 0) == 0 and status["recoveries"] == 1
+    assert "spare_3" in status["spares"]  # the lost provider is the spare now
+    assert "rejoined after round" in kubelet.log_of("spared-node-3")
+    assert status["result"]["updates"] == 1320
+    assert status["progress"]["validationMetric"] >= 0.95
+    wait_for("spare pods let go", lambda: all(
+        p["status"].get("phase") != "Running" or p["metadata"].get("deletionTimestamp")
+        for p in get(kube, "pods", selector="ravnest.io/job=spared,"
+                                            "app.kubernetes.io/component=spare")["items"]),
+        60, kube, operator)
+
+
 def test_backoff_limit_zero_fails_naming_pod_and_exit_code(cluster, tmp_path):
     kube, kubelet, operator = cluster
     doc = job_doc("fragile", epochs=4, runPolicy__backoffLimit=0, runPolicy__recovery="job")

@@ -856,3 +856,120 @@ def test_a_finished_job_is_deleted_once_its_ttl_has_passed(digits, phase):
     later = {"runPolicy": {"ttlSecondsAfterFinished": 31}}
     assert decide(Observed("digits", "team-a", "u", later, status), NOW, SETTINGS).steps == []
     assert decide(Observed("digits", "team-a", "u", {}, status), NOW, SETTINGS).steps == []
+
+
+# --- hot spares (spec.plan.spares) --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def spared():
+    """digits with one spare, each provider on its own machine (nodeSelector)."""
+    doc = copy.deepcopy(yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text()))
+    doc["spec"]["plan"]["spares"] = 1
+    for i, p in enumerate(doc["spec"]["providers"]):
+        p["nodeSelector"] = {"machine": f"m{i}"}
+    job = parse_job(doc)
+    plan, _, _ = plan_job(job)
+    assert len(plan.spares) == 1
+    return doc, job, plan
+
+
+def _spare_pod(provider: int, phase: str = "Running") -> dict:
+    return {"metadata": {"name": f"digits-spare-{provider}",
+                         "labels": {"ravnest.io/job": "digits", "ravnest.io/spare": str(provider)}},
+            "status": {"phase": phase}}
+
+
+def _created(d) -> dict[str, dict]:
+    return {a.manifest["metadata"]["name"]: a.manifest for a in d.actions if isinstance(a, Create)}
+
+
+def test_a_spare_runs_as_a_pod_on_its_providers_machine_holding_no_token(spared):
+    _, _, plan = spared
+    (spare,) = plan.spares
+    d = decide(_observed(spared, _running(), _pods(plan, "Running")), NOW, SETTINGS)
+    made = _created(d)
+    assert list(made) == [f"digits-spare-{spare.provider}"]
+    pod = made[f"digits-spare-{spare.provider}"]
+    assert pod["spec"]["nodeSelector"] == {"machine": f"m{spare.provider}"}
+    assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "spare"
+    assert pod["spec"]["containers"][0]["args"][:2] == ["worker", "--spare"]
+    assert "RAVNEST_TOKEN" not in _env(pod) and "ports" not in pod["spec"]["containers"][0]
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert d.status["spares"] == {spare.name: "Missing"}
+    # once it runs, nothing more is done for it
+    pods = [*_pods(plan, "Running"), _spare_pod(spare.provider)]
+    d = decide(_observed(spared, _running(), pods), NOW, SETTINGS)
+    assert _created(d) == {} and d.status["spares"] == {spare.name: "Running"}
+
+
+def test_a_running_spare_takes_over_the_stage_of_a_lost_node_on_its_machine(spared):
+    _, job, plan = spared
+    (spare,) = plan.spares
+    victim = plan.cluster_nodes(1)[-1]
+    i = plan.names().index(victim.name)
+    pods = [*_pods(plan, "Running"), _spare_pod(spare.provider)]
+    pods[i] = _pod(plan, i, "Failed", code=137)
+    d = decide(_observed(spared, _running(), pods), NOW, SETTINGS)
+    assert d.status["takeovers"] == {victim.name: spare.provider}
+    assert DeletePod(f"digits-spare-{spare.provider}") in d.actions
+    assert Event("TookOver", f"spare {spare.name} (provider {spare.provider}) takes over the "
+                             f"stage of {victim.name}: its pod is placed as that provider") \
+        in d.actions
+    assert d.status["recoveries"] == 1 and d.status["rejoining"] == [1]  # its cluster rejoins
+
+    # the next passes: the node's new pod goes on the spare's machine, the lost provider's
+    # machine gets the spare pod
+    status = _running(recoveries=1, clusterRecoveries=[0, 1], rejoining=[1],
+                      takeovers={victim.name: spare.provider})
+    left = [p for k, p in enumerate(_pods(plan, "Running"))
+            if plan.nodes[k].cluster != 1]
+    d = decide(_observed(spared, status, left), NOW, SETTINGS)
+    made = _created(d)
+    new = made[resources.pod_name("digits", victim.name)]
+    assert new["spec"]["nodeSelector"] == {"machine": f"m{spare.provider}"}
+    assert new["metadata"]["annotations"]["ravnest.io/provider"] == str(spare.provider)
+    assert _env(new)["RAVNEST_REJOIN"] == "1"
+    other = made[resources.pod_name("digits", plan.cluster_nodes(1)[0].name)]
+    assert other["spec"]["nodeSelector"] == {"machine": f"m{plan.cluster_nodes(1)[0].provider}"}
+    lost = made[f"digits-spare-{victim.provider}"]
+    assert lost["spec"]["nodeSelector"] == {"machine": f"m{victim.provider}"}
+    assert d.status["spares"] == {f"spare_{victim.provider}": "Missing"}
+    assert job.spec.expanded_providers()[spare.provider].ram * 2**30 >= victim.memory_bytes
+
+
+def test_a_spare_that_does_not_run_takes_nothing_over(spared):
+    _, _, plan = spared
+    (spare,) = plan.spares
+    pods = [*_pods(plan, "Running"), _spare_pod(spare.provider, "Pending")]
+    pods[1] = _pod(plan, 1, "Failed", code=137)
+    d = decide(_observed(spared, _running(), pods), NOW, SETTINGS)
+    assert "takeovers" not in d.status and d.status["recoveries"] == 1
+    assert DeletePod(f"digits-spare-{spare.provider}") not in d.actions
+
+
+def test_a_spare_takes_over_at_a_whole_restart_too(spared):
+    _, _, plan = spared
+    (spare,) = plan.spares
+    pods = [*_pods(plan, "Running"), _spare_pod(spare.provider)]
+    pods[0] = _pod(plan, 0, "Failed", code=137)
+    d = decide(_observed(spared, _running(), pods, runPolicy=WHOLE), NOW, SETTINGS)
+    assert d.status["phase"] == "Restarting" and d.status["restarts"] == 1
+    assert d.status["takeovers"] == {plan.nodes[0].name: spare.provider}
+
+
+def test_spare_pods_are_let_go_when_training_ends_whatever_the_clean_policy(spared):
+    _, _, plan = spared
+    (spare,) = plan.spares
+    pods = [*_pods(plan, "Succeeded", code=0), _spare_pod(spare.provider)]
+    d = decide(_observed(spared, _running(), pods, runPolicy={"cleanPodPolicy": "None"}), NOW,
+               SETTINGS)
+    assert d.status["phase"] == "Succeeded"
+    assert d.actions.count(DeletePod(f"digits-spare-{spare.provider}")) >= 1
+    assert all(a.name == f"digits-spare-{spare.provider}"
+               for a in d.actions if isinstance(a, DeletePod))  # the workers' pods are kept
+    pods = [*_pods(plan, "Running", attempt=3), _spare_pod(spare.provider)]
+    pods[0] = _pod(plan, 0, "Failed", code=1, attempt=3)
+    d = decide(_observed(spared, _running(restarts=3), pods,
+                         runPolicy={"cleanPodPolicy": "None", "recovery": "job"}), NOW, SETTINGS)
+    assert d.status["phase"] == "Failed"
+    assert DeletePod(f"digits-spare-{spare.provider}") in d.actions

@@ -172,7 +172,7 @@ def _worker(args: argparse.Namespace) -> int:
     if args.spare:
         from ravnest.run.worker import hold_as_spare
 
-        taken = hold_as_spare(meta, sys.stdin)
+        taken = hold_as_spare(meta, sys.stdin if args.orders == "-" else None)
         if taken is None:
             return 0
         meta = taken
@@ -237,9 +237,12 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--metadata", required=True, help="node metadata JSON file")
     w.add_argument("--token-file", help=f"file with the job token (default: ${TOKEN_ENV})")
     w.add_argument("--spare", action="store_true",
-                   help="wait as a hot spare (the metadata's node is the spare's name): warm up, "
-                        "then take over the node whose metadata file is named on stdin, or exit "
-                        "when stdin closes")
+                   help="wait as a hot spare (the metadata's node is the spare's name): build "
+                        "the job's model, then wait until stopped, or, with --orders -, take "
+                        "over the node whose metadata an order on stdin names")
+    w.add_argument("--orders", choices=["-"],
+                   help="with --spare: read the order to take over a node from stdin (the local "
+                        "runner's spares; exit when stdin closes)")
     w.set_defaults(func=_worker)
     f = sub.add_parser("finish", help="as a finishing pod: fuse a trained job's stages and "
                                       "write its outputs (model, curve, summary)")

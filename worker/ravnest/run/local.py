@@ -264,7 +264,8 @@ class LocalRun:
         logfile = self.out / "logs" / f"{spare.name}.log"
         with open(logfile, "ab") as fh:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "ravnest", "worker", "--spare", "--metadata", str(path)],
+                [sys.executable, "-m", "ravnest", "worker", "--spare", "--orders", "-",
+                 "--metadata", str(path)],
                 stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.PIPE, env=self._env,
                 start_new_session=True, umask=PRIVATE_UMASK)
         self.spare_procs[spare.name] = _Proc(spare.name, popen, logfile, 0)

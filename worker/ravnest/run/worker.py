@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -118,18 +119,23 @@ def build_node_stage(spec: JobSpec, plan: Plan, node: str) -> Stage:
     return cut_stage(gm, prof, plan, node, "was the model code changed?")
 
 
-def hold_as_spare(meta: NodeMetadata, orders: IO[str]) -> NodeMetadata | None:
+def hold_as_spare(meta: NodeMetadata, orders: IO[str] | None) -> NodeMetadata | None:
     """A hot spare's wait (`ravnest worker --spare`; `meta` names the spare): build the job's model
     once, so that its imports are done and its code is known to run here, then wait for one order
     on `orders`, a JSON line ``{"metadata": <node metadata file>, "rejoin": true}``: the metadata
     of the node whose stage this process now runs (as a worker whose cluster rejoins, when told).
-    None: `orders` closed without one (the supervisor let the spare go)."""
+    None: `orders` closed without one (the supervisor let the spare go). Without `orders` (a spare
+    pod: the operator places the lost node's new pod where the spare was) it waits until it is
+    stopped."""
     if meta.job is None:
         raise SpecError([f"{meta.node}: the node metadata names no job"])
     started = time.monotonic()
     building.build_model(meta.job.spec)
     log.info("%s: hot spare ready in %.1f s; waiting to take over a stage", meta.node,
              time.monotonic() - started)
+    if orders is None:
+        threading.Event().wait()
+    assert orders is not None
     line = orders.readline()
     if not line.strip():
         log.info("%s: let go without taking over a stage", meta.node)
