@@ -1,6 +1,6 @@
 """Steps lost to one failure: elastic recovery (a lost cluster restarted alone, which rejoins
-live) against today's whole-job restart from the newest checkpoint, on the same job in the same
-run of this script.
+live; and the same with a hot spare, spec.plan.spares: 1, that takes the lost stage over) against
+a whole-job restart from the newest checkpoint, on the same job in the same run of this script.
 
 The job is digits in 3 clusters on 9 workers (as tests/integration/test_elastic.py). Each variant
 is run `--repeats` times; in each, the same node is killed with SIGKILL once every cluster reached
@@ -37,19 +37,24 @@ from elastic_job import elastic_job, steps  # tests/integration/elastic_job.py: 
 from processes import worker_pid  # tests/integration/processes.py
 
 
-def one_run(recovery: str, args: argparse.Namespace) -> dict[str, Any]:
+def one_run(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    recovery = "job" if variant == "job" else "cluster"
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         out = folder / "out"
         cmd = [sys.executable, "-m", "ravnest", "run",
                str(elastic_job(folder, args.epochs, {"everySteps": args.every, "keep": 2},
-                               {"backoffLimit": 3, "recovery": recovery})), "-o", str(out),
+                               {"backoffLimit": 3, "recovery": recovery},
+                               spares=1 if variant == "spare" else 0)), "-o", str(out),
                "--no-progress"]
         started = time.monotonic()
         run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             while not (out / "plan.txt").exists():
                 time.sleep(0.1)
+            while variant == "spare" and "hot spare ready" not in "".join(
+                    p.read_text() for p in (out / "logs").glob("spare_*.log")):
+                time.sleep(0.1)  # the spare is up before the failure, as a hot spare would be
             plan = json.loads(sorted((out / "nodes").glob("node_*.json"))[0].read_text())["plan"]
             nodes = plan["nodes"]
             ports = {n["name"]: json.loads((out / "nodes" / f"{n['name']}.json").read_text())[
@@ -81,7 +86,7 @@ def one_run(recovery: str, args: argparse.Namespace) -> dict[str, Any]:
             run.wait()
         wall = time.monotonic() - started
         if run.returncode != 0:
-            raise SystemExit(f"{recovery}: the run failed:\n{err[-2000:]}")
+            raise SystemExit(f"{variant}: the run failed:\n{err[-2000:]}")
         summary = json.loads((out / "summary.json").read_text())
         logs = "".join(p.read_text() for p in (out / "logs").glob("*.log"))
     redone = skipped = 0
@@ -89,10 +94,13 @@ def one_run(recovery: str, args: argparse.Namespace) -> dict[str, Any]:
     if restart:
         redone = sum(v - int(restart[1]) for v in reached.values())
     join = re.search(r"rejoined after round \S+ at update (\d+)", logs)
+    took = re.search(r"took over the stage of", err)
     if join:
         skipped = int(join[1]) - reached[victim["cluster"]]
     elif recovery == "cluster":  # the others finished first: the run ended without it
         skipped = summary["updates"] - reached[victim["cluster"]]
+    if variant == "spare" and not took:
+        raise SystemExit(f"spare: no spare took the stage over:\n{err[-2000:]}")
     return {"redone": redone, "skipped": skipped, "stalled": stalled, "wall": wall,
             "accuracy": summary["fused_val_metric"], "rejoined": bool(join)}
 
@@ -105,18 +113,19 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--victim", choices=("root", "stem", "leaf"), default="root")
     args = p.parse_args()
-    rows: dict[str, list[dict[str, Any]]] = {"cluster": [], "job": []}
-    for _ in range(args.repeats):  # alternate, so that load elsewhere hits both alike
-        for recovery in rows:
-            rows[recovery].append(one_run(recovery, args))
+    rows: dict[str, list[dict[str, Any]]] = {"cluster": [], "spare": [], "job": []}
+    for _ in range(args.repeats):  # alternate, so that load elsewhere hits all alike
+        for variant in rows:
+            rows[variant].append(one_run(variant, args))
     print(f"digits, 3 clusters, {args.epochs * (1437 // 96)} updates, {args.victim} of cluster 1 "
           f"killed at update {args.at}, checkpoints every {args.every} ({args.repeats} repeat(s))")
     print(f"{'recovery':<24}{'redone':>8}{'skipped':>9}{'stalled s':>11}{'wall s':>9}"
           f"{'accuracy':>10}")
-    for recovery, runs in rows.items():
+    for variant, runs in rows.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "rejoined"}
-        name = "cluster (elastic)" if recovery == "cluster" else "job (whole restart)"
-        back = "" if recovery == "job" else (
+        name = {"cluster": "cluster (elastic)", "spare": "cluster + hot spare",
+                "job": "job (whole restart)"}[variant]
+        back = "" if variant == "job" else (
             f"  (rejoined in {sum(r['rejoined'] for r in runs)} of {len(runs)}; the others "
             "finished first in the rest)")
         print(f"{name:<24}{med['redone']:>8.0f}{med['skipped']:>9.0f}{med['stalled']:>11.1f}"

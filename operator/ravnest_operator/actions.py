@@ -75,6 +75,11 @@ class CountRecovery:
 
 
 @dataclass(frozen=True)
+class CountTakeover:
+    """The operator's metric of stages taken over by a hot spare goes up by one."""
+
+
+@dataclass(frozen=True)
 class CountRunning:
     """The operator's metric of time to running observes this job (created at `created`)."""
     created: str | None
@@ -90,7 +95,7 @@ class CountFinished:
 
 
 Action = (SetStatus | CreateJobObjects | Create | DeletePod | DeleteJob | Event | ScrapeProgress
-          | CountRestart | CountRecovery | CountRunning | CountFinished)
+          | CountRestart | CountRecovery | CountTakeover | CountRunning | CountFinished)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from .actions import (
     CountRecovery,
     CountRestart,
     CountRunning,
+    CountTakeover,
     Create,
     CreateJobObjects,
     Decision,
@@ -476,7 +477,7 @@ class _Spares:
             run.out.do(DeletePod(self.pods[spare.provider]["metadata"]["name"]),
                        Event("TookOver", f"spare {spare.name} (provider {spare.provider}) takes "
                                          f"over the stage of {node}: its pod is placed as that "
-                                         f"provider"))
+                                         f"provider"), CountTakeover())
         if taken:
             before = dict(run.out.status.get("takeovers") or run.status.get("takeovers") or {})
             run.out.set({"takeovers": {**before, **taken}})

@@ -35,6 +35,7 @@ from .actions import (
     CountRecovery,
     CountRestart,
     CountRunning,
+    CountTakeover,
     Create,
     CreateJobObjects,
     DeleteJob,
@@ -202,6 +203,8 @@ def _carry_out(action: Action, body: kopf.Body, patch: kopf.Patch,
         monitoring.restarted()
     elif isinstance(action, CountRecovery):
         monitoring.recovered()
+    elif isinstance(action, CountTakeover):
+        monitoring.took_over()
     elif isinstance(action, CountRunning):
         monitoring.running(action.created)
     elif isinstance(action, CountFinished):

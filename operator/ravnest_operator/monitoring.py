@@ -1,5 +1,5 @@
 """The operator's own Prometheus metrics: jobs by phase, reconcile latency, time to running,
-job duration, restarts."""
+job duration, restarts, cluster recoveries and spare takeovers."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ RESTARTS = Counter("ravnest_operator_job_restarts", "Job restarts after worker f
 RECOVERIES = Counter("ravnest_operator_cluster_recoveries",
                      "Clusters restarted alone after a worker failure, rejoining the others live "
                      "(elastic training).")
+TAKEOVERS = Counter("ravnest_operator_spare_takeovers",
+                    "Lost workers' stages taken over by a hot spare provider (spec.plan.spares).")
 
 _phases: dict[tuple[str, str], str] = {}
 _lock = threading.Lock()
@@ -91,3 +93,7 @@ def restarted() -> None:
 
 def recovered() -> None:
     RECOVERIES.inc()
+
+
+def took_over() -> None:
+    TAKEOVERS.inc()

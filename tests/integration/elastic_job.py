@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def elastic_job(folder: Path, epochs: int, checkpoint: dict[str, Any],
-                run_policy: dict[str, Any] | None = None) -> Path:
-    """The job file, written in `folder`."""
+                run_policy: dict[str, Any] | None = None, spares: int = 0) -> Path:
+    """The job file, written in `folder`; with `spares`, that many more providers (1 GB each) and
+    spec.plan.spares asking for that many hot spares (the planner picks which)."""
     doc = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
     spec = doc["spec"]
     spec["plan"]["clusters"] = 3
@@ -26,6 +27,9 @@ def elastic_job(folder: Path, epochs: int, checkpoint: dict[str, Any],
     spec["checkpoint"] = checkpoint
     if run_policy is not None:
         spec["runPolicy"] = run_policy
+    if spares:
+        spec["providers"] += [{"ram": 1, "bandwidth": 1000}] * spares
+        spec["plan"]["spares"] = spares
     path = folder / "job.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path

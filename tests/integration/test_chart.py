@@ -645,7 +645,9 @@ def test_dashboards_cover_the_design() -> None:
     ops = " ".join(e for _, e in _exprs(_dashboards()["operator"]))
     for metric in ("ravnest_operator_jobs", "ravnest_operator_reconcile_duration_seconds_bucket",
                    "ravnest_operator_time_to_running_seconds_bucket",
-                   "ravnest_operator_job_restarts_total"):
+                   "ravnest_operator_job_restarts_total",
+                   "ravnest_operator_cluster_recoveries_total",
+                   "ravnest_operator_spare_takeovers_total"):
         assert metric in ops, metric
 
 

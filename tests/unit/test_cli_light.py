@@ -86,3 +86,20 @@ def test_the_public_api_still_resolves_every_name_on_use() -> None:
     assert ravnest.load_job(EXAMPLE).name == "digits"
     with pytest.raises(AttributeError):
         ravnest.no_such_name  # noqa: B018
+
+
+@pytest.mark.parametrize(("status", "says"), [
+    ({"phase": "Running", "spares": ["spare_3"], "takeovers": [
+        {"node": "node_3", "cluster": 1, "spare": "spare_4", "provider": 4, "lost": 3}]},
+     ["spares: spare_3", "node_3 runs on provider 4 (spare_4 took it over from provider 3)"]),
+    ({"phase": "Running", "spares": {"spare_3": "Pending"}, "takeovers": {"node_3": 4}},
+     ["spares: spare_3 (Pending)", "node_3 runs on provider 4 (a spare took it over)"]),
+])
+def test_status_shows_the_spares_and_the_stages_they_took_over(tmp_path: Path, capsys, status,
+                                                               says) -> None:
+    from ravnest.cli import main
+
+    (tmp_path / "status.json").write_text(json.dumps(status))
+    assert main(["status", "digits", "-o", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.strip() for line in printed[1:]] == says

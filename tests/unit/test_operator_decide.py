@@ -22,6 +22,7 @@ from ravnest_operator.actions import (
     CountRecovery,
     CountRestart,
     CountRunning,
+    CountTakeover,
     Create,
     CreateJobObjects,
     Decision,
@@ -912,6 +913,7 @@ def test_a_running_spare_takes_over_the_stage_of_a_lost_node_on_its_machine(spar
     d = decide(_observed(spared, _running(), pods), NOW, SETTINGS)
     assert d.status["takeovers"] == {victim.name: spare.provider}
     assert DeletePod(f"digits-spare-{spare.provider}") in d.actions
+    assert d.actions.count(CountTakeover()) == 1
     assert Event("TookOver", f"spare {spare.name} (provider {spare.provider}) takes over the "
                              f"stage of {victim.name}: its pod is placed as that provider") \
         in d.actions

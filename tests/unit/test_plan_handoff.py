@@ -89,7 +89,8 @@ def _nodes(plan: Plan, i: int, **changes) -> tuple:
 
 @pytest.mark.parametrize(("change", "says"), [
     (lambda p: {"nodes": _nodes(p, 0, name="../../etc")}, "is not node_<provider>"),
-    (lambda p: {"nodes": _nodes(p, 1, provider=0, name="node_0")}, "provider 0 has two nodes"),
+    (lambda p: {"nodes": _nodes(p, 1, provider=0, name="node_0")},
+     "provider 0 is a node or spare already"),
     (lambda p: {"nodes": _nodes(p, 0, provider=9, name="node_9")},
      "is not one of the job's 4 providers"),
     (lambda p: {"nodes": _nodes(p, 0, role="boss")}, "is not one of root, stem, leaf"),

@@ -121,6 +121,25 @@ def _read_status(args: argparse.Namespace) -> dict[str, Any]:
     return dict(json.loads(out.stdout).get("status") or {"phase": "Pending"})
 
 
+def _spare_lines(status: dict[str, Any]) -> list[str]:
+    """The hot spares and the stages they took over, of a local run (status.json: a list of
+    spares, a list of takeovers) or a RavnestJob (spare -> pod phase, node -> provider)."""
+    lines = []
+    spares = status.get("spares")
+    if isinstance(spares, dict) and spares:
+        lines.append("spares: " + ", ".join(f"{n} ({p})" for n, p in sorted(spares.items())))
+    elif isinstance(spares, list) and spares:
+        lines.append("spares: " + ", ".join(map(str, spares)))
+    taken = status.get("takeovers")
+    if isinstance(taken, dict):
+        lines += [f"{n} runs on provider {p} (a spare took it over)"
+                  for n, p in sorted(taken.items())]
+    elif isinstance(taken, list):
+        lines += [f"{t.get('node')} runs on provider {t.get('provider')} ({t.get('spare')} took it "
+                  f"over from provider {t.get('lost')})" for t in taken if isinstance(t, dict)]
+    return lines
+
+
 def _status(args: argparse.Namespace) -> int:
     from ravnest.run.progress import render
 
@@ -139,6 +158,8 @@ def _status(args: argparse.Namespace) -> int:
     for name, node in sorted((status.get("nodes") or {}).items()):
         print(f"  {name:10} {node.get('pod', ''):24} {node.get('phase', '')}"
               + (f" exit {node['exitCode']}" if "exitCode" in node else ""))
+    for line in _spare_lines(status):
+        print(f"  {line}")
     for cond in status.get("conditions") or []:
         if cond.get("status") == "True" and cond.get("message"):
             print(f"  {cond['type']}: {cond['message']}")

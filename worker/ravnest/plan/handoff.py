@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import re
 import zlib
 from typing import Any
 
@@ -34,7 +33,6 @@ PLAN_LIMIT = 512 << 10
 its table) and every node's."""
 NAME_LIMIT = 256
 """Characters of a layer name the operator takes (they go into the job's status)."""
-NODE_NAME = re.compile(r"node_(0|[1-9][0-9]{0,5})")
 ROLES = ("root", "stem", "leaf", "root-leaf")
 _PLAN = pydantic.TypeAdapter(Plan)
 
@@ -90,17 +88,11 @@ def check(plan: Plan, spec: JobSpec) -> None:
 
 
 def _node_problems(plan: Plan, providers: int) -> list[str]:
-    out, seen = [], set()
+    out: list[str] = []
+    seen: set[int] = set()
     for i, n in enumerate(plan.nodes):
         where = f"plan.nodes[{i}]"
-        if not NODE_NAME.fullmatch(n.name) or n.name != f"node_{n.provider}":
-            out.append(f"{where}.name: {n.name[:40]!r} is not node_<provider>")
-        if not 0 <= n.provider < providers:
-            out.append(f"{where}.provider: {n.provider} is not one of the job's {providers} "
-                       f"providers")
-        if n.provider in seen:
-            out.append(f"{where}.provider: provider {n.provider} has two nodes")
-        seen.add(n.provider)
+        out += _provider_problems(where, n.name, "node", n.provider, providers, seen)
         if n.role not in ROLES:
             out.append(f"{where}.role: {n.role[:20]!r} is not one of {', '.join(ROLES)}")
         if not 0 <= n.start < n.end:
@@ -108,15 +100,23 @@ def _node_problems(plan: Plan, providers: int) -> list[str]:
         if max(len(n.first_layer), len(n.last_layer)) > NAME_LIMIT:
             out.append(f"{where}: a layer name is longer than {NAME_LIMIT} characters")
     for i, sp in enumerate(plan.spares):
-        where = f"plan.spares[{i}]"
-        if sp.name != f"spare_{sp.provider}":
-            out.append(f"{where}.name: {sp.name[:40]!r} is not spare_<provider>")
-        if not 0 <= sp.provider < providers:
-            out.append(f"{where}.provider: {sp.provider} is not one of the job's {providers} "
-                       f"providers")
-        if sp.provider in seen:
-            out.append(f"{where}.provider: provider {sp.provider} is a node or spare already")
-        seen.add(sp.provider)
+        out += _provider_problems(f"plan.spares[{i}]", sp.name, "spare", sp.provider, providers,
+                                  seen)
+    return out
+
+
+def _provider_problems(where: str, name: str, kind: str, provider: int, providers: int,
+                       seen: set[int]) -> list[str]:
+    """A node's or spare's name and provider: `<kind>_<provider>`, one of the job's providers,
+    and no provider twice (`seen`, which it adds to)."""
+    out = []
+    if name != f"{kind}_{provider}":
+        out.append(f"{where}.name: {name[:40]!r} is not {kind}_<provider>")
+    if not 0 <= provider < providers:
+        out.append(f"{where}.provider: {provider} is not one of the job's {providers} providers")
+    if provider in seen:
+        out.append(f"{where}.provider: provider {provider} is a node or spare already")
+    seen.add(provider)
     return out
 
 

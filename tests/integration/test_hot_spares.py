@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 from elastic_job import elastic_job, steps
 from processes import pids_with, worker_pid
 
@@ -37,11 +36,7 @@ def _wait(what: str, ready, run: subprocess.Popen[str], seconds: float = 300) ->
 
 
 def test_a_hot_spare_takes_over_the_stage_of_a_killed_node(tmp_path: Path) -> None:
-    job = elastic_job(tmp_path, EPOCHS, {"everySteps": 0})
-    doc = yaml.safe_load(job.read_text())
-    doc["spec"]["providers"].append({"ram": 1, "bandwidth": 1000})
-    doc["spec"]["plan"]["spares"] = 1
-    job.write_text(yaml.safe_dump(doc))
+    job = elastic_job(tmp_path, EPOCHS, {"everySteps": 0}, spares=1)
     out = tmp_path / "out"
     run = subprocess.Popen([sys.executable, "-m", "ravnest", "run", str(job), "-o", str(out),
                             "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
