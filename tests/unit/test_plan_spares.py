@@ -143,3 +143,26 @@ def test_a_job_ends_without_a_cluster_only_once_the_others_finished(plans):
     assert elastic.ended_without(policy, plan, set(), {0, 1}) == set()  # nobody finished
     assert elastic.ended_without(policy, plan, {0, 1}, set()) == set()  # all finished
     assert elastic.ended_without(RunPolicy(recovery="job"), plan, {0}, {1}) == set()
+
+
+def test_the_spare_search_of_a_large_pool_makes_few_trial_plans(monkeypatch):
+    """`auto` on 400 providers: at most SPARE_WORK // 400 = 5 trial plans besides the first (each
+    such plan searches all 400 providers), and the providers are still each used once."""
+    from test_planning import _pool, _skipnet_profile
+
+    from ravnest.plan import planning
+
+    calls = []
+    form = planning._form
+
+    def counted(costs, pool, used, *rest):
+        calls.append(len(used))
+        return form(costs, pool, used, *rest)
+
+    monkeypatch.setattr(planning, "_form", counted)
+    pool = _pool(400, seed=3, scale=1e-5)
+    plan = planning.make_plan(_skipnet_profile(), pool, Workload(batch_size=8, microbatches=2),
+                              spares="auto")
+    assert calls[0] == 400 and len(calls) - 1 <= planning.SPARE_WORK // 400
+    assert sorted([n.provider for n in plan.nodes] + [s.provider for s in plan.spares]) == \
+        list(range(400))

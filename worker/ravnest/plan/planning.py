@@ -285,6 +285,10 @@ SPARE_CANDIDATES = 4
 then bandwidth)."""
 AUTO_SPARE_ROUNDS = 8
 """The most spares `spares: auto` sets aside."""
+SPARE_WORK = 2000
+"""`spares: auto` makes at most this many trial plans divided by the pool's providers (a plan of
+n providers costs about n), and at least `SPARE_CANDIDATES`: a pool of 6 tries all it may, one of
+1,000 a single round. A count makes its rounds in full (`SPARE_CANDIDATES` trials each)."""
 
 
 def make_plan(profile: Profile, pool: Sequence[ProviderInfo], work: Workload,
@@ -352,13 +356,16 @@ def _set_aside(costs: Costs, pool: Sequence[ProviderInfo], clusters: int | None,
         raise PlanError(f"spec.plan.spares: {want} spare(s) leave none of the {len(pool)} "
                         f"provider(s) to train")
     floor = throughput * (1 - SPARE_TOLERANCE)
+    trials = max(SPARE_CANDIDATES, SPARE_WORK // len(pool))
     aside: list[int] = []
-    while len(aside) < want:
+    while len(aside) < want and (trials > 0 or not auto):
+        tries = min(SPARE_CANDIDATES, trials) if auto else SPARE_CANDIDATES
+        trials -= tries
         used = [i for g in ordered for i in g]
         weakest = sorted(used, key=lambda i: (pool[i].ram_gb, pool[i].compute,
                                               pool[i].bytes_per_second, i))
         best: tuple[float, list[tuple[int, ...]], int] | None = None
-        for c in weakest[:SPARE_CANDIDATES] if len(used) > 1 else ():
+        for c in weakest[:tries] if len(used) > 1 else ():
             try:
                 t, groups = _form(costs, pool, sorted(i for i in used if i != c), clusters,
                                   max_clusters)
