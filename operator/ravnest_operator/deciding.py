@@ -288,15 +288,7 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
         else:
             _succeeded(run, plan, phase, conditions)
         return
-    owner = resources.Owner(run.observed.name, run.observed.namespace, run.observed.uid)
-    for node in plan.nodes:
-        if node.name in obs.nodes and obs.nodes[node.name].phase == "Missing":
-            run.out.do(Create(resources.pod(
-                owner, job, plan, node, run.settings.worker_image, attempt=restarts,
-                final_scrape_seconds=run.settings.final_scrape_seconds,
-                recovery=recoveries[node.cluster], provider_index=runs_on.get(node.name))))
-    run.out.do(*(Create(resources.spare_pod(owner, job, plan, i, run.settings.worker_image))
-                 for i in spares.missing()))
+    _create_missing(run, job, plan, obs, restarts, recoveries, runs_on, spares)
     conditions, rejoining = _rejoined(run, plan, obs, rejoining, conditions)
     _watch(run, plan, obs, phase, conditions, rejoining)
 
@@ -400,6 +392,22 @@ def _rejoined(run: _Pass, plan: Plan, obs: Observation, rejoining: set[int],
     run.out.do(Event("Rejoined", f"cluster(s) {', '.join(map(str, sorted(back)))} running "
                                  f"again, rejoining the others"))
     return conditions, left
+
+
+def _create_missing(run: _Pass, job: Job, plan: Plan, obs: Observation, restarts: int,
+                    recoveries: dict[int, int], runs_on: Mapping[str, int],
+                    spares: _Spares) -> None:
+    """Create the worker pods that are missing (as this attempt's and their cluster's recovery's;
+    placed as the spare that took a node over, if one did) and the spares' pods."""
+    owner = resources.Owner(run.observed.name, run.observed.namespace, run.observed.uid)
+    for node in plan.nodes:
+        if node.name in obs.nodes and obs.nodes[node.name].phase == "Missing":
+            run.out.do(Create(resources.pod(
+                owner, job, plan, node, run.settings.worker_image, attempt=restarts,
+                final_scrape_seconds=run.settings.final_scrape_seconds,
+                recovery=recoveries[node.cluster], provider_index=runs_on.get(node.name))))
+    run.out.do(*(Create(resources.spare_pod(owner, job, plan, i, run.settings.worker_image))
+                 for i in spares.missing()))
 
 
 def _runs_on(status: Mapping[str, Any], job: Job, plan: Plan) -> dict[str, int]:
