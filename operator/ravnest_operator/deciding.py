@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ravnest import storing
-from ravnest.errors import PlanError
+from ravnest.errors import PlanError, SpecError
 from ravnest.plan.handoff import decode
 from ravnest.plan.plans import Plan, SparePlan
 from ravnest.run import elastic
-from ravnest.spec import Job
+from ravnest.spec import Job, parse_job
 
 from . import resources
 from .actions import (
@@ -69,6 +69,8 @@ class Observed:
     """The validated job; None when finished or invalid."""
     problems: tuple[str, ...] = ()
     """What makes the spec invalid."""
+    changed: tuple[str, ...] = ()
+    """The spec's fields (camelCase) that differ from the job as planned (`as_planned`)."""
     plan: Plan | None = None
     """The plan its plan ConfigMap holds; None when that does not exist (yet)."""
     pods: tuple[dict[str, Any], ...] = field(default_factory=tuple)
@@ -140,8 +142,54 @@ def decide(observed: Observed, now: dt.datetime, settings: Settings) -> Decision
     if phase in (None, "Created", "Planning"):
         _planned(run, observed.job, plan)
         return run.out
+    _spec_changed(run, observed.changed)
     _run(run, observed.job, plan, phase)
     return run.out
+
+
+def as_planned(job: Job, planned: Mapping[str, Any] | None) -> tuple[Job, tuple[str, ...]]:
+    """The job as it was planned (the plan ConfigMap's copy), with the spec's runPolicy as it is
+    now (suspend, limits, deadlines take effect when edited), and the other fields of the spec
+    edited since (camelCase, sorted): a running job's pods keep being made from what was planned,
+    so an edit cannot make them disagree with the plan (nor, with fewer providers, name a
+    provider that is gone). Without a copy (a plan of an earlier operator), the job as it is."""
+    if planned is None:
+        return job, ()
+    try:
+        then = parse_job(dict(planned))
+    except SpecError:
+        return job, ()
+    now, before = job.to_dict()["spec"], then.to_dict()["spec"]
+    changed = tuple(sorted(k for k in now.keys() | before.keys()
+                           if k != "runPolicy" and now.get(k) != before.get(k)))
+    spec = then.spec.model_copy(update={"run_policy": job.spec.run_policy})
+    return then.model_copy(update={"spec": spec}), changed
+
+
+SPEC_CHANGED = ("{} changed after the job was planned, and is not applied: the job runs on as "
+                "planned (a running job does not grow or shrink yet; delete it and apply it "
+                "again to plan it anew)")
+"""The SpecChanged condition's message ({}: the fields)."""
+
+
+def _spec_changed(run: _Pass, changed: tuple[str, ...]) -> None:
+    """SpecChanged: True (NotApplied, and a Warning) while fields that the plan was made from
+    differ from the spec as planned; False (AsPlanned) once they are as planned again."""
+    conditions = run.status.get("conditions") or []
+    now = next((c for c in conditions if c.get("type") == "SpecChanged"), None)
+    if changed:
+        text = SPEC_CHANGED.format(", ".join(f"spec.{k}" for k in changed))
+        if now is not None and now.get("status") == "True" and now.get("message") == text:
+            return
+        conditions = set_condition(conditions, "SpecChanged", True, "NotApplied", text, run.at)
+        run.out.do(Event("SpecChanged", text, warning=True))
+    elif now is not None and now.get("status") == "True":
+        conditions = set_condition(conditions, "SpecChanged", False, "AsPlanned",
+                                   "the spec is the one planned again", run.at)
+    else:
+        return
+    run.status["conditions"] = conditions
+    run.out.set({"conditions": conditions})
 
 
 def _planned(run: _Pass, job: Job, plan: Plan) -> None:

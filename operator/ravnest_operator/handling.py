@@ -45,7 +45,7 @@ from .actions import (
     SetStatus,
 )
 from .crds import GROUP, PLURAL, VERSION
-from .deciding import FINISHED, Observed, decide
+from .deciding import FINISHED, Observed, as_planned, decide
 from .settings import Settings
 from .statuses import progress
 
@@ -118,18 +118,24 @@ def _pods(job: str, namespace: str, uid: str) -> list[dict[str, Any]]:
             if _owned(p.metadata, uid)]
 
 
-def _load_plan(job: str, namespace: str, uid: str) -> Plan | None:
+def _load_plan(job: str, namespace: str, uid: str
+               ) -> tuple[Plan | None, dict[str, Any] | None]:
+    """The job's plan and the job as planned (None, None before it is planned; the job None
+    for a plan ConfigMap of an operator that did not keep it)."""
     name = resources.plan_configmap_name(job)
     try:
         cm = _core().read_namespaced_config_map(name, namespace)
     except ApiException as e:
         if e.status == 404:
-            return None
+            return None, None
         raise kopf.TemporaryError(f"reading the plan: {e.status} {e.reason}", delay=5) from e
     if not _owned(cm.metadata, uid):
         raise kopf.TemporaryError(f"ConfigMap {name} is an earlier job's of the same name; "
                                   f"waiting for it to be garbage-collected", delay=5)
-    return Plan.from_dict(json.loads((cm.data or {})["plan.json"]))
+    data = cm.data or {}
+    planned = data.get(resources.PLANNED_JOB)
+    return Plan.from_dict(json.loads(data["plan.json"])), (
+        json.loads(planned) if planned else None)
 
 
 def _delete_job(name: str, namespace: str) -> None:
@@ -173,7 +179,9 @@ def _observe(body: kopf.Body, spec: dict[str, Any], status: dict[str, Any], name
                          "spec": dict(spec)})
     except SpecError as e:
         return replace(seen, problems=tuple(e.problems))
-    return replace(seen, job=job, plan=_load_plan(name, namespace, uid),
+    plan, planned = _load_plan(name, namespace, uid)
+    job, changed = as_planned(job, planned)
+    return replace(seen, job=job, plan=plan, changed=changed,
                    pods=tuple(_pods(name, namespace, uid)))
 
 

@@ -59,6 +59,8 @@ RECOVERY_ANNOTATION = "ravnest.io/recovery"
 PROVIDER_ANNOTATION = "ravnest.io/provider"
 """The provider (index into the expanded spec.providers) whose placement a pod has: a worker pod's
 node's own, or the spare's that took its stage over."""
+PLANNED_JOB = "job.json"
+"""In the plan ConfigMap: the job as it was planned."""
 SPARE_LABEL = "ravnest.io/spare"
 """On a spare pod: the provider it holds."""
 
@@ -203,12 +205,15 @@ def network_policy(owner: Owner, ring: bool = False) -> dict[str, Any]:
     }
 
 
-def plan_configmap(owner: Owner, plan: Plan) -> dict[str, Any]:
+def plan_configmap(owner: Owner, plan: Plan, job: Job) -> dict[str, Any]:
+    """The plan, its table, and the job as planned (`job.json`: what the job's pods are made
+    from, whatever later edits of the spec say; see `deciding.as_planned`)."""
     return {
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": _meta(owner, plan_configmap_name(owner.name), job_labels(owner.name),
                           {"ravnest.io/plan": plan.fingerprint}),
-        "data": {"plan.json": plan.to_json(), "plan.txt": plan.table() + "\n"},
+        "data": {"plan.json": plan.to_json(), "plan.txt": plan.table() + "\n",
+                 PLANNED_JOB: json.dumps(job.to_dict(), sort_keys=True)},
     }
 
 
@@ -510,7 +515,7 @@ def static_objects(owner: Owner, job: Job, plan: Plan, token: str,
     if plan.spares:
         objects.append(spare_configmap(owner, job, plan))
     return [*objects, *(node_configmap(owner, job, plan, n) for n in plan.nodes),
-            plan_configmap(owner, plan)]
+            plan_configmap(owner, plan, job)]
 
 
 def pods(owner: Owner, job: Job, plan: Plan, image: str, attempt: int = 0,

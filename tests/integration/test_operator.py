@@ -354,6 +354,36 @@ def test_a_hot_spare_takes_over_a_killed_workers_stage_on_its_own_machine(cluste
         60, kube, operator)
 
 
+def test_an_edited_spec_is_not_applied_and_the_job_runs_on_as_planned(cluster, tmp_path):
+    """`kubectl apply` of a running job with three of its six providers removed and runPolicy
+    edited: the job says the providers edit is not applied (SpecChanged), the runPolicy edit is
+    (recovery: job), and after a worker of a removed provider is killed its pods are made again
+    from the spec as planned, and the job succeeds."""
+    kube, kubelet, operator = cluster
+    doc = job_doc("edited", epochs=4)
+    assert apply(kube, doc, tmp_path).returncode == 0
+    wait_for("edited running", lambda: phase_of(kube, "edited") == "Running", 120, kube,
+             operator)
+    doc["spec"]["providers"] = doc["spec"]["providers"][:3]
+    doc["spec"]["runPolicy"] = {"recovery": "job"}
+    assert apply(kube, doc, tmp_path).returncode == 0
+
+    def said() -> dict[str, Any] | None:
+        conds = (get(kube, "rj", "edited") or {}).get("status", {}).get("conditions") or []
+        return next((c for c in conds if c["type"] == "SpecChanged"), None)
+    wait_for("SpecChanged", lambda: (said() or {}).get("status") == "True", 60, kube, operator)
+    assert said()["reason"] == "NotApplied" and said()["message"].startswith("spec.providers ")
+    _kill_when(kube, kubelet, operator, "edited", "edited-node-5", 5)
+    wait_for("edited to succeed", lambda: phase_of(kube, "edited") == "Succeeded", 300, kube,
+             operator)
+    status = get(kube, "rj", "edited")["status"]
+    assert status["restarts"] == 1 and status.get("recoveries", 0) == 0  # the edited runPolicy
+    assert kubelet.started.count("edited-node-5") == 2
+    assert get(kube, "pod", "edited-node-5")["metadata"]["annotations"][
+        "ravnest.io/provider"] == "5"
+    assert status["result"]["updates"] > 0
+
+
 def test_backoff_limit_zero_fails_naming_pod_and_exit_code(cluster, tmp_path):
     kube, kubelet, operator = cluster
     doc = job_doc("fragile", epochs=4, runPolicy__backoffLimit=0, runPolicy__recovery="job")

@@ -32,7 +32,7 @@ from ravnest_operator.actions import (
     ScrapeProgress,
     SetStatus,
 )
-from ravnest_operator.deciding import NOT_DURABLE, Observed, decide
+from ravnest_operator.deciding import NOT_DURABLE, Observed, as_planned, decide
 from ravnest_operator.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -975,3 +975,45 @@ def test_spare_pods_are_let_go_when_training_ends_whatever_the_clean_policy(spar
                          runPolicy={"cleanPodPolicy": "None", "recovery": "job"}), NOW, SETTINGS)
     assert d.status["phase"] == "Failed"
     assert DeletePod(f"digits-spare-{spare.provider}") in d.actions
+
+
+# --- a spec edited after planning -----------------------------------------------------------------
+
+def test_a_running_job_keeps_to_its_plan_when_its_spec_is_edited_and_says_so(digits):
+    """kubectl apply of a running job with providers removed: its pods are still made from the
+    spec as planned (no provider index out of range), runPolicy edits apply, and a SpecChanged
+    condition and Warning say what was not applied, until the spec is as planned again."""
+    doc, job, plan = digits
+    spec = copy.deepcopy(doc["spec"])
+    spec["providers"] = spec["providers"][:3]
+    spec["runPolicy"] = {"backoffLimit": 7, "recovery": "job"}
+    got, changed = as_planned(parse_job({**doc, "spec": spec}), job.to_dict())
+    assert changed == ("providers",)
+    assert got.spec.providers == job.spec.providers
+    assert got.spec.run_policy.backoff_limit == 7 and got.spec.run_policy.recovery == "job"
+    assert as_planned(job, None) == (job, ())  # a plan ConfigMap without the job: as it is
+    assert as_planned(job, job.to_dict()) == (job, ())
+
+    pods = _pods(plan, "Running")
+    del pods[5]  # node_5 (provider 5, gone from the edited spec) is lost
+    observed = dataclasses.replace(_observed(digits, _running(), pods), job=got, changed=changed,
+                                   spec=spec)
+    d = decide(observed, NOW, SETTINGS)
+    cond = _conditions(d)["SpecChanged"]
+    assert (cond["status"], cond["reason"]) == ("True", "NotApplied")
+    assert cond["message"].startswith("spec.providers changed after the job was planned, and is "
+                                      "not applied: the job runs on as planned")
+    assert Event("SpecChanged", cond["message"], warning=True) in d.actions
+    assert d.status["phase"] == "Restarting"  # recovery: job, from the edited runPolicy
+
+    status = {**_running(restarts=1, conditions=[*_running()["conditions"], cond]),
+              "phase": "Restarting"}
+    observed = dataclasses.replace(observed, status=status, pods=())
+    d = decide(observed, NOW, SETTINGS)
+    made = {a.manifest["metadata"]["name"] for a in d.actions if isinstance(a, Create)}
+    assert made == {resources.pod_name("digits", n) for n in plan.names()}
+    assert not any(isinstance(a, Event) and a.reason == "SpecChanged" for a in d.actions)
+
+    d = decide(dataclasses.replace(observed, changed=()), NOW, SETTINGS)
+    cond = _conditions(d)["SpecChanged"]
+    assert (cond["status"], cond["reason"]) == ("False", "AsPlanned")
