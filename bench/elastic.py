@@ -125,9 +125,9 @@ def main() -> None:
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "rejoined"}
         name = {"cluster": "cluster (elastic)", "spare": "cluster + hot spare",
                 "job": "job (whole restart)"}[variant]
-        back = "" if variant == "job" else (
-            f"  (rejoined in {sum(r['rejoined'] for r in runs)} of {len(runs)}; the others "
-            "finished first in the rest)")
+        rejoined = sum(r["rejoined"] for r in runs)
+        back = "" if variant == "job" else f"  (rejoined in {rejoined} of {len(runs)}" + (
+            "; the others finished first in the rest)" if rejoined < len(runs) else ")")
         print(f"{name:<24}{med['redone']:>8.0f}{med['skipped']:>9.0f}{med['stalled']:>11.1f}"
               f"{med['wall']:>9.1f}{med['accuracy']:>10.4f}{back}")
 
