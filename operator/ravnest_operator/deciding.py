@@ -20,7 +20,7 @@ from typing import Any
 from ravnest import storing
 from ravnest.errors import PlanError, SpecError
 from ravnest.plan.handoff import decode
-from ravnest.plan.plans import Plan, SparePlan
+from ravnest.plan.plans import Plan, SparePlan, spare_name
 from ravnest.run import elastic
 from ravnest.spec import Job, parse_job
 
@@ -324,7 +324,7 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
         down = [*obs.failed, *lost]
         if not _recover(run, job, plan, obs, down, recoveries, rejoining, conditions, message):
             _failed(run, job, obs, restarts, conditions, message)
-        if run.status.get("phase") != "Failed" and run.out.status.get("phase") != "Failed":
+        if run.out.status.get("phase") != "Failed":  # (a failed job is not decided again)
             spares.take_over(run, plan, [n for n, st in obs.nodes.items()
                                          if any(st is d for d in down)])
         return
@@ -502,7 +502,7 @@ class _Spares:
         """status.spares: each spare's pod phase, by spare name."""
         if not self.providers:
             return {}
-        return {"spares": {resources.spare_name(i): self._phase(i) for i in self.providers}}
+        return {"spares": {spare_name(i): self._phase(i) for i in self.providers}}
 
     def missing(self) -> list[int]:
         return [i for i in self.providers if i not in self.pods]
@@ -521,7 +521,7 @@ class _Spares:
         running spare holds (`elastic.spare_for`) gets that spare's provider: the spare's pod is
         deleted and the node's new pod takes its placement; the lost provider becomes a spare."""
         ram = [p.ram for p in self.job.spec.expanded_providers()]
-        free = [SparePlan(resources.spare_name(i), i, ram[i]) for i in self.providers
+        free = [SparePlan(spare_name(i), i, ram[i]) for i in self.providers
                 if self._phase(i) == "Running"]
         taken: dict[str, int] = {}
         for node in lost:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ravnest.comm.tls import CA_FILE, CERT_FILE, KEY_FILE, TlsMaterial
-from ravnest.plan.plans import NodePlan, Plan
+from ravnest.plan.plans import NodePlan, Plan, spare_name
 from ravnest.run.metadata import (
     FINAL_SCRAPE_ENV,
     GRPC_PORT,
@@ -352,14 +352,19 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
                      hostname=dns_label(node.name), subdomain=service_name(owner.name))
     if job.spec.security.tls:
         _mount_tls(spec, owner, node.name)
-    if provider.node_selector:
-        spec["nodeSelector"] = dict(provider.node_selector)
-    if provider.tolerations:
-        spec["tolerations"] = list(provider.tolerations)
+    _place(spec, provider)
     return merged({"apiVersion": "v1", "kind": "Pod",
                    "metadata": _meta(owner, pod_name(owner.name, node.name),
                                      node_labels(owner.name, node), annotations),
                    "spec": spec}, job.spec.template)
+
+
+def _place(spec: dict[str, Any], provider: Provider) -> None:
+    """Put a pod where its provider is: the provider's nodeSelector and tolerations."""
+    if provider.node_selector:
+        spec["nodeSelector"] = dict(provider.node_selector)
+    if provider.tolerations:
+        spec["tolerations"] = list(provider.tolerations)
 
 
 def spare_configmap_name(job: str) -> str:
@@ -400,21 +405,13 @@ def spare_pod(owner: Owner, job: Job, plan: Plan, provider_index: int,
     }
     spec = _hardened(container, [{"name": "node-metadata",
                                   "configMap": {"name": spare_configmap_name(owner.name)}}])
-    if provider.node_selector:
-        spec["nodeSelector"] = dict(provider.node_selector)
-    if provider.tolerations:
-        spec["tolerations"] = list(provider.tolerations)
+    _place(spec, provider)
     name = pod_name(owner.name, spare_name(provider_index))
     return merged({"apiVersion": "v1", "kind": "Pod",
                    "metadata": _meta(owner, name, spare_labels(owner.name, provider_index),
                                      {"ravnest.io/plan": plan.fingerprint,
                                       PROVIDER_ANNOTATION: str(provider_index)}),
                    "spec": spec}, job.spec.template)
-
-
-def spare_name(provider_index: int) -> str:
-    """A spare's name (`ravnest.plan.plans.SparePlan.name`): its pod is `<job>-spare-<i>`."""
-    return f"spare_{provider_index}"
 
 
 S3_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")

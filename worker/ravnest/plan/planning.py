@@ -36,6 +36,7 @@ from ravnest.plan.plans import (
     RingPlan,
     SparePlan,
     fingerprint,
+    spare_name,
 )
 
 
@@ -320,7 +321,7 @@ def make_plan(profile: Profile, pool: Sequence[ProviderInfo], work: Workload,
         throughput, ordered, aside = _set_aside(costs, pool, clusters, max_clusters, spares,
                                                 throughput, ordered)
     plan = _build(profile, costs, pool, ordered, throughput, identity or {},
-                  tuple(SparePlan(f"spare_{i}", i, pool[i].ram_gb) for i in sorted(aside)))
+                  tuple(SparePlan(spare_name(i), i, pool[i].ram_gb) for i in sorted(aside)))
     return plan
 
 

@@ -78,6 +78,11 @@ class RingPlan:
         return self.members[(self.members.index(name) + 1) % len(self.members)]
 
 
+def spare_name(provider: int) -> str:
+    """A spare's name, `spare_<provider>` (on Kubernetes its pod is `<job>-spare-<provider>`)."""
+    return f"spare_{provider}"
+
+
 @dataclass(frozen=True)
 class SparePlan:
     """A provider the planner set aside (spec.plan.spares): it runs no stage, and takes over the

@@ -62,7 +62,7 @@ from typing import Any
 from ravnest.comm.tls import identity, issue, make_authority
 from ravnest.errors import RavnestError, SpecError, WorkerFailed
 from ravnest.plan import building
-from ravnest.plan.plans import Plan, SparePlan
+from ravnest.plan.plans import Plan, SparePlan, spare_name
 from ravnest.run import elastic, finishing
 from ravnest.run.metadata import (
     REJOIN_ENV,
@@ -294,7 +294,7 @@ class LocalRun:
         self.procs.append(_Proc(node, proc.popen, proc.log, meta.metrics_port))
         lost = self._runs_on(node)
         self.spares.remove(spare)
-        self.spares.append(SparePlan(f"spare_{lost}", lost, self._ram[lost]))
+        self.spares.append(SparePlan(spare_name(lost), lost, self._ram[lost]))
         self.takeovers.append({"node": node, "cluster": cluster, "spare": spare.name,
                                "provider": spare.provider, "lost": lost,
                                "at": round(time.time(), 3)})
