@@ -223,9 +223,7 @@ class LocalRun:
             m.save(self.out / "nodes" / f"{m.node}.json")
         self._ram = {**{n.provider: n.ram_gb for n in plan.nodes},
                      **{sp.provider: sp.ram_gb for sp in plan.spares}}
-        self.spares = list(plan.spares)
-        for sp in self.spares:
-            replace(metas[0], node=sp.name).save(self.out / "nodes" / f"{sp.name}.json")
+        self.spares = list(plan.spares)  # their metadata files: `_start_spare`
         (self.out / "plan.txt").write_text(plan.table() + "\n")
         return metas
 
@@ -256,11 +254,10 @@ class LocalRun:
     def _start_spare(self, spare: SparePlan) -> None:
         """Start a hot spare: a worker that builds the job's model and waits on its stdin for the
         node metadata of the stage it is to take over (`ravnest.run.worker.hold_as_spare`)."""
-        path = self.out / "nodes" / f"{spare.name}.json"
-        if not path.exists():
-            assert self.plan is not None
-            other = NodeMetadata.load(self.out / "nodes" / f"{self.plan.nodes[0].name}.json")
-            replace(other, node=spare.name).save(path)
+        assert self.plan is not None
+        path = self.out / "nodes" / f"{spare.name}.json"  # written each time: this run's plan
+        other = NodeMetadata.load(self.out / "nodes" / f"{self.plan.nodes[0].name}.json")
+        replace(other, node=spare.name).save(path)
         logfile = self.out / "logs" / f"{spare.name}.log"
         with open(logfile, "ab") as fh:
             popen = subprocess.Popen(
@@ -270,11 +267,12 @@ class LocalRun:
                 start_new_session=True, umask=PRIVATE_UMASK)
         self.spare_procs[spare.name] = _Proc(spare.name, popen, logfile, 0)
 
-    def _take_over(self, node: str, cluster: int) -> str | None:
-        """Hand the stage of the lost `node` to a hot spare that holds it, if one is free: the
+    def _take_over(self, meta: NodeMetadata, cluster: int) -> str | None:
+        """Hand the lost node's stage (`meta`) to a hot spare that holds it, if one is free: the
         spare's process becomes that node's worker (it rejoins with its cluster), and the lost
         provider becomes a spare, started again. The spare's name, or None."""
         assert self.plan is not None
+        node = meta.node
         spare = elastic.spare_for(self.plan, node, [sp for sp in self.spares
                                                     if sp.name in self.spare_procs])
         if spare is None:
@@ -290,7 +288,6 @@ class LocalRun:
             self.stop([proc], grace=0)
             self.spares.remove(spare)
             return None
-        meta = NodeMetadata.load(self.out / "nodes" / f"{node}.json")
         self.procs.append(_Proc(node, proc.popen, proc.log, meta.metrics_port))
         lost = self._runs_on(node)
         self.spares.remove(spare)
@@ -438,7 +435,7 @@ class LocalRun:
         self.procs = [p for p in self.procs if p.node not in mine]
         self.recoveries.append({"cluster": cluster, "node": dead.node,
                                 "exitCode": dead.popen.returncode, "at": round(time.time(), 3)})
-        spare = self._take_over(dead.node, cluster)
+        spare = self._take_over(next(m for m in metas if m.node == dead.node), cluster)
         taken = (f"; spare {spare} took over the stage of {dead.node}" if spare else "")
         message = (f"{failure}; cluster {cluster} restarted alone (recovery "
                    f"{len(self.recoveries)}/{policy.recovery_limit}){taken}: it takes its state "
