@@ -123,6 +123,9 @@ def test_a_killed_node_costs_only_its_cluster_which_rejoins_live(tmp_path, undis
     logs = {n.stem: n.read_text() for n in (out / "logs").glob("*.log")}
     for n in got["survivors"]:
         assert "resumed from checkpoint" not in logs[n] and "rejoined" not in logs[n]
+        # no round waited out its timeout: the loss was seen by the watches, and the first
+        # round after the rejoin did not send to the lost process's connection
+        assert "within 30s" not in logs[n], logs[n][-3000:]
 
     # the lost cluster took its state from the others and rejoined at one round
     joins = {n: re.search(r"rejoined after round (\d+) at update (\d+): (\d+) bytes of state "

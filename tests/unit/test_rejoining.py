@@ -15,6 +15,7 @@ from ravnest.train.metrics import Identity, WorkerMetrics
 from ravnest.train.optimizing import Optimization
 from ravnest.train.rejoining import (
     RingMembership,
+    RoundClock,
     join_round,
     pack_state,
     resume_position,
@@ -42,6 +43,18 @@ def test_the_join_round_is_the_margin_ahead_and_the_final_one_past_the_end():
     assert join_round(10, 60.0, last=100, margin=5.0) == 12  # at least two rounds ahead
     assert join_round(10, 0.0, last=None, margin=1.0) == 1010  # unknown pace: 1 ms a round
     assert join_round(95, 0.5, last=100, margin=5.0) is None  # past the last round: final
+
+
+def test_a_round_stalled_by_a_loss_does_not_bring_the_join_round_nearer():
+    clock = RoundClock()
+    assert clock.seconds is None
+    for r in range(1, 11):  # rounds of 1/8 s
+        clock.done(r, r / 8)
+    clock.done(11, 10 / 8 + 30.0)  # the round that waited for a lost member
+    clock.done(12, 11 / 8 + 30.0)
+    assert clock.seconds == 1 / 8
+    # the join round stays 5 s of its real rounds ahead, not 5 s of the stalled one
+    assert join_round(clock.last, clock.seconds, last=None, margin=5.0) == 12 + 40
 
 
 def test_a_resumed_root_starts_where_the_drive_loop_would_have_counted_those_updates():

@@ -177,6 +177,12 @@ class Wiring:
             if _rejoining(self.peers[name]):
                 log.warning("ring member %s was restarted: it comes back in when it rejoins",
                             name)
+                # the link to it still holds the connection to the process that was lost: the
+                # first piece sent after the rejoin would go there and the round would wait a
+                # whole reduceTimeoutSeconds for it. No round uses the link while it is out.
+                link = self.ring_links.get(name)
+                if link is not None:
+                    link.abort()
                 return
             # the round under way was formed without it, and it may be waiting for this node
             # in a round formed with it: both are given up, and the next rounds take it in

@@ -31,9 +31,10 @@ from __future__ import annotations
 import json
 import math
 import threading
+from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
@@ -82,17 +83,22 @@ class RingMembership:
 
 @dataclass
 class RoundClock:
-    """A node's last ring round (by updates) and the seconds between its rounds (a moving
-    average), which a restarted root asks to pick its join round."""
+    """A node's last ring round (by updates) and the seconds a round takes there, which a
+    restarted root asks to pick its join round: the fastest of the last `WINDOW` rounds, so that
+    a round stalled by the loss itself does not make the join round too near."""
 
+    WINDOW: ClassVar[int] = 16
     last: int = 0
     at: float | None = None
-    seconds: float | None = None
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RoundClock.WINDOW))
+
+    @property
+    def seconds(self) -> float | None:
+        return min(self.recent) if self.recent else None
 
     def done(self, round_: int, now: float) -> None:
         if self.at is not None:
-            took = (now - self.at) / max(1, round_ - self.last)
-            self.seconds = took if self.seconds is None else 0.7 * self.seconds + 0.3 * took
+            self.recent.append((now - self.at) / max(1, round_ - self.last))
         self.last, self.at = round_, now
 
 
