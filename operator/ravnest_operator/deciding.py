@@ -325,8 +325,8 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
         if not _recover(run, job, plan, obs, down, recoveries, rejoining, conditions, message):
             _failed(run, job, obs, restarts, conditions, message)
         if run.out.status.get("phase") != "Failed":  # (a failed job is not decided again)
-            spares.take_over(run, plan, [n for n, st in obs.nodes.items()
-                                         if any(st is d for d in down)])
+            pods = {s.pod for s in down}
+            spares.take_over(run, plan, [n for n, st in obs.nodes.items() if st.pod in pods])
         return
     run.out.do(*(DeletePod(name) for name in spares.unwanted()))
     if obs.all_succeeded:

@@ -151,3 +151,97 @@ def test_a_killed_node_costs_only_its_cluster_which_rejoins_live(tmp_path, undis
           f", {moved} bytes of state moved; survivors' steps during it "
           f"{ {n: (v[0], v[-1]) for n, v in rises.items()} }; accuracy {accuracy:.4f} "
           f"(undisturbed {reference:.4f}); partial rounds {summary['rounds_partial']}")
+
+
+def _drain(out: Path, *providers: int) -> subprocess.CompletedProcess[str]:
+    flags = [a for p in providers for a in ("--provider", str(p))]
+    return subprocess.run([sys.executable, "-m", "ravnest", "drain", "digits", "-o", str(out),
+                           *flags], capture_output=True, text=True, timeout=60)
+
+
+def test_a_drained_cluster_leaves_at_a_round_boundary_and_the_others_train_on(tmp_path,
+                                                                              undisturbed):
+    """`ravnest drain` (issue 20, shrink): the providers' cluster leaves at a round the others
+    agree on; they never stop, no round of theirs waits for it or is given up, and the job ends
+    with their model; bad orders are refused and order nothing."""
+    out = tmp_path / "out"
+    job = elastic_job(tmp_path, EPOCHS, {"everySteps": 0})
+    run = subprocess.Popen([sys.executable, "-m", "ravnest", "run", str(job), "-o", str(out),
+                            "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "plan.txt").exists():
+            assert run.poll() is None and time.monotonic() < deadline, "no plan"
+            time.sleep(0.1)
+        plan = json.loads((out / "nodes" / "node_0.json").read_text())["plan"]
+        nodes = plan["nodes"]
+        ports = {n["name"]: json.loads((out / "nodes" / f"{n['name']}.json").read_text())[
+            "metricsPort"] for n in nodes}
+        leaving = {n["name"] for n in nodes if n["cluster"] == 2}
+        survivors = {n: p for n, p in ports.items() if n not in leaving}
+        deadline = time.monotonic() + 300
+        while not ((s := steps(ports)) and len(s) == len(ports) and min(s.values()) >= 60):
+            assert run.poll() is None and time.monotonic() < deadline, "step 60 not reached"
+            time.sleep(0.1)
+
+        refused = _drain(out, 99)
+        assert refused.returncode == 1 and "provider 99 runs no stage of this job" in \
+            refused.stderr, refused.stderr
+        refused = _drain(out, *{n["provider"] for n in nodes})
+        assert refused.returncode == 1 and "would leave no cluster to train" in refused.stderr
+        assert not list((out / "drain").iterdir())  # nothing was ordered
+
+        provider = next(n["provider"] for n in nodes if n["cluster"] == 2 and n["role"] != "root")
+        ordered = _drain(out, provider)
+        assert ordered.returncode == 0 and "cluster(s) 2 drain" in ordered.stdout, ordered
+        samples = [steps(survivors)]
+        while not (out / "drain" / "cluster_2.done").exists():
+            assert run.poll() is None, "the run ended before the cluster drained"
+            samples.append(steps(survivors))
+            time.sleep(0.25)
+        for _ in range(40):  # and on, after it left
+            samples.append(steps(survivors))
+            time.sleep(0.25)
+        _, err = run.communicate(timeout=900)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert run.returncode == 0, err[-3000:]
+
+    status = json.loads((out / "status.json").read_text())
+    assert status["phase"] == "Succeeded" and status["restarts"] == 0
+    assert status["recoveries"] == 0 and status["clusters"] == "2/3"
+    (drained,) = status["drained"]
+    leave = drained["round"]
+    assert drained["cluster"] == 2 and drained["updates"] == 2 * leave  # (reduceFactor 2)
+    for n in survivors:
+        seen = [s[n] for s in samples if n in s]
+        assert seen == sorted(seen) and seen[-1] >= seen[0] + 20, (n, seen)
+
+    logs = {n.stem: n.read_text() for n in (out / "logs").glob("*.log")}
+    for n in leaving:
+        assert f"{n} drained after round {leave} at update {2 * leave}" in logs[n], logs[n][-2000:]
+    for n in survivors:
+        assert "within 30s" not in logs[n] and "skipped" not in logs[n], logs[n][-3000:]
+        assert all(f"{m} was lost" not in logs[n] for m in leaving), logs[n][-3000:]
+    # every member of a leaving node's rings was told the round after which it goes without it
+    for ring in plan["rings"]:
+        for m in set(ring["members"]) & leaving:
+            for n in set(ring["members"]) - leaving:
+                assert f"{m} leaves ring {ring['id']} after round {leave}\n" in logs[n], \
+                    logs[n][-3000:]
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["clusters"] == 2 and summary["updates"] == TOTAL
+    assert summary["rounds_skipped"] == 0
+    assert not [n for n in leaving if (out / "stages" / f"{n}.pt").exists()]
+    copies = [fuse_stage_files(out / "stages", c) for c in (0, 1)]
+    for k, v in copies[0].items():
+        torch.testing.assert_close(copies[1][k].float(), v.float(), rtol=0, atol=1e-6, msg=k)
+    accuracy, reference = summary["fused_val_metric"], undisturbed["fused_val_metric"]
+    assert abs(accuracy - reference) <= 0.01, (accuracy, reference)
+    print(f"\ncluster 2 drained after round {leave} (update {2 * leave} of {TOTAL}); accuracy "
+          f"{accuracy:.4f} (undisturbed {reference:.4f}); partial rounds "
+          f"{summary['rounds_partial']}")

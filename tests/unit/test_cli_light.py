@@ -94,6 +94,9 @@ def test_the_public_api_still_resolves_every_name_on_use() -> None:
      ["spares: spare_3", "node_3 runs on provider 4 (spare_4 took it over from provider 3)"]),
     ({"phase": "Running", "spares": {"spare_3": "Pending"}, "takeovers": {"node_3": 4}},
      ["spares: spare_3 (Pending)", "node_3 runs on provider 4 (a spare took it over)"]),
+    ({"phase": "Running", "clusters": "2/3",
+      "drained": [{"cluster": 2, "round": 40, "updates": 80, "samples": 2560}]},
+     ["clusters: 2/3 (training/planned)", "cluster 2 drained after round 40 (update 80)"]),
 ])
 def test_status_shows_the_spares_and_the_stages_they_took_over(tmp_path: Path, capsys, status,
                                                                says) -> None:
@@ -103,3 +106,12 @@ def test_status_shows_the_spares_and_the_stages_they_took_over(tmp_path: Path, c
     assert main(["status", "digits", "-o", str(tmp_path)]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert [line.strip() for line in printed[1:]] == says
+
+
+def test_drain_without_a_run_is_refused_and_orders_nothing(tmp_path: Path, capsys) -> None:
+    from ravnest.cli import main
+
+    (tmp_path / "nodes").mkdir()
+    assert main(["drain", "digits", "-o", str(tmp_path), "--provider", "1"]) == 1
+    assert f"no run is going on in {tmp_path}" in capsys.readouterr().err
+    assert not (tmp_path / "drain").exists()

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from ravnest import parse_job, plan_job
-from ravnest.errors import PlanError, SpecError
+from ravnest.errors import PlanError, RavnestError, SpecError
 from ravnest.plan.costs import Workload
 from ravnest.plan.handoff import decode, encode
 from ravnest.plan.planning import SPARE_TOLERANCE, estimate
@@ -143,6 +143,20 @@ def test_a_job_ends_without_a_cluster_only_once_the_others_finished(plans):
     assert elastic.ended_without(policy, plan, set(), {0, 1}) == set()  # nobody finished
     assert elastic.ended_without(policy, plan, {0, 1}, set()) == set()  # all finished
     assert elastic.ended_without(RunPolicy(recovery="job"), plan, {0}, {1}) == set()
+
+
+def test_removed_providers_drain_their_clusters_and_one_cluster_at_least_stays(plans):
+    _, plan, _ = plans[0]
+    runs_on = {n.name: n.provider for n in plan.nodes}
+    of = {c.id: [runs_on[n] for n in c.nodes] for c in plan.clusters}
+    assert elastic.drain_for(plan, [of[1][-1]], runs_on, set()) == {1}
+    assert elastic.drain_for(plan, [of[1][0]], runs_on, {1}) == set()  # already draining
+    # a spare that took over a stage of cluster 0: removing it drains cluster 0
+    assert elastic.drain_for(plan, [9], {**runs_on, plan.clusters[0].nodes[0]: 9}, set()) == {0}
+    with pytest.raises(RavnestError, match="provider 9 runs no stage of this job"):
+        elastic.drain_for(plan, [of[0][0], 9], runs_on, set())
+    with pytest.raises(RavnestError, match="would leave no cluster to train"):
+        elastic.drain_for(plan, [of[0][0]], runs_on, {1})
 
 
 def test_the_spare_search_of_a_large_pool_makes_few_trial_plans(monkeypatch):

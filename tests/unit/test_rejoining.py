@@ -36,6 +36,10 @@ def test_a_lost_member_stays_out_until_it_rejoins_or_is_back_from_a_cut():
     assert m.absent(9) == set()
     m.lost("b")  # lost again after it rejoined
     assert m.absent(9) == {"b"}
+    m.leave("c", 12)  # drains: out for good from round 12
+    assert m.absent(11) == {"b"} and m.absent(12) == {"b", "c"} and m.leaving() == {"c"}
+    m.back("c")  # its exit, seen by a watch, does not bring it back
+    assert m.absent(10**12) == {"b", "c"}
 
 
 def test_the_join_round_is_the_margin_ahead_and_the_final_one_past_the_end():

@@ -140,6 +140,20 @@ def _spare_lines(status: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _drain_lines(status: dict[str, Any]) -> list[str]:
+    """Clusters training / planned (as `kubectl get rj` shows them), and those that drained (a
+    local run's status.json)."""
+    lines = []
+    clusters = status.get("clusters")
+    if isinstance(clusters, str) and clusters:
+        lines.append(f"clusters: {clusters} (training/planned)")
+    for d in status.get("drained") or []:
+        if isinstance(d, dict):
+            lines.append(f"cluster {d.get('cluster')} drained after round {d.get('round')} "
+                         f"(update {d.get('updates')})")
+    return lines
+
+
 def _status(args: argparse.Namespace) -> int:
     from ravnest.run.progress import render
 
@@ -160,12 +174,34 @@ def _status(args: argparse.Namespace) -> int:
               + (f" exit {node['exitCode']}" if "exitCode" in node else ""))
     for line in _spare_lines(status):
         print(f"  {line}")
+    for line in _drain_lines(status):
+        print(f"  {line}")
     for cond in status.get("conditions") or []:
         if cond.get("status") == "True" and cond.get("message"):
             print(f"  {cond['type']}: {cond['message']}")
     for key, where in (status.get("outputs") or {}).items():
         print(f"  {'outputs' if key == 'uri' else key}: {where}")
     return 1 if status.get("phase") == "Failed" else 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    from ravnest.run.draining import order_drain
+    from ravnest.run.local import refuse_if_locked
+
+    out = Path(args.output or Path("runs") / args.job)
+    try:
+        refuse_if_locked(out)
+        running = False
+    except RavnestError:
+        running = True  # a runner holds the folder
+    clusters = order_drain(out, args.provider, running)
+    if not clusters:
+        print(f"{out}: the cluster(s) of provider(s) {', '.join(map(str, args.provider))} "
+              f"already drain")
+        return 0
+    print(f"{out}: cluster(s) {', '.join(map(str, clusters))} drain at a round boundary; the "
+          f"others train on (`ravnest status {args.job}` shows it)")
+    return 0
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -254,6 +290,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("-w", "--watch", action="store_true", help="follow until it finishes")
     s.add_argument("--interval", type=float, default=2.0, help="seconds between updates")
     s.set_defaults(func=_status)
+    d = sub.add_parser("drain", help="remove providers from a running local job: their "
+                                     "clusters leave at a round boundary, the others train on")
+    d.add_argument("job", help="job name")
+    d.add_argument("-o", "--output", help="local run folder (default runs/<job>)")
+    d.add_argument("--provider", type=int, action="append", required=True,
+                   help="index of a provider to remove (spec.providers; repeat for several)")
+    d.set_defaults(func=_drain)
     w = sub.add_parser("worker", help="run one worker from its node metadata")
     w.add_argument("--metadata", required=True, help="node metadata JSON file")
     w.add_argument("--token-file", help=f"file with the job token (default: ${TOKEN_ENV})")

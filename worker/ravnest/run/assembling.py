@@ -123,7 +123,10 @@ class Wiring:
             members = {m for r in plan.rings_of(node) for m in r.members} - set(
                 plan.neighbours(node)) - {node}
         members_by = 0.0
+        gone = self.membership.leaving()  # drained before this worker started
         for name, peer in sorted(self.peers.items(), key=lambda x: x[0] in members):
+            if name in gone:
+                continue
             wait = timeout
             if name in members:
                 members_by = members_by or time.monotonic() + min(timeout, REJOIN_READY_SECONDS)
@@ -162,7 +165,9 @@ class Wiring:
         answers again. Back from a network cut, the round under way is given up and the rounds
         after take it in again; restarted (`REJOIN_SERVICE`), it stays out until it rejoins."""
         rings = [r for r in plan.rings_of(node) if len(r.members) > 1]
-        members = {m: self.peers[m] for r in rings for m in r.members if m != node}
+        gone = self.membership.leaving()
+        members = {m: self.peers[m] for r in rings for m in r.members
+                   if m != node and m not in gone}
 
         def interrupt(name: str, why: str) -> None:
             for r in rings:
@@ -170,6 +175,9 @@ class Wiring:
                     self.inbox.interrupt_ring(r.id, why)
 
         def lost(name: str, reason: str) -> None:
+            if name in self.membership.leaving():
+                log.info("ring member %s drained and ended", name)
+                return  # the rounds go without it already: none waits for it
             self.membership.lost(name)
             interrupt(name, f"{name} was lost: {reason}")
 

@@ -1,7 +1,8 @@
 """The rules of elastic training that both supervisors follow, the local runner (`run.local`) and
 the operator (`ravnest_operator.deciding`), as pure functions of the plan, the policy and what the
-supervisor saw: whether a loss costs only its cluster, when a job ends without a cluster, and
-which hot spare takes over a lost provider's stage.
+supervisor saw: whether a loss costs only its cluster, when a job ends without a cluster,
+which hot spare takes over a lost provider's stage, and which clusters drain when providers are
+removed from a running job.
 
 Each supervisor observes its own way (processes' exit codes; pods' phases) and acts its own way
 (restarting processes; deleting and creating pods); what it decides is decided here, once.
@@ -9,8 +10,9 @@ Each supervisor observes its own way (processes' exit codes; pods' phases) and a
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
+from ravnest.errors import RavnestError
 from ravnest.plan.plans import GB, Plan, SparePlan
 from ravnest.spec import RunPolicy
 
@@ -49,3 +51,27 @@ def spare_for(plan: Plan, node: str, free: Iterable[SparePlan]) -> SparePlan | N
     need = plan.node(node).memory_bytes
     fits = [s for s in free if s.ram_gb * GB >= need]
     return min(fits, key=lambda s: (s.ram_gb, s.provider), default=None)
+
+
+def drain_for(plan: Plan, providers: Collection[int], runs_on: Mapping[str, int],
+              drained: Collection[int]) -> set[int]:
+    """The clusters to drain so that `providers` leave a running job: the cluster of each one's
+    stage (`runs_on`: node -> the provider that runs it now, a spare's after a takeover). Raises
+    RavnestError, naming the provider, for one that runs no stage (a spare, or not the job's),
+    and when no cluster would be left to train."""
+    problems, clusters = [], set()
+    for p in providers:
+        nodes = [n for n, q in runs_on.items() if q == p]
+        if not nodes:
+            known = sorted(set(runs_on.values()))
+            problems.append(f"provider {p} runs no stage of this job (those that do: "
+                            f"{', '.join(map(str, known))}); a spare or another job's provider "
+                            f"has nothing to drain")
+        clusters |= {plan.node(n).cluster for n in nodes}
+    if problems:
+        raise RavnestError("; ".join(problems))
+    left = {c.id for c in plan.clusters} - set(drained) - clusters
+    if not left:
+        raise RavnestError(f"draining cluster(s) {', '.join(map(str, sorted(clusters)))} would "
+                           f"leave no cluster to train: stop the job instead")
+    return clusters - set(drained)

@@ -49,6 +49,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -63,8 +64,10 @@ from ravnest.comm.tls import identity, issue, make_authority
 from ravnest.errors import RavnestError, SpecError, WorkerFailed
 from ravnest.plan import building
 from ravnest.plan.plans import Plan, SparePlan, spare_name
-from ravnest.run import elastic, finishing
+from ravnest.run import draining, elastic, finishing
 from ravnest.run.metadata import (
+    DRAIN_DIR_ENV,
+    GONE_ENV,
     REJOIN_ENV,
     RUNNER_PID_ENV,
     TOKEN_ENV,
@@ -183,6 +186,8 @@ class LocalRun:
         """Stages a spare took over: node, spare, its provider, the provider lost, when."""
         self._ram: dict[int, float] = {}
         """Each provider's RAM in GB, by provider index (as planned)."""
+        self.drained: dict[int, dict[str, Any]] = {}
+        """The clusters that drained (`ravnest drain`): what each one's root said when it did."""
         self._env: dict[str, str] = {}
 
     def prepare(self) -> list[NodeMetadata]:
@@ -219,6 +224,8 @@ class LocalRun:
                  for n in names]
         (self.out / "nodes").mkdir(parents=True, exist_ok=True)
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.out / draining.DRAIN_DIR, ignore_errors=True)  # a past run's
+        (self.out / draining.DRAIN_DIR).mkdir()
         for m in metas:
             m.save(self.out / "nodes" / f"{m.node}.json")
         self._ram = {**{n.provider: n.ram_gb for n in plan.nodes},
@@ -232,9 +239,13 @@ class LocalRun:
         alone, which rejoin the others)."""
         if not rejoin:
             self._token = secrets.token_hex(16)
+        assert self.plan is not None
+        gone = [n.name for c in self.drained for n in self.plan.cluster_nodes(c)]
         self._env = {**os.environ, TOKEN_ENV: self._token,
                      "OMP_NUM_THREADS": str(self.worker_threads),
-                     TORCH_THREADS_ENV: str(self.worker_threads), RUNNER_PID_ENV: str(os.getpid())}
+                     TORCH_THREADS_ENV: str(self.worker_threads), RUNNER_PID_ENV: str(os.getpid()),
+                     DRAIN_DIR_ENV: str((self.out / draining.DRAIN_DIR).resolve()),
+                     GONE_ENV: ",".join(gone)}
         env = {**self._env, **({REJOIN_ENV: "1"} if rejoin else {})}
         if not rejoin:
             self.stop(list(self.spare_procs.values()), grace=0)
@@ -334,6 +345,8 @@ class LocalRun:
         try:
             while True:
                 self._drop_dead_spares()
+                self._note_drained()
+                roots = {c: p for c, p in roots.items() if c not in self.drained}
                 codes = {p.node: p.popen.poll() for p in self.procs}
                 failed = [p for p in self.procs if codes[p.node] not in (None, 0)]
                 if failed:
@@ -352,6 +365,21 @@ class LocalRun:
                 time.sleep(0.5)
         finally:
             bar.close()
+
+    def _note_drained(self) -> None:
+        """A cluster whose workers all exited 0 after its root acknowledged a drain order
+        drained: the job goes on, and ends, without it."""
+        assert self.plan is not None
+        for c in self.plan.clusters:
+            procs = [p for p in self.procs if p.node in c.nodes]
+            if c.id in self.drained or not procs or any(p.popen.poll() != 0 for p in procs):
+                continue
+            said = draining.acknowledged(self.out, c.id)
+            if said is not None:
+                self.drained[c.id] = {"cluster": c.id, **said}
+                log.warning("cluster %d drained after round %s (update %s): the job goes on "
+                            "without it", c.id, said.get("round"), said.get("updates"))
+                self.write_status("Running", {})
 
     def _drop_dead_spares(self) -> None:
         """A spare whose process ended is no spare: logged, and left out from then on."""
@@ -382,6 +410,7 @@ class LocalRun:
             self.stop()
             self.procs = []
             self.restarts += 1
+            metas = self._not_drained(metas)
             step = checkpointing.latest(self.checkpoint_dir(), [m.node for m in metas])
             where = f"checkpoint at step {step}" if step is not None else "the start"
             message = f"{failure}; restart {self.restarts}/{limit} resumes from {where}"
@@ -391,6 +420,13 @@ class LocalRun:
             self.write_status("Restarting", {})
             self.start(metas)
 
+    def _not_drained(self, metas: list[NodeMetadata]) -> list[NodeMetadata]:
+        """The metadata of the nodes of the clusters that did not drain (a whole restart leaves
+        the drained ones out, and tells the others they are gone: `GONE_ENV`)."""
+        assert self.plan is not None
+        plan = self.plan
+        return [m for m in metas if plan.node(m.node).cluster not in self.drained]
+
     def _abandon(self, dead: _Proc) -> bool:
         """End the run without the cluster of `dead` (`recovery: cluster`) if every other cluster
         has finished training (exited 0) and that one, restarted alone before, could not rejoin
@@ -399,7 +435,7 @@ class LocalRun:
         assert self.plan is not None
         plan = self.plan
         cluster = plan.node(dead.node).cluster
-        finished = {c.id for c in plan.clusters if all(
+        finished = {c.id for c in plan.clusters if c.id not in self.drained and all(
             p.popen.poll() == 0 for p in self.procs if p.node in c.nodes)}
         if not elastic.ended_without(self.job.spec.run_policy, plan, finished, {cluster}):
             return False
@@ -468,6 +504,9 @@ class LocalRun:
                 **({"recovered": self.recoveries} if self.recoveries else {}),
                 **({"spares": [sp.name for sp in self.spares]} if self.spares else {}),
                 **({"takeovers": self.takeovers} if self.takeovers else {}),
+                **({"drained": list(self.drained.values())} if self.drained else {}),
+                **({"clusters": f"{len(self.plan.clusters) - len(self.drained)}/"
+                                f"{len(self.plan.clusters)}"} if self.plan else {}),
                 **({"conditions": self.conditions} if self.conditions else {}), **extra}
         tmp = self.out / ".status.json.tmp"
         tmp.write_text(json.dumps(body))
@@ -526,7 +565,7 @@ class LocalRun:
         where = finishing.output_location(self.job.spec, self.out.resolve())
         summary = finishing.finish(self.job, self.plan, where, seconds, self.resumed_from,
                                    [c.id for c in self.plan.clusters
-                                    if c.id not in self.abandoned])
+                                    if c.id not in self.abandoned and c.id not in self.drained])
         self.outputs = finishing.outputs(where, summary)
         return summary
 

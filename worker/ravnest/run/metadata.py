@@ -42,7 +42,12 @@ REJOIN_ENV = "RAVNEST_REJOIN"
 """Set to 1 by the supervisor (the local runner, the operator) in the workers of a cluster it
 restarted alone: they take their state from the other clusters and rejoin at a round boundary
 (train/rejoining.py) instead of resuming from a checkpoint."""
-
+DRAIN_DIR_ENV = "RAVNEST_DRAIN_DIR"
+"""The folder where a worker's root finds `cluster_<c>`, a drain order for its cluster (non-empty:
+drain), and leaves `cluster_<c>.done` once it drained."""
+GONE_ENV = "RAVNEST_GONE"
+"""Comma-separated nodes of clusters that drained before this worker started (a whole restart
+after a drain): its rounds go without them from the first on, and it does not wait for them."""
 
 def endpoint(host: str, port: int) -> str:
     """`host:port`, as node metadata writes every address."""

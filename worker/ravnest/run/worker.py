@@ -32,7 +32,9 @@ from ravnest.plan.plans import Plan, fingerprint
 from ravnest.run import finishing
 from ravnest.run.assembling import assemble, connect, cut_stage, save_stage
 from ravnest.run.metadata import (
+    DRAIN_DIR_ENV,
     FINAL_SCRAPE_ENV,
+    GONE_ENV,
     REJOIN_ENV,
     RUNNER_PID_ENV,
     TERMINATION_LOG_ENV,
@@ -200,6 +202,12 @@ class Worker:
         """The checkpoint step training resumed from (0: the start)."""
         self.rejoin = os.environ.get(REJOIN_ENV) == "1" and len(plan.clusters) > 1
         """Whether this worker's cluster was restarted alone and rejoins the others."""
+        for gone in filter(None, os.environ.get(GONE_ENV, "").split(",")):
+            self.wiring.membership.leave(gone, 0)
+        self.drain_dir = os.environ.get(DRAIN_DIR_ENV, "")
+        if me.is_root and self.drain_dir:
+            order = Path(self.drain_dir) / f"cluster_{me.cluster}"
+            self.runtime.drain_asked = lambda: _drain_ordered(order)
 
     @property
     def server(self) -> Server:
@@ -246,7 +254,10 @@ class Worker:
                 self.wiring.abort(self.meta.plan, self.meta.node, e)
                 raise
             self.wiring.stop_watching()
-            self._write_outputs()
+            if self.runtime.leave_after is not None:
+                self._drained()
+            else:
+                self._write_outputs()
             self.metrics.finished.set(1)
             failed = False
             self._await_final_scrape()
@@ -266,6 +277,23 @@ class Worker:
             return
         if seconds > 0 and not self.metrics.wait_for_scrape(seconds):
             log.info("no scrape of the final metrics within %.0f s", seconds)
+
+    def _drained(self) -> None:
+        """This node's cluster drained: its stage and figures are not the job's (the others'
+        final round is); the root acknowledges the order (`cluster_<c>.done`)."""
+        rt = self.runtime
+        result = {"node": self.me.name, "updates": rt.updates,
+                  "drained": {"round": rt.leave_after, "updates": rt.updates}}
+        log.warning("%s drained after round %s at update %d: it leaves the job", self.me.name,
+                    rt.leave_after, rt.updates)
+        if self.me.is_root and self.drain_dir:
+            done = Path(self.drain_dir) / f"cluster_{self.me.cluster}.done"
+            try:
+                done.write_text(json.dumps({"cluster": self.me.cluster, "round": rt.leave_after,
+                                            "updates": rt.updates, "samples": rt.samples}))
+            except OSError as e:  # (the termination message says it too)
+                log.warning("could not acknowledge the drain in %s: %s", done, e)
+        _termination_message(result)
 
     def _write_outputs(self) -> None:
         """This node's stage, and a root's figures, in the job's output location; the figures
@@ -290,6 +318,14 @@ class Worker:
                 **result, "resumed_from": self.resumed_from,
                 "seconds": round(time.monotonic() - self.started, 3), "curve": rt.curve.rows})
         _termination_message(result)
+
+
+def _drain_ordered(order: Path) -> bool:
+    """Whether a drain order is there: the file exists and says something."""
+    try:
+        return bool(order.read_text().strip())
+    except OSError:
+        return False
 
 
 def _termination_message(result: dict[str, Any]) -> None:

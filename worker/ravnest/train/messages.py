@@ -63,3 +63,7 @@ class Op(StrEnum):
     sender's `updates` (tensors named as `rejoining.pack_state` names them)."""
     LATE = "late"
     """To a restarted node: the sender is past the join `round` already (its last is `last`)."""
+    LEAVE = "leave"
+    """Down a cluster told to drain: it leaves the rings after `round` and stops then."""
+    LEAVING = "leaving"
+    """From a draining node to the other members of its `ring`: go without it after `round`."""

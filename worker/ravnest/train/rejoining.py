@@ -24,6 +24,17 @@ samples for a cluster however often it is restarted): the restarted cluster's ro
 batch of update R x reduceFactor, so its shard's batches from the update it had last completed up
 to that one are skipped, for that epoch only. A ring member that a watch lost and that answers
 again without having restarted (a network cut healed) is taken in again from the next round.
+
+Draining is the way out (issue 20, grow and shrink: a provider removed from a running job). The
+root of a cluster told to drain (`ravnest drain`: a non-empty file `cluster_<c>` in the folder
+that `run.metadata.DRAIN_DIR_ENV` names) picks its *leave round* L as a restarted root picks its
+join round, from its own clock, and sends `leave` (L) down its pipeline; every node of the
+cluster sends `leaving` (L) to the other members of each of its rings, which go without it from
+round L + 1 on (`RingMembership.leave`) and do not take its exit for a loss. The cluster trains
+up to round L, then stops: it writes no stage and no figures (the job's model is the others'),
+and its root acknowledges with `cluster_<c>.done` in that folder. Its shard of the data is not
+trained from then on; the other clusters keep their own shards. Asked so late that L would be
+past the job's last round, the cluster finishes with the others.
 """
 
 from __future__ import annotations
@@ -62,6 +73,8 @@ class RingMembership:
         self._lock = threading.Lock()
         self._in_from: dict[str, float] = {}
         """member -> the first round it takes part in again (inf: not yet known)."""
+        self._out_from: dict[str, int] = {}
+        """member -> the first round it is out of for good (it drained: `leave`)."""
 
     def lost(self, name: str) -> None:
         with self._lock:
@@ -75,10 +88,21 @@ class RingMembership:
         with self._lock:
             self._in_from[name] = round_
 
+    def leave(self, name: str, round_: int) -> None:
+        """`name` drained: it takes part in no round from `round_` on, whatever its watch says."""
+        with self._lock:
+            self._out_from[name] = min(round_, self._out_from.get(name, round_))
+
+    def leaving(self) -> set[str]:
+        """The members that drained or are draining."""
+        with self._lock:
+            return set(self._out_from)
+
     def absent(self, round_: int) -> set[str]:
         """The members a round `round_` goes without."""
         with self._lock:
-            return {n for n, first in self._in_from.items() if first > round_}
+            return {n for n, first in self._in_from.items() if first > round_} | {
+                n for n, out in self._out_from.items() if out <= round_}
 
 
 @dataclass

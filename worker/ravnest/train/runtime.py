@@ -85,6 +85,10 @@ class NodeRuntime:
 
     rejoined: dict[str, Any] | None
     """How this node rejoined a running job (round, updates, seconds, bytes, from), if it did."""
+    drain_asked: Callable[[], bool] | None
+    """At a root: whether its cluster was told to drain (asked at each round boundary)."""
+    leave_after: int | None
+    """The round after which this node's cluster leaves the job (it drains), once known."""
 
     def __init__(self, name: str, plan: Plan, stage: Stage, settings: Settings,
                  optimizer: torch.optim.Optimizer | None, scheduler: Any,
@@ -124,9 +128,9 @@ class NodeRuntime:
             plan, name, ring_peers or peers, inbox, settings,
             lost=membership.absent if membership is not None else None))
         self.membership = membership
-        self.rounds_skipped = 0
-        self.rounds_partial = 0
-        self.rounds, self.rejoined = RoundClock(), None  # how this node rejoined, if it did
+        self.rounds_skipped = self.rounds_partial = 0
+        self.rounds, self.rejoined = RoundClock(), None
+        self.drain_asked, self.leave_after = None, None
         self._joins: list[tuple[str, str, int | None]] = []  # (node, ring, round) to serve
         self._deferred: deque[Frame] = deque()  # frames that came while rejoining
         metrics.clusters_active.set(len(plan.clusters))
@@ -281,8 +285,8 @@ class NodeRuntime:
             self.all_reduce(self.updates // self.s.reduce_factor)
 
     def all_reduce(self, round_: int) -> None:
-        if not self.reducers:
-            return
+        if not self.reducers or (self.leave_after is not None and round_ > self.leave_after):
+            return  # (a draining cluster takes part in no round after its leave round)
         t0 = time.perf_counter()
         with self.metrics.timed("communication"):
             rounds = reduce_all(self.reducers, round_)
@@ -364,6 +368,11 @@ class NodeRuntime:
                     "seconds_per_round": self.rounds.seconds or 0.0})
             case Op.JOIN:
                 self._join(c)
+            case Op.LEAVE:
+                self._pass_down(c)
+                self._leave(int(c["round"]))
+            case Op.LEAVING:
+                self._leaving(c)
             case Op.HERE | Op.STATE | Op.LATE:
                 log.info("%s: a late %s from a restarted node's exchange, dropped", self.name,
                          op)
@@ -410,6 +419,30 @@ class NodeRuntime:
         if c.get("serve"):
             self._joins.append((who, ring_id, round_))
 
+    def _leave(self, round_: int) -> None:
+        """This node's cluster drains: tell the other members of its rings to go without it
+        after `round_` (`rejoining`, draining)."""
+        self.leave_after = round_
+        for ring in self.plan.rings_of(self.name):
+            for m in self._elsewhere(ring):
+                self._answer(m, {"op": Op.LEAVING, "node": self.name, "ring": ring.id,
+                                 "round": round_})
+        log.warning("%s drains: it leaves its rings after round %d", self.name, round_)
+
+    def _leaving(self, c: dict[str, Any]) -> None:
+        """A member of one of this node's rings drains: the rounds after `round` go without it."""
+        who, ring_id, round_ = str(c.get("node")), str(c.get("ring")), c.get("round")
+        ring = next((r for r in self.plan.rings_of(self.name) if r.id == ring_id), None)
+        if ring is None or who not in ring.members or who == self.name or not isinstance(
+                round_, int) or self.membership is None:
+            log.warning("%s: a leave of %s from ring %s that is not its, dropped", self.name,
+                        who, ring_id)
+            return
+        self.membership.leave(who, round_ + 1)
+        log.info("%s: %s leaves ring %s after round %d%s", self.name, who, ring_id, round_,
+                 f" (this node is at round {self.rounds.last} already)"
+                 if self.rounds.last > round_ else "")
+
     def _serve_joins(self, round_: int) -> None:
         """Send each restarted node waiting for this round its ring's state (at the final
         round, every one still waiting)."""
@@ -454,8 +487,10 @@ class NodeRuntime:
                 self._deferred.append(frame)
 
     def _lost_now(self) -> set[str]:
-        """The members of this node's rings known to be lost (or restarted and not back)."""
-        return self.membership.absent(0) if self.membership is not None else set()
+        """The members of this node's rings known to be lost (or restarted and not back), or
+        drained."""
+        m = self.membership
+        return m.absent(0) | m.leaving() if m is not None else set()
 
     def _elsewhere(self, ring: RingPlan) -> list[str]:
         """The members of `ring` in other clusters that are there, in the plan's order."""
@@ -626,9 +661,29 @@ class NodeRuntime:
                     self._send_checkpoint(epoch, batch + 1)
                 if on_update is not None:
                     on_update(self)
+                if self._drained():
+                    break
+            if self.leave_after is not None and self._drained():
+                break
             self._end_epoch(epoch, on_epoch)
         self._control({"op": Op.FINISH})
         self._flush_peers()
+
+    def _drained(self) -> bool:
+        """At a root, at a drained update: start draining if told to (the leave round picked as
+        a join round is, `rejoining`), and whether the cluster is past its leave round."""
+        if self.leave_after is None and self.drain_asked is not None and self.drain_asked():
+            self.drain_asked = None  # asked once
+            round_ = join_round(self.rounds.last, self.rounds.seconds or 1.0,
+                                self._last_round_of_job())
+            if round_ is None or self.s.reduce_each_epoch or not self.plan.rings:
+                log.warning("%s: told to drain, but its cluster finishes with the others (the "
+                            "job's last round is too near, or it averages only each epoch)",
+                            self.name)
+            else:
+                self._control({"op": Op.LEAVE, "round": round_})
+        return self.leave_after is not None and self.updates >= (
+            self.leave_after * self.s.reduce_factor)
 
     def _end_epoch(self, epoch: int,
                    on_epoch: Callable[[NodeRuntime, int], None] | None) -> None:

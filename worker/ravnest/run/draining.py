@@ -1,0 +1,72 @@
+"""Draining on `ravnest run` (issue 20, shrink): `ravnest drain <job> --provider P` removes
+providers from a running local job. Their clusters (`elastic.drain_for`) get a drain order, a file
+`cluster_<c>` in the run folder's `drain/`, which the cluster's root reads at its next round
+boundary; the cluster then leaves the rings at a round the others agree on and stops
+(`train.rejoining`), and its root leaves `cluster_<c>.done`. The runner counts the cluster as
+drained, not failed: the job ends without it, and a whole-job restart leaves it out.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ravnest.errors import RavnestError
+from ravnest.run import elastic
+from ravnest.run.metadata import NodeMetadata
+
+DRAIN_DIR = "drain"
+"""The folder in a run folder that holds the drain orders and their acknowledgements."""
+
+
+def order_drain(out: Path, providers: Sequence[int], running: bool) -> list[int]:
+    """Order the clusters of `providers` in the run in `out` to drain; returns them. `running`:
+    whether a runner holds the folder (nothing is ordered when none does). Raises RavnestError
+    for a provider that runs no stage, when no cluster would be left, or with no run."""
+    if not running:
+        raise RavnestError(f"no run is going on in {out}: start one with `ravnest run` (a "
+                           f"drain removes providers from a running job)")
+    metas = sorted((out / "nodes").glob("node_*.json"))
+    if not metas:
+        raise RavnestError(f"{out}/nodes/ holds no node metadata: is {out} a run folder?")
+    plan = NodeMetadata.load(metas[0]).plan
+    status = _status(out)
+    runs_on = {n.name: n.provider for n in plan.nodes}
+    for t in status.get("takeovers") or []:
+        runs_on[str(t["node"])] = int(t["provider"])
+    ordered = {int(c["cluster"]) for c in status.get("drained") or []} | ordered_clusters(out)
+    clusters = elastic.drain_for(plan, providers, runs_on, ordered)
+    folder = out / DRAIN_DIR
+    folder.mkdir(exist_ok=True)
+    for c in sorted(clusters):
+        order = {"providers": sorted(p for p in providers
+                                     if any(runs_on[n.name] == p for n in plan.cluster_nodes(c))),
+                 "at": round(time.time(), 3)}
+        tmp = folder / f".cluster_{c}.tmp"
+        tmp.write_text(json.dumps(order))
+        tmp.replace(folder / f"cluster_{c}")
+    return sorted(clusters)
+
+
+def ordered_clusters(out: Path) -> set[int]:
+    """The clusters a drain was ordered for in the run folder `out`."""
+    return {int(p.name.split("_", 1)[1]) for p in (out / DRAIN_DIR).glob("cluster_*")
+            if p.name.split("_", 1)[1].isdigit()}
+
+
+def acknowledged(out: Path, cluster: int) -> dict[str, Any] | None:
+    """What the root of `cluster` said once it drained (round, updates, samples), or None."""
+    try:
+        return dict(json.loads((out / DRAIN_DIR / f"cluster_{cluster}.done").read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def _status(out: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads((out / "status.json").read_text()))
+    except (OSError, ValueError):
+        return {}
