@@ -4,6 +4,12 @@ leaf), and its workers' step counters read from their metrics."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,3 +50,37 @@ def steps(ports: dict[str, int]) -> dict[str, int]:
         except OSError:
             continue
     return out
+
+
+@contextmanager
+def local_run(job: Path, out: Path) -> Iterator[subprocess.Popen[str]]:
+    """`ravnest run job -o out` in the background (its output piped), killed if it is still
+    there when the block ends."""
+    run = subprocess.Popen([sys.executable, "-m", "ravnest", "run", str(job), "-o", str(out),
+                            "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        yield run
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+
+
+def wait(what: str, ready: Callable[[], Any], run: subprocess.Popen[str],
+         seconds: float = 300) -> None:
+    """Wait until `ready()`, failing if the run ends first or after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert run.poll() is None, f"the run ended before {what}: {run.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, f"not {what} within {seconds} s"
+        time.sleep(0.1)
+
+
+def planned(run: subprocess.Popen[str], out: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """The run's plan, once written, and each node's metrics port."""
+    wait("a plan", lambda: (out / "plan.txt").exists(), run, 120)
+    plan = json.loads((out / "nodes" / "node_0.json").read_text())["plan"]
+    ports = {n["name"]: json.loads((out / "nodes" / f"{n['name']}.json").read_text())[
+        "metricsPort"] for n in plan["nodes"]}
+    return plan, ports

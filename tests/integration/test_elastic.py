@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from elastic_job import elastic_job, steps
+from elastic_job import elastic_job, local_run, planned, steps, wait
 from processes import worker_pid
 
 from ravnest.run.progress import scrape
@@ -40,31 +40,19 @@ def _run(tmp: Path, role: str | None, seed: int) -> dict[str, Any]:
     out = tmp / "out"
     # no checkpoints: nothing to fall back on, the state is live
     job = elastic_job(tmp, EPOCHS, {"everySteps": 0})
-    cmd = [sys.executable, "-m", "ravnest", "run", str(job), "-o", str(out), "--no-progress"]
-    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     got: dict[str, Any] = {"out": out}
-    try:
+    with local_run(job, out) as run:
         if role is not None:
             got.update(_kill(run, out, role, random.Random(seed)))
         _, got["err"] = run.communicate(timeout=900)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.communicate()
     got["returncode"] = run.returncode
     return got
 
 
 def _kill(run: subprocess.Popen[str], out: Path, role: str, rng: random.Random
           ) -> dict[str, Any]:
-    deadline = time.monotonic() + 120
-    while not (out / "plan.txt").exists():
-        assert run.poll() is None and time.monotonic() < deadline, "no plan"
-        time.sleep(0.1)
-    plan = json.loads(sorted((out / "nodes").glob("node_*.json"))[0].read_text())["plan"]
+    plan, ports = planned(run, out)
     nodes = plan["nodes"]
-    ports = {n["name"]: json.loads((out / "nodes" / f"{n['name']}.json").read_text())[
-        "metricsPort"] for n in nodes}
     victim = rng.choice([n for n in nodes if n["role"] == role])
     lost = {n["name"] for n in nodes if n["cluster"] == victim["cluster"]}
     survivors = {n: p for n, p in ports.items() if n not in lost}
@@ -165,25 +153,9 @@ def test_a_drained_cluster_leaves_at_a_round_boundary_and_the_others_train_on(tm
     agree on; they never stop, no round of theirs waits for it or is given up, and the job ends
     with their model; bad orders are refused and order nothing."""
     out = tmp_path / "out"
-    job = elastic_job(tmp_path, EPOCHS, {"everySteps": 0})
-    run = subprocess.Popen([sys.executable, "-m", "ravnest", "run", str(job), "-o", str(out),
-                            "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (out / "plan.txt").exists():
-            assert run.poll() is None and time.monotonic() < deadline, "no plan"
-            time.sleep(0.1)
-        plan = json.loads((out / "nodes" / "node_0.json").read_text())["plan"]
+    with local_run(elastic_job(tmp_path, EPOCHS, {"everySteps": 0}), out) as run:
+        plan, leaving, survivors = _at_step(run, out, 60)
         nodes = plan["nodes"]
-        ports = {n["name"]: json.loads((out / "nodes" / f"{n['name']}.json").read_text())[
-            "metricsPort"] for n in nodes}
-        leaving = {n["name"] for n in nodes if n["cluster"] == 2}
-        survivors = {n: p for n, p in ports.items() if n not in leaving}
-        deadline = time.monotonic() + 300
-        while not ((s := steps(ports)) and len(s) == len(ports) and min(s.values()) >= 60):
-            assert run.poll() is None and time.monotonic() < deadline, "step 60 not reached"
-            time.sleep(0.1)
 
         refused = _drain(out, 99)
         assert refused.returncode == 1 and "provider 99 runs no stage of this job" in \
@@ -204,10 +176,6 @@ def test_a_drained_cluster_leaves_at_a_round_boundary_and_the_others_train_on(tm
             samples.append(steps(survivors))
             time.sleep(0.25)
         _, err = run.communicate(timeout=900)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.communicate()
     assert run.returncode == 0, err[-3000:]
 
     status = json.loads((out / "status.json").read_text())
@@ -233,15 +201,69 @@ def test_a_drained_cluster_leaves_at_a_round_boundary_and_the_others_train_on(tm
                 assert f"{m} leaves ring {ring['id']} after round {leave}\n" in logs[n], \
                     logs[n][-3000:]
 
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["clusters"] == 2 and summary["updates"] == TOTAL
-    assert summary["rounds_skipped"] == 0
+    summary = _same_model_of_clusters_0_and_1(out)
+    assert summary["updates"] == TOTAL and summary["rounds_skipped"] == 0
     assert not [n for n in leaving if (out / "stages" / f"{n}.pt").exists()]
-    copies = [fuse_stage_files(out / "stages", c) for c in (0, 1)]
-    for k, v in copies[0].items():
-        torch.testing.assert_close(copies[1][k].float(), v.float(), rtol=0, atol=1e-6, msg=k)
     accuracy, reference = summary["fused_val_metric"], undisturbed["fused_val_metric"]
     assert abs(accuracy - reference) <= 0.01, (accuracy, reference)
     print(f"\ncluster 2 drained after round {leave} (update {2 * leave} of {TOTAL}); accuracy "
           f"{accuracy:.4f} (undisturbed {reference:.4f}); partial rounds "
           f"{summary['rounds_partial']}")
+
+
+def _at_step(run: subprocess.Popen[str], out: Path, step: int
+             ) -> tuple[dict[str, Any], set[str], dict[str, int]]:
+    """Once every worker reached `step`: the plan, the nodes of cluster 2 (the one to drain) and
+    the metrics ports of the others."""
+    plan, ports = planned(run, out)
+    wait(f"step {step}", lambda: len(s := steps(ports)) == len(ports) and min(
+        s.values()) >= step, run)
+    leaving = {n["name"] for n in plan["nodes"] if n["cluster"] == 2}
+    return plan, leaving, {n: p for n, p in ports.items() if n not in leaving}
+
+
+def _same_model_of_clusters_0_and_1(out: Path) -> dict[str, Any]:
+    """The summary of a run that ended with clusters 0 and 1 (2 drained), which hold the same
+    weights."""
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["clusters"] == 2
+    copies = [fuse_stage_files(out / "stages", c) for c in (0, 1)]
+    for k, v in copies[0].items():
+        torch.testing.assert_close(copies[1][k].float(), v.float(), rtol=0, atol=1e-6, msg=k)
+    return dict(summary)
+
+
+def test_a_whole_restart_after_a_drain_leaves_the_drained_cluster_out(tmp_path):
+    """runPolicy.recovery: job: once cluster 2 drained, a killed worker restarts the job from
+    its newest checkpoint, complete without the drained nodes (written after the drain); cluster
+    2 is not started again, and the others' rounds do not wait for it."""
+    out, epochs = tmp_path / "out", 30
+    job = elastic_job(tmp_path, epochs, {"everySteps": 20}, {"recovery": "job"})
+    with local_run(job, out) as run:
+        plan, leaving, survivors = _at_step(run, out, 40)
+        nodes = plan["nodes"]
+        root2 = next(n for n in nodes if n["cluster"] == 2 and n["role"] == "root")
+        assert _drain(out, root2["provider"]).returncode == 0
+        done = out / "drain" / "cluster_2.done"
+        wait("the drain", done.exists, run)
+        left = json.loads(done.read_text())["updates"]
+        wait("a checkpoint after the drain",
+             lambda: (s := steps(survivors)) and min(s.values()) >= left + 45, run)
+        pid = worker_pid(out / "nodes" / "node_0.json")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        _, err = run.communicate(timeout=900)
+    assert run.returncode == 0, err[-3000:]
+    status = json.loads((out / "status.json").read_text())
+    assert status["phase"] == "Succeeded" and status["restarts"] == 1, status
+    assert status["clusters"] == "2/3" and [d["cluster"] for d in status["drained"]] == [2]
+    resumed = re.search(r"restart 1/\d+ resumes from checkpoint at step (\d+)", err)
+    assert resumed, err[-3000:]
+    assert int(resumed[1]) > left  # a checkpoint the drained nodes took no part in
+    logs = {n.stem: n.read_text() for n in (out / "logs").glob("*.log")}
+    for n in leaving:
+        assert logs[n].count("drained after round") == 1 and "resumed from" not in logs[n]
+    for n in survivors:
+        assert f"resumed from checkpoint at step {resumed[1]}" in logs[n], logs[n][-3000:]
+        assert "within 30s" not in logs[n] and "does not answer" not in logs[n]
+    assert _same_model_of_clusters_0_and_1(out)["updates"] == epochs * PER_EPOCH

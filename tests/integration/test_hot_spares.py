@@ -12,13 +12,11 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
-from elastic_job import elastic_job, steps
+from elastic_job import elastic_job, local_run, planned, steps, wait
 from processes import pids_with, worker_pid
 
 from ravnest.run.progress import scrape
@@ -27,36 +25,22 @@ from ravnest.train.fusing import fuse_stage_files
 EPOCHS = 60
 
 
-def _wait(what: str, ready, run: subprocess.Popen[str], seconds: float = 300) -> None:
-    deadline = time.monotonic() + seconds
-    while not ready():
-        assert run.poll() is None, f"the run ended before {what}: {run.communicate()[1][-3000:]}"
-        assert time.monotonic() < deadline, f"not {what} within {seconds} s"
-        time.sleep(0.1)
-
-
 def test_a_hot_spare_takes_over_the_stage_of_a_killed_node(tmp_path: Path) -> None:
     job = elastic_job(tmp_path, EPOCHS, {"everySteps": 0}, spares=1)
     out = tmp_path / "out"
-    run = subprocess.Popen([sys.executable, "-m", "ravnest", "run", str(job), "-o", str(out),
-                            "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
-    try:
-        _wait("a plan", lambda: (out / "plan.txt").exists(), run)
-        plan = json.loads((out / "nodes" / "node_0.json").read_text())["plan"]
+    with local_run(job, out) as run:
+        plan, ports = planned(run, out)
         (spare,) = plan["spares"]
         assert len(plan["nodes"]) == 9 and len(plan["clusters"]) == 3
         spare_log = out / "logs" / f"{spare['name']}.log"
-        _wait("a hot spare", lambda: spare_log.exists() and "hot spare ready" in
-              spare_log.read_text(), run)
+        wait("a hot spare", lambda: spare_log.exists() and "hot spare ready" in
+             spare_log.read_text(), run)
         nodes = {n["name"]: n for n in plan["nodes"]}
-        ports = {n: json.loads((out / "nodes" / f"{n}.json").read_text())["metricsPort"]
-                 for n in nodes}
         # the stem of a cluster that has one (else its leaf): a stage in mid-pipeline
         victim = min(nodes.values(), key=lambda n: (n["role"] != "stem", n["cluster"],
                                                      n["name"]))
-        _wait("step 40", lambda: len(s := steps(ports)) == len(ports) and min(s.values()) >= 40,
-              run)
+        wait("step 40", lambda: len(s := steps(ports)) == len(ports) and min(s.values()) >= 40,
+             run)
         pid = worker_pid(out / "nodes" / f"{victim['name']}.json")
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
@@ -69,15 +53,11 @@ def test_a_hot_spare_takes_over_the_stage_of_a_killed_node(tmp_path: Path) -> No
                 return scrape(ports[root], timeout=0.5).get("ravnest_recoveries_total", 0) >= 1
             except OSError:
                 return False
-        _wait("the cluster rejoined", rejoined, run)
+        wait("the cluster rejoined", rejoined, run)
         took = time.monotonic() - killed
         # the victim's stage now runs in the spare's process (started with the run)
         assert pids_with(str(out / "nodes" / f"{spare['name']}.json"), "--spare")
         _, err = run.communicate(timeout=900)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.communicate()
     assert run.returncode == 0, err[-3000:]
     assert f"spare {spare['name']} took over the stage of {victim['name']}" in err
 

@@ -17,7 +17,7 @@ from scoring import digits_accuracy as accuracy_of
 
 from ravnest import SpecError, WorkerFailed, parse_job, run_job
 from ravnest.examples.digits import build_model
-from ravnest.run.local import lock_folder
+from ravnest.run.locking import lock_folder
 from ravnest.train.fusing import fuse_stage_files
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from processes import pids_with
 
-from ravnest.run.local import lock_folder
+from ravnest.run.locking import lock_folder
 
 WORKERS = 6
 """Workers of examples/digits.yaml."""

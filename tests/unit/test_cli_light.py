@@ -115,3 +115,5 @@ def test_drain_without_a_run_is_refused_and_orders_nothing(tmp_path: Path, capsy
     assert main(["drain", "digits", "-o", str(tmp_path), "--provider", "1"]) == 1
     assert f"no run is going on in {tmp_path}" in capsys.readouterr().err
     assert not (tmp_path / "drain").exists()
+    probe = ravnest("drain", "digits", "-o", str(tmp_path), "--provider", "1")
+    assert probe["code"] == 1 and probe["loaded"] == []  # a control command: no torch, no grpc

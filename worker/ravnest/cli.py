@@ -186,15 +186,10 @@ def _status(args: argparse.Namespace) -> int:
 
 def _drain(args: argparse.Namespace) -> int:
     from ravnest.run.draining import order_drain
-    from ravnest.run.local import refuse_if_locked
+    from ravnest.run.locking import held
 
     out = Path(args.output or Path("runs") / args.job)
-    try:
-        refuse_if_locked(out)
-        running = False
-    except RavnestError:
-        running = True  # a runner holds the folder
-    clusters = order_drain(out, args.provider, running)
+    clusters = order_drain(out, args.provider, running=held(out))
     if not clusters:
         print(f"{out}: the cluster(s) of provider(s) {', '.join(map(str, args.provider))} "
               f"already drain")

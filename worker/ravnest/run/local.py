@@ -43,7 +43,6 @@ on in.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -61,10 +60,11 @@ from pathlib import Path
 from typing import Any
 
 from ravnest.comm.tls import identity, issue, make_authority
-from ravnest.errors import RavnestError, SpecError, WorkerFailed
+from ravnest.errors import SpecError, WorkerFailed
 from ravnest.plan import building
 from ravnest.plan.plans import Plan, SparePlan, spare_name
 from ravnest.run import draining, elastic, finishing
+from ravnest.run.locking import lock_folder, refuse_if_locked
 from ravnest.run.metadata import (
     DRAIN_DIR_ENV,
     GONE_ENV,
@@ -86,8 +86,6 @@ SPEC_ERROR_EXIT = 2
 """A worker's exit code for a spec error (`ravnest.cli`)."""
 PRIVATE_UMASK = 0o077
 """The umask of a run and its workers: its folders 0700, its files 0600."""
-LOCK_FILE = "run.lock"
-"""In the output folder: flock'ed by the run that uses it, and names that run (pid, start)."""
 
 
 class Terminated(BaseException):
@@ -338,8 +336,8 @@ class LocalRun:
         """Watch the workers until all succeeded (None) or one died (the first that died).
         Raises when the job runs past its deadline."""
         assert self.plan is not None
-        roots = {c.id: next(p for p in self.procs if p.node == c.nodes[0])
-                 for c in self.plan.clusters}
+        roots = {c.id: p for c in self.plan.clusters for p in self.procs
+                 if p.node == c.nodes[0]}  # (a drained cluster's are gone after a restart)
         deadline = self.job.spec.run_policy.active_deadline_seconds
         bar = _Progress(self.progress)
         try:
@@ -348,7 +346,8 @@ class LocalRun:
                 self._note_drained()
                 roots = {c: p for c, p in roots.items() if c not in self.drained}
                 codes = {p.node: p.popen.poll() for p in self.procs}
-                failed = [p for p in self.procs if codes[p.node] not in (None, 0)]
+                failed = [p for p in self.procs if codes[p.node] not in (None, 0)
+                          and self.plan.node(p.node).cluster not in self.drained]
                 if failed:
                     dead = min(failed, key=lambda p: p.log.stat().st_mtime)
                     if self._abandon(dead):
@@ -367,12 +366,12 @@ class LocalRun:
             bar.close()
 
     def _note_drained(self) -> None:
-        """A cluster whose workers all exited 0 after its root acknowledged a drain order
-        drained: the job goes on, and ends, without it."""
+        """A cluster whose root acknowledged a drain order drained: the job goes on, and ends,
+        without it (its workers may still be closing their links; how they exit does not
+        matter any more)."""
         assert self.plan is not None
         for c in self.plan.clusters:
-            procs = [p for p in self.procs if p.node in c.nodes]
-            if c.id in self.drained or not procs or any(p.popen.poll() != 0 for p in procs):
+            if c.id in self.drained:
                 continue
             said = draining.acknowledged(self.out, c.id)
             if said is not None:
@@ -457,7 +456,7 @@ class LocalRun:
         plan, policy = self.plan, self.job.spec.run_policy
         cluster = plan.node(dead.node).cluster
         mine = {n.name for n in plan.cluster_nodes(cluster)}
-        whole = [c.id for c in plan.clusters if c.id != cluster and all(
+        whole = [c.id for c in plan.clusters if c.id not in (cluster, *self.drained) and all(
             p.popen.poll() is None for p in self.procs if p.node in c.nodes)]
         seen, now = self._cluster_failures.get(cluster), _failure_of(dead)
         if not elastic.restart_alone(plan, policy, {cluster}, whole, len(self.recoveries),
@@ -568,52 +567,6 @@ class LocalRun:
                                     if c.id not in self.abandoned and c.id not in self.drained])
         self.outputs = finishing.outputs(where, summary)
         return summary
-
-
-def lock_folder(folder: Path) -> int:
-    """Create `folder` if need be and lock it for this process: the returned descriptor holds the
-    lock until it is closed or the process ends (the kernel drops it even after SIGKILL).
-    Raises RavnestError naming the run that holds it."""
-    try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as e:
-        raise RavnestError(f"cannot use {folder} as the output folder: {e}") from e
-    try:
-        _lock_or_refuse(fd, folder)
-    except RavnestError:
-        os.close(fd)
-        raise
-    os.ftruncate(fd, 0)
-    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    os.write(fd, json.dumps({"pid": os.getpid(), "started": started}).encode())
-    return fd
-
-
-def refuse_if_locked(folder: Path) -> None:
-    """Raise RavnestError if a run holds `folder`; creates and changes nothing."""
-    try:
-        fd = os.open(folder / LOCK_FILE, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        _lock_or_refuse(fd, folder)
-    finally:
-        os.close(fd)
-
-
-def _lock_or_refuse(fd: int, folder: Path) -> None:
-    """flock `fd` (the folder's lock file), or raise naming the run that holds it."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        try:
-            holder = json.loads(os.pread(fd, 4096, 0))
-            who = f"pid {holder['pid']}, started {holder['started']}"
-        except (OSError, ValueError, KeyError, TypeError):
-            who = "pid unknown"
-        raise RavnestError(f"{folder} is in use by another run ({who}): wait for it to end or "
-                           f"stop it, or choose another output folder") from None
 
 
 WORKER_BASE_BYTES = 400 * 2**20

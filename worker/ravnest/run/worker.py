@@ -202,8 +202,10 @@ class Worker:
         """The checkpoint step training resumed from (0: the start)."""
         self.rejoin = os.environ.get(REJOIN_ENV) == "1" and len(plan.clusters) > 1
         """Whether this worker's cluster was restarted alone and rejoins the others."""
-        for gone in filter(None, os.environ.get(GONE_ENV, "").split(",")):
-            self.wiring.membership.leave(gone, 0)
+        gone = set(filter(None, os.environ.get(GONE_ENV, "").split(",")))
+        for name in gone:
+            self.wiring.membership.leave(name, 0)
+        self.runtime.checkpoints.without(gone)
         self.drain_dir = os.environ.get(DRAIN_DIR_ENV, "")
         if me.is_root and self.drain_dir:
             order = Path(self.drain_dir) / f"cluster_{me.cluster}"

@@ -30,6 +30,11 @@ class Checkpoints:
         self.plan = plan
         self._metrics = metrics
 
+    def without(self, gone: set[str]) -> None:
+        """Steps are complete without the nodes `gone` (their clusters drained): they write no
+        checkpoints after that, and a resume or a pruning must not wait for theirs."""
+        self.nodes = [n for n in self.nodes if n not in gone]
+
     def save(self, step: int, state: dict[str, Any]) -> None:
         if not self.directory:
             return

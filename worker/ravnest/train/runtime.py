@@ -439,6 +439,8 @@ class NodeRuntime:
                         who, ring_id)
             return
         self.membership.leave(who, round_ + 1)
+        cluster = self.plan.node(who).cluster
+        self.checkpoints.without({n.name for n in self.plan.cluster_nodes(cluster)})
         log.info("%s: %s leaves ring %s after round %d%s", self.name, who, ring_id, round_,
                  f" (this node is at round {self.rounds.last} already)"
                  if self.rounds.last > round_ else "")
