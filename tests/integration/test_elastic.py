@@ -184,6 +184,8 @@ def test_a_drained_cluster_leaves_at_a_round_boundary_and_the_others_train_on(tm
     (drained,) = status["drained"]
     leave = drained["round"]
     assert drained["cluster"] == 2 and drained["updates"] == 2 * leave  # (reduceFactor 2)
+    assert status["membership"]["versions"][1:] == [
+        {"version": 2, "fromRound": leave + 1, "clusters": [0, 1]}]
     for n in survivors:
         seen = [s[n] for s in samples if n in s]
         assert seen == sorted(seen) and seen[-1] >= seen[0] + 20, (n, seen)

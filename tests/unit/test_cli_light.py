@@ -95,8 +95,12 @@ def test_the_public_api_still_resolves_every_name_on_use() -> None:
     ({"phase": "Running", "spares": {"spare_3": "Pending"}, "takeovers": {"node_3": 4}},
      ["spares: spare_3 (Pending)", "node_3 runs on provider 4 (a spare took it over)"]),
     ({"phase": "Running", "clusters": "2/3",
+      "membership": {"plan": "ab12", "versions": [
+          {"version": 1, "fromRound": 1, "clusters": [0, 1, 2]},
+          {"version": 2, "fromRound": 41, "clusters": [0, 1]}]},
       "drained": [{"cluster": 2, "round": 40, "updates": 80, "samples": 2560}]},
-     ["clusters: 2/3 (training/planned)", "cluster 2 drained after round 40 (update 80)"]),
+     ["clusters: 2/3 (training/planned)", "membership v2 from round 41: clusters 0, 1",
+      "cluster 2 drained after round 40 (update 80)"]),
 ])
 def test_status_shows_the_spares_and_the_stages_they_took_over(tmp_path: Path, capsys, status,
                                                                says) -> None:

@@ -159,6 +159,19 @@ def test_removed_providers_drain_their_clusters_and_one_cluster_at_least_stays(p
         elastic.drain_for(plan, [of[0][0]], runs_on, {1})
 
 
+def test_the_membership_gets_a_version_for_each_round_clusters_left_after(plans):
+    _, plan, _ = plans[0]
+    three = dataclasses.replace(plan, clusters=(*plan.clusters, dataclasses.replace(
+        plan.clusters[0], id=2)))
+    assert elastic.membership(three, []) == {"plan": plan.fingerprint, "versions": [
+        {"version": 1, "fromRound": 1, "clusters": [0, 1, 2]}]}
+    got = elastic.membership(three, [{"cluster": 0, "round": 40}, {"cluster": 2, "round": 12},
+                                     {"cluster": 1, "round": 40}])
+    assert got["versions"] == [{"version": 1, "fromRound": 1, "clusters": [0, 1, 2]},
+                               {"version": 2, "fromRound": 13, "clusters": [0, 1]},
+                               {"version": 3, "fromRound": 41, "clusters": []}]
+
+
 def test_the_spare_search_of_a_large_pool_makes_few_trial_plans(monkeypatch):
     """`auto` on 400 providers: at most SPARE_WORK // 400 = 5 trial plans besides the first (each
     such plan searches all 400 providers), and the providers are still each used once."""

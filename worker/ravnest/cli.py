@@ -147,6 +147,11 @@ def _drain_lines(status: dict[str, Any]) -> list[str]:
     clusters = status.get("clusters")
     if isinstance(clusters, str) and clusters:
         lines.append(f"clusters: {clusters} (training/planned)")
+    versions = (status.get("membership") or {}).get("versions") or []
+    if len(versions) > 1 and isinstance(versions[-1], dict):
+        v = versions[-1]
+        lines.append(f"membership v{v.get('version')} from round {v.get('fromRound')}: clusters "
+                     f"{', '.join(map(str, v.get('clusters') or []))}")
     for d in status.get("drained") or []:
         if isinstance(d, dict):
             lines.append(f"cluster {d.get('cluster')} drained after round {d.get('round')} "

@@ -1,8 +1,8 @@
 """The rules of elastic training that both supervisors follow, the local runner (`run.local`) and
 the operator (`ravnest_operator.deciding`), as pure functions of the plan, the policy and what the
 supervisor saw: whether a loss costs only its cluster, when a job ends without a cluster,
-which hot spare takes over a lost provider's stage, and which clusters drain when providers are
-removed from a running job.
+which hot spare takes over a lost provider's stage, which clusters drain when providers are
+removed from a running job, and the job's membership versions that follow.
 
 Each supervisor observes its own way (processes' exit codes; pods' phases) and acts its own way
 (restarting processes; deleting and creating pods); what it decides is decided here, once.
@@ -11,6 +11,7 @@ Each supervisor observes its own way (processes' exit codes; pods' phases) and a
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
+from typing import Any
 
 from ravnest.errors import RavnestError
 from ravnest.plan.plans import GB, Plan, SparePlan
@@ -75,3 +76,21 @@ def drain_for(plan: Plan, providers: Collection[int], runs_on: Mapping[str, int]
         raise RavnestError(f"draining cluster(s) {', '.join(map(str, sorted(clusters)))} would "
                            f"leave no cluster to train: stop the job instead")
     return clusters - set(drained)
+
+
+def membership(plan: Plan, drained: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The job's membership, versioned: the plan's fingerprint and, for each version, the
+    clusters that take part in the rounds from `fromRound` on. Version 1 is the plan's; each
+    cluster that drained (`drained`: its cluster and leave round) starts a version from the round
+    after it left."""
+    clusters = [c.id for c in plan.clusters]
+    versions = [{"version": 1, "fromRound": 1, "clusters": list(clusters)}]
+    for d in sorted(drained, key=lambda d: (int(d["round"]), int(d["cluster"]))):
+        clusters = [c for c in clusters if c != int(d["cluster"])]
+        start = int(d["round"]) + 1
+        if versions[-1]["fromRound"] == start:  # (two clusters that left after one round)
+            versions[-1]["clusters"] = list(clusters)
+        else:
+            versions.append({"version": len(versions) + 1, "fromRound": start,
+                             "clusters": list(clusters)})
+    return {"plan": plan.fingerprint, "versions": versions}

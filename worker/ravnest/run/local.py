@@ -505,7 +505,9 @@ class LocalRun:
                 **({"takeovers": self.takeovers} if self.takeovers else {}),
                 **({"drained": list(self.drained.values())} if self.drained else {}),
                 **({"clusters": f"{len(self.plan.clusters) - len(self.drained)}/"
-                                f"{len(self.plan.clusters)}"} if self.plan else {}),
+                                f"{len(self.plan.clusters)}",
+                    "membership": elastic.membership(self.plan, self.drained.values())}
+                   if self.plan else {}),
                 **({"conditions": self.conditions} if self.conditions else {}), **extra}
         tmp = self.out / ".status.json.tmp"
         tmp.write_text(json.dumps(body))
