@@ -22,6 +22,17 @@ DRAIN_DIR = "drain"
 """The folder in a run folder that holds the drain orders and their acknowledgements."""
 
 
+def order_file(folder: Path, cluster: int) -> Path:
+    """The drain order of `cluster` in a drain folder (the run's `drain/`, which a worker gets as
+    `run.metadata.DRAIN_DIR_ENV`): non-empty, the cluster drains."""
+    return folder / f"cluster_{cluster}"
+
+
+def done_file(folder: Path, cluster: int) -> Path:
+    """Where the root of `cluster` acknowledges its drain (round, updates, samples)."""
+    return folder / f"cluster_{cluster}.done"
+
+
 def order_drain(out: Path, providers: Sequence[int], running: bool) -> list[int]:
     """Order the clusters of `providers` in the run in `out` to drain; returns them. `running`:
     whether a runner holds the folder (nothing is ordered when none does). Raises RavnestError
@@ -33,13 +44,12 @@ def order_drain(out: Path, providers: Sequence[int], running: bool) -> list[int]
     if not metas:
         raise RavnestError(f"{out}/nodes/ holds no node metadata: is {out} a run folder?")
     plan = NodeMetadata.load(metas[0]).plan
-    status = _status(out)
     runs_on = {n.name: n.provider for n in plan.nodes}
-    for t in status.get("takeovers") or []:
+    for t in _status(out).get("takeovers") or []:
         runs_on[str(t["node"])] = int(t["provider"])
-    ordered = {int(c["cluster"]) for c in status.get("drained") or []} | ordered_clusters(out)
-    clusters = elastic.drain_for(plan, providers, runs_on, ordered)
     folder = out / DRAIN_DIR
+    # (the orders stay for the whole run: a drained cluster's among them)
+    clusters = elastic.drain_for(plan, providers, runs_on, ordered_clusters(folder))
     folder.mkdir(exist_ok=True)
     for c in sorted(clusters):
         order = {"providers": sorted(p for p in providers
@@ -47,20 +57,33 @@ def order_drain(out: Path, providers: Sequence[int], running: bool) -> list[int]
                  "at": round(time.time(), 3)}
         tmp = folder / f".cluster_{c}.tmp"
         tmp.write_text(json.dumps(order))
-        tmp.replace(folder / f"cluster_{c}")
+        tmp.replace(order_file(folder, c))
     return sorted(clusters)
 
 
-def ordered_clusters(out: Path) -> set[int]:
-    """The clusters a drain was ordered for in the run folder `out`."""
-    return {int(p.name.split("_", 1)[1]) for p in (out / DRAIN_DIR).glob("cluster_*")
+def ordered_clusters(folder: Path) -> set[int]:
+    """The clusters a drain was ordered for in the drain folder `folder`."""
+    return {int(p.name.split("_", 1)[1]) for p in folder.glob("cluster_*")
             if p.name.split("_", 1)[1].isdigit()}
 
 
-def acknowledged(out: Path, cluster: int) -> dict[str, Any] | None:
+def ordered(folder: Path, cluster: int) -> bool:
+    """Whether `cluster` was told to drain: its order is there and says something."""
+    try:
+        return bool(order_file(folder, cluster).read_text().strip())
+    except OSError:
+        return False
+
+
+def acknowledge(folder: Path, cluster: int, said: dict[str, Any]) -> None:
+    """The root of `cluster` drained: leave what it says for the runner (`acknowledged`)."""
+    done_file(folder, cluster).write_text(json.dumps({"cluster": cluster, **said}))
+
+
+def acknowledged(folder: Path, cluster: int) -> dict[str, Any] | None:
     """What the root of `cluster` said once it drained (round, updates, samples), or None."""
     try:
-        return dict(json.loads((out / DRAIN_DIR / f"cluster_{cluster}.done").read_text()))
+        return dict(json.loads(done_file(folder, cluster).read_text()))
     except (OSError, ValueError):
         return None
 

@@ -373,7 +373,7 @@ class LocalRun:
         for c in self.plan.clusters:
             if c.id in self.drained:
                 continue
-            said = draining.acknowledged(self.out, c.id)
+            said = draining.acknowledged(self.out / draining.DRAIN_DIR, c.id)
             if said is not None:
                 self.drained[c.id] = {"cluster": c.id, **said}
                 log.warning("cluster %d drained after round %s (update %s): the job goes on "

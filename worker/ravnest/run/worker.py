@@ -29,7 +29,7 @@ from ravnest.errors import PlanError, RavnestError, SpecError
 from ravnest.plan import building
 from ravnest.plan.partitioning import Stage, profile
 from ravnest.plan.plans import Plan, fingerprint
-from ravnest.run import finishing
+from ravnest.run import draining, finishing
 from ravnest.run.assembling import assemble, connect, cut_stage, save_stage
 from ravnest.run.metadata import (
     DRAIN_DIR_ENV,
@@ -208,8 +208,8 @@ class Worker:
         self.runtime.checkpoints.without(gone)
         self.drain_dir = os.environ.get(DRAIN_DIR_ENV, "")
         if me.is_root and self.drain_dir:
-            order = Path(self.drain_dir) / f"cluster_{me.cluster}"
-            self.runtime.drain_asked = lambda: _drain_ordered(order)
+            folder = Path(self.drain_dir)
+            self.runtime.drain_asked = lambda: draining.ordered(folder, me.cluster)
 
     @property
     def server(self) -> Server:
@@ -257,7 +257,7 @@ class Worker:
                 raise
             self.wiring.stop_watching()
             if self.runtime.leave_after is not None:
-                self._drained()
+                self._acknowledge_drain()
             else:
                 self._write_outputs()
             self.metrics.finished.set(1)
@@ -280,7 +280,7 @@ class Worker:
         if seconds > 0 and not self.metrics.wait_for_scrape(seconds):
             log.info("no scrape of the final metrics within %.0f s", seconds)
 
-    def _drained(self) -> None:
+    def _acknowledge_drain(self) -> None:
         """This node's cluster drained: its stage and figures are not the job's (the others'
         final round is); the root acknowledges the order (`cluster_<c>.done`)."""
         rt = self.runtime
@@ -289,12 +289,11 @@ class Worker:
         log.warning("%s drained after round %s at update %d: it leaves the job", self.me.name,
                     rt.leave_after, rt.updates)
         if self.me.is_root and self.drain_dir:
-            done = Path(self.drain_dir) / f"cluster_{self.me.cluster}.done"
             try:
-                done.write_text(json.dumps({"cluster": self.me.cluster, "round": rt.leave_after,
-                                            "updates": rt.updates, "samples": rt.samples}))
+                draining.acknowledge(Path(self.drain_dir), self.me.cluster, {
+                    "round": rt.leave_after, "updates": rt.updates, "samples": rt.samples})
             except OSError as e:  # (the termination message says it too)
-                log.warning("could not acknowledge the drain in %s: %s", done, e)
+                log.warning("could not acknowledge the drain in %s: %s", self.drain_dir, e)
         _termination_message(result)
 
     def _write_outputs(self) -> None:
@@ -320,14 +319,6 @@ class Worker:
                 **result, "resumed_from": self.resumed_from,
                 "seconds": round(time.monotonic() - self.started, 3), "curve": rt.curve.rows})
         _termination_message(result)
-
-
-def _drain_ordered(order: Path) -> bool:
-    """Whether a drain order is there: the file exists and says something."""
-    try:
-        return bool(order.read_text().strip())
-    except OSError:
-        return False
 
 
 def _termination_message(result: dict[str, Any]) -> None:

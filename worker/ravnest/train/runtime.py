@@ -399,14 +399,22 @@ class NodeRuntime:
         except TransportError as e:
             log.warning("%s: could not answer %s: %s", self.name, node, e)
 
+    def _from_member(self, c: dict[str, Any], what: str, round_ok: bool) -> str | None:
+        """The node that sent `c` (a `what` for its `ring`), if it is another member of that
+        ring of this node's and its `round` is `round_ok`; else None, and `c` is dropped."""
+        who, ring_id = str(c.get("node")), str(c.get("ring"))
+        ring = next((r for r in self.plan.rings_of(self.name) if r.id == ring_id), None)
+        if ring is None or who not in ring.members or who == self.name or not round_ok:
+            log.warning("%s: a %s of %s for ring %s that is not its, dropped", self.name, what,
+                        who, ring_id)
+            return None
+        return who
+
     def _join(self, c: dict[str, Any]) -> None:
         """A restarted node asks to come back into a ring after a round (`rejoining`)."""
-        who, ring_id, round_ = str(c.get("node")), str(c.get("ring")), c.get("round")
-        ring = next((r for r in self.plan.rings_of(self.name) if r.id == ring_id), None)
-        if ring is None or who not in ring.members or who == self.name or not (
-                round_ is None or isinstance(round_, int)):
-            log.warning("%s: a join of %s to ring %s that is not its, dropped", self.name, who,
-                        ring_id)
+        ring_id, round_ = str(c.get("ring")), c.get("round")
+        who = self._from_member(c, "join", round_ is None or isinstance(round_, int))
+        if who is None:
             return
         if round_ is not None and round_ <= self.rounds.last:
             self._answer(who, {"op": Op.LATE, "ring": ring_id, "round": round_,
@@ -431,13 +439,12 @@ class NodeRuntime:
 
     def _leaving(self, c: dict[str, Any]) -> None:
         """A member of one of this node's rings drains: the rounds after `round` go without it."""
-        who, ring_id, round_ = str(c.get("node")), str(c.get("ring")), c.get("round")
-        ring = next((r for r in self.plan.rings_of(self.name) if r.id == ring_id), None)
-        if ring is None or who not in ring.members or who == self.name or not isinstance(
-                round_, int) or self.membership is None:
-            log.warning("%s: a leave of %s from ring %s that is not its, dropped", self.name,
-                        who, ring_id)
+        ring_id, round_ = str(c.get("ring")), c.get("round")
+        who = self._from_member(c, "leave", isinstance(round_, int)
+                                and self.membership is not None)
+        if who is None:
             return
+        assert self.membership is not None and isinstance(round_, int)
         self.membership.leave(who, round_ + 1)
         cluster = self.plan.node(who).cluster
         self.checkpoints.without({n.name for n in self.plan.cluster_nodes(cluster)})
@@ -663,17 +670,23 @@ class NodeRuntime:
                     self._send_checkpoint(epoch, batch + 1)
                 if on_update is not None:
                     on_update(self)
-                if self._drained():
+                self._drain_if_told()
+                if self._left():
                     break
-            if self.leave_after is not None and self._drained():
+            if self._left():
                 break
             self._end_epoch(epoch, on_epoch)
         self._control({"op": Op.FINISH})
         self._flush_peers()
 
-    def _drained(self) -> bool:
+    def _left(self) -> bool:
+        """Whether this node's cluster drains and is past its leave round."""
+        return self.leave_after is not None and self.updates >= (
+            self.leave_after * self.s.reduce_factor)
+
+    def _drain_if_told(self) -> None:
         """At a root, at a drained update: start draining if told to (the leave round picked as
-        a join round is, `rejoining`), and whether the cluster is past its leave round."""
+        a join round is, `rejoining`)."""
         if self.leave_after is None and self.drain_asked is not None and self.drain_asked():
             self.drain_asked = None  # asked once
             round_ = join_round(self.rounds.last, self.rounds.seconds or 1.0,
@@ -684,8 +697,6 @@ class NodeRuntime:
                             self.name)
             else:
                 self._control({"op": Op.LEAVE, "round": round_})
-        return self.leave_after is not None and self.updates >= (
-            self.leave_after * self.s.reduce_factor)
 
     def _end_epoch(self, epoch: int,
                    on_epoch: Callable[[NodeRuntime, int], None] | None) -> None:
