@@ -42,6 +42,14 @@ class DeletePod:
 
 
 @dataclass(frozen=True)
+class AnnotatePod:
+    """Set one annotation on a pod (a merge patch); a pod already gone is not an error."""
+    name: str
+    key: str
+    value: str
+
+
+@dataclass(frozen=True)
 class DeleteJob:
     """Delete the RavnestJob itself (its ttlSecondsAfterFinished ran out)."""
 
@@ -94,8 +102,9 @@ class CountFinished:
     started: str | None
 
 
-Action = (SetStatus | CreateJobObjects | Create | DeletePod | DeleteJob | Event | ScrapeProgress
-          | CountRestart | CountRecovery | CountTakeover | CountRunning | CountFinished)
+Action = (SetStatus | CreateJobObjects | Create | DeletePod | AnnotatePod | DeleteJob | Event
+          | ScrapeProgress | CountRestart | CountRecovery | CountTakeover | CountRunning
+          | CountFinished)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ravnest import storing
-from ravnest.errors import PlanError, SpecError
+from ravnest.errors import PlanError, RavnestError, SpecError
 from ravnest.plan.handoff import decode
 from ravnest.plan.plans import Plan, SparePlan, spare_name
 from ravnest.run import elastic
@@ -26,6 +26,7 @@ from ravnest.spec import Job, parse_job
 
 from . import resources
 from .actions import (
+    AnnotatePod,
     CountFinished,
     CountRecovery,
     CountRestart,
@@ -71,6 +72,9 @@ class Observed:
     """What makes the spec invalid."""
     changed: tuple[str, ...] = ()
     """The spec's fields (camelCase) that differ from the job as planned (`as_planned`)."""
+    removed: tuple[int, ...] | None = None
+    """When spec.providers is the one field changed and only by providers left out: those
+    providers, as indices into the providers as planned (`removed_providers`); None otherwise."""
     plan: Plan | None = None
     """The plan its plan ConfigMap holds; None when that does not exist (yet)."""
     pods: tuple[dict[str, Any], ...] = field(default_factory=tuple)
@@ -85,6 +89,10 @@ class _Pass:
     settings: Settings
     status: dict[str, Any]
     out: Decision = field(default_factory=Decision)
+    drained: set[int] = field(default_factory=set)
+    """The clusters that drained (`_drains`): out of the job, their pods left as they ended."""
+    draining: dict[int, str] = field(default_factory=dict)
+    """Cluster -> its drain order (JSON), for the clusters told to drain and not drained yet."""
 
     @property
     def at(self) -> str:
@@ -142,7 +150,9 @@ def decide(observed: Observed, now: dt.datetime, settings: Settings) -> Decision
     if phase in (None, "Created", "Planning"):
         _planned(run, observed.job, plan)
         return run.out
-    _spec_changed(run, observed.changed)
+    refused = _drains(run, observed.job, plan)
+    _spec_changed(run, () if observed.removed is not None and refused is None
+                  else observed.changed, refused)
     _run(run, observed.job, plan, phase)
     return run.out
 
@@ -166,30 +176,116 @@ def as_planned(job: Job, planned: Mapping[str, Any] | None) -> tuple[Job, tuple[
     return then.model_copy(update={"spec": spec}), changed
 
 
+def removed_providers(now: Job, planned: Job, changed: tuple[str, ...]) -> tuple[int, ...] | None:
+    """`Observed.removed`: the providers (indices as planned) the spec `now` left out of the
+    job `planned`, when that is its one edit (`changed`: the fields edited); None otherwise."""
+    if changed != ("providers",):
+        return None
+    removed = elastic.removed_providers(planned.spec.expanded_providers(),
+                                        now.spec.expanded_providers())
+    return None if removed is None else tuple(removed)
+
+
 SPEC_CHANGED = ("{} changed after the job was planned, and is not applied: the job runs on as "
-                "planned (a running job does not grow or shrink yet; delete it and apply it "
-                "again to plan it anew)")
+                "planned (a running job shrinks when providers are removed from spec.providers, "
+                "but does not grow or take other edits yet; delete it and apply it again to plan "
+                "it anew)")
 """The SpecChanged condition's message ({}: the fields)."""
 
 
-def _spec_changed(run: _Pass, changed: tuple[str, ...]) -> None:
+def _spec_changed(run: _Pass, changed: tuple[str, ...], refused: str | None = None) -> None:
     """SpecChanged: True (NotApplied, and a Warning) while fields that the plan was made from
-    differ from the spec as planned; False (AsPlanned) once they are as planned again."""
+    differ from the spec as planned (`changed`), or providers removed cannot be drained
+    (`refused`: why); False (AsPlanned) once they are as planned again, or drained."""
     conditions = run.status.get("conditions") or []
     now = next((c for c in conditions if c.get("type") == "SpecChanged"), None)
     if changed:
         text = SPEC_CHANGED.format(", ".join(f"spec.{k}" for k in changed))
+        if refused:
+            text = (f"spec.providers: the providers removed are not drained: {refused}; the job "
+                    f"runs on as planned")
         if now is not None and now.get("status") == "True" and now.get("message") == text:
             return
         conditions = set_condition(conditions, "SpecChanged", True, "NotApplied", text, run.at)
         run.out.do(Event("SpecChanged", text, warning=True))
     elif now is not None and now.get("status") == "True":
         conditions = set_condition(conditions, "SpecChanged", False, "AsPlanned",
-                                   "the spec is the one planned again", run.at)
+                                   "the spec is the one planned again, or the one drained to",
+                                   run.at)
     else:
         return
     run.status["conditions"] = conditions
     run.out.set({"conditions": conditions})
+
+
+def _drains(run: _Pass, job: Job, plan: Plan) -> str | None:
+    """Draining (issue 20, shrink): providers removed from a running job's spec take their
+    clusters (`elastic.drain_for`) out at a round boundary, while the others train on. The root
+    pod of each such cluster gets the order as an annotation (`resources.DRAIN_ANNOTATION`, which
+    its worker reads from a downward-API file, as `ravnest drain` leaves it a file on
+    `ravnest run`); once its termination message says it drained, the cluster is out of the job
+    (status.drained, status.membership, status.clusters). Sets `run.drained` and `run.draining`;
+    returns why the providers removed cannot be drained (nothing is ordered then), or None."""
+    ordered, drained = (
+        [d for d in run.status.get(key) or [] if isinstance(d, dict)
+         and isinstance(d.get("cluster"), int) and 0 <= d["cluster"] < len(plan.clusters)]
+        for key in ("draining", "drained"))
+    pods = {p["metadata"]["name"]: p for p in run.observed.pods}
+    root = {c.id: resources.pod_name(run.observed.name, c.nodes[0]) for c in plan.clusters}
+    for d in list(ordered):  # a root that drained said so as it ended
+        said = (_said(pods.get(root[int(d["cluster"])], {})) or {}).get("drained")
+        if isinstance(said, dict):
+            ordered.remove(d)
+            drained.append({**d, "round": said.get("round"), "updates": said.get("updates")})
+            run.out.do(Event("Drained", f"cluster {d['cluster']} drained after round "
+                                        f"{said.get('round')}: the job goes on without it"))
+    refused = None
+    if run.observed.removed is not None:
+        ordered, refused = _order_drains(run, job, plan, ordered, drained)
+    run.drained = {int(d["cluster"]) for d in drained}
+    run.draining = {int(d["cluster"]): json.dumps({"providers": d["providers"],
+                                                   "at": d["orderedAt"]}) for d in ordered}
+    for c, order in run.draining.items():
+        pod = pods.get(root[c])
+        if pod is not None and not _going(pod) and (pod["metadata"].get("annotations") or {}
+                                                    ).get(resources.DRAIN_ANNOTATION) != order:
+            run.out.do(AnnotatePod(root[c], resources.DRAIN_ANNOTATION, order))
+    if ordered or drained:
+        run.out.set({"draining": ordered, "drained": drained,
+                     "membership": elastic.membership(
+                         plan, [d for d in drained if isinstance(d.get("round"), int)])})
+    return refused
+
+
+def _order_drains(run: _Pass, job: Job, plan: Plan, ordered: list[dict[str, Any]],
+                  drained: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str | None]:
+    """Order the clusters of the providers the spec newly left out to drain: the orders as they
+    stand, and why none was given (a provider drained before is back: a running job does not
+    grow; one that runs no stage; no cluster would be left)."""
+    assert run.observed.removed is not None
+    want = set(run.observed.removed)
+    have = {int(p) for d in [*ordered, *drained] for p in d.get("providers") or []}
+    if have - want:
+        back = ", ".join(map(str, sorted(have - want)))
+        return ordered, (f"provider(s) {back} left the job and are listed again: a running job "
+                         f"does not grow yet")
+    if not want - have:
+        return ordered, None
+    runs_on = {n.name: n.provider for n in plan.nodes} | _runs_on(run.status, job, plan)
+    try:
+        clusters = elastic.drain_for(plan, sorted(want - have), runs_on,
+                                     {int(d["cluster"]) for d in [*ordered, *drained]})
+    except RavnestError as e:
+        return ordered, str(e)
+    new: list[dict[str, Any]] = []
+    for c in sorted(clusters):
+        providers = sorted(p for p in want - have
+                           if any(runs_on[n.name] == p for n in plan.cluster_nodes(c)))
+        new.append({"cluster": c, "orderedAt": run.at, "providers": providers})
+        run.out.do(Event("Draining", f"provider(s) {', '.join(map(str, providers))} removed "
+                                     f"from spec.providers: cluster {c} drains at a round "
+                                     f"boundary, the others train on"))
+    return [*ordered, *new], None
 
 
 def _planned(run: _Pass, job: Job, plan: Plan) -> None:
@@ -302,7 +398,9 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     runs_on = _runs_on(run.status, job, plan)
     spares = _Spares.of(run, job, plan, runs_on)
     run.out.set({"nodes": {n: s.to_status() for n, s in obs.nodes.items()},
-                 "clusters": _active(plan, rejoining), **spares.status()})
+                 "clusters": _active(run, plan, rejoining), **spares.status()})
+    # a drained cluster's pods are done with: neither waited for, nor lost, nor made again
+    obs = Observation({n: s for n, s in obs.nodes.items() if s.cluster not in run.drained})
     stale = [s for s in obs.nodes.values() if s.phase != "Missing" and (
         s.attempt != restarts or s.recovery != recoveries[s.cluster])]
     run.out.do(*(DeletePod(s.pod) for s in stale if not s.deleting))
@@ -348,11 +446,11 @@ def _ended_without(run: _Pass, job: Job, plan: Plan, obs: Observation,
     not yet running again (there is nobody left to take the state from). The final round averaged
     the others, whose model is the job's. Their pods are deleted, and the job finishes."""
     before = {int(c) for c in run.status.get("abandoned") or []}
-    done = {c.id for c in plan.clusters if all(obs.nodes[n].phase == "Succeeded"
-                                               for n in c.nodes)}
+    done = {c.id for c in plan.clusters if c.id not in run.drained and all(
+        obs.nodes[n].phase == "Succeeded" for n in c.nodes)}
     unable = before | rejoining | {s.cluster for s in obs.nodes.values()
                                    if s.deleting or s.phase in ("Failed", "Missing")}
-    rest = elastic.ended_without(job.spec.run_policy, plan, done, unable)
+    rest = elastic.ended_without(job.spec.run_policy, plan, done, unable, run.drained)
     if not rest:
         return before
     new = rest - before
@@ -365,16 +463,17 @@ def _ended_without(run: _Pass, job: Job, plan: Plan, obs: Observation,
                                    "Abandoned", text, run.at)
         run.status.update(conditions=conditions, abandoned=sorted(rest))
         run.out.set({"abandoned": sorted(rest), "rejoining": sorted(rejoining - rest),
-                     "clusters": _active(plan, rest), "conditions": conditions})
+                     "clusters": _active(run, plan, rest), "conditions": conditions})
         run.out.do(Event("Abandoned", text, warning=True),
                    *(DeletePod(s.pod) for s in obs.nodes.values() if s.cluster in new
                      and s.phase in ("Running", "Pending") and not s.deleting))  # failed: kept
     return rest
 
 
-def _active(plan: Plan, away: set[int]) -> str:
-    """status.clusters: the clusters training / planned (`away`: those rejoining or left out)."""
-    return f"{len(plan.clusters) - len(away)}/{len(plan.clusters)}"
+def _active(run: _Pass, plan: Plan, away: set[int]) -> str:
+    """status.clusters: the clusters training / planned (`away`: those rejoining or left out;
+    those drained are away too)."""
+    return f"{len(plan.clusters) - len(set(away) | run.drained)}/{len(plan.clusters)}"
 
 
 def _cluster_recoveries(status: Mapping[str, Any], plan: Plan) -> dict[int, int]:
@@ -396,8 +495,9 @@ def _recover(run: _Pass, job: Job, plan: Plan, obs: Observation, down: list[Node
     otherwise (the whole job restarts from its last checkpoint)."""
     policy = job.spec.run_policy
     clusters = {s.cluster for s in down}
-    whole = [c.id for c in plan.clusters if c.id not in clusters and c.id not in rejoining and all(
-        obs.nodes[n].phase == "Running" and not obs.nodes[n].deleting for n in c.nodes)]
+    whole = [c.id for c in plan.clusters if c.id not in clusters | rejoining | run.drained
+             and all(obs.nodes[n].phase == "Running" and not obs.nodes[n].deleting
+                     for n in c.nodes)]
     total = int(run.status.get("recoveries", 0))
     if not elastic.restart_alone(plan, policy, clusters, whole, total,
                                  any(s.exit_code == SPEC_ERROR_EXIT for s in down)):
@@ -414,7 +514,7 @@ def _recover(run: _Pass, job: Job, plan: Plan, obs: Observation, down: list[Node
                  "clusterRecoveries": [recoveries.get(i, 0)
                                        for i in range(max(recoveries) + 1)],
                  "rejoining": sorted(rejoining),
-                 "clusters": _active(plan, rejoining),
+                 "clusters": _active(run, plan, rejoining),
                  "conditions": set_condition(conditions, "Recovering", True, "WorkerFailed",
                                              text, run.at)})
     run.out.do(Event("Recovering", text, warning=True), CountRecovery())
@@ -436,7 +536,7 @@ def _rejoined(run: _Pass, plan: Plan, obs: Observation, rejoining: set[int],
                                    f"cluster(s) {', '.join(map(str, sorted(back)))} running "
                                    f"again after: {recovering['message']}", run.at)
     run.out.set({"rejoining": sorted(left), "conditions": conditions,
-                 "clusters": _active(plan, left)})
+                 "clusters": _active(run, plan, left)})
     run.out.do(Event("Rejoined", f"cluster(s) {', '.join(map(str, sorted(back)))} running "
                                  f"again, rejoining the others"))
     return conditions, left
@@ -448,12 +548,14 @@ def _create_missing(run: _Pass, job: Job, plan: Plan, obs: Observation, restarts
     """Create the worker pods that are missing (as this attempt's and their cluster's recovery's;
     placed as the spare that took a node over, if one did) and the spares' pods."""
     owner = resources.Owner(run.observed.name, run.observed.namespace, run.observed.uid)
+    gone = [n for c in sorted(run.drained) for n in plan.cluster_nodes(c)]
     for node in plan.nodes:
         if node.name in obs.nodes and obs.nodes[node.name].phase == "Missing":
             run.out.do(Create(resources.pod(
                 owner, job, plan, node, run.settings.worker_image, attempt=restarts,
                 final_scrape_seconds=run.settings.final_scrape_seconds,
-                recovery=recoveries[node.cluster], provider_index=runs_on.get(node.name))))
+                recovery=recoveries[node.cluster], provider_index=runs_on.get(node.name),
+                gone=[n.name for n in gone], drain=run.draining.get(node.cluster))))
     run.out.do(*(Create(resources.spare_pod(owner, job, plan, i, run.settings.worker_image))
                  for i in spares.missing()))
 
@@ -671,7 +773,7 @@ def _succeeded(run: _Pass, plan: Plan, phase: str, conditions: list[dict[str, An
                fused: dict[str, Any] | None = None) -> None:
     """Every pod succeeded: the job's result and final figures from the cluster-0 root (and,
     with outputs written, where they are and the fused model's figures)."""
-    result = {**_result(run.observed, plan, run.status), **(fused or {})}
+    result = {**_result(run.observed, plan, run.status, run.drained), **(fused or {})}
     if outputs:
         run.out.set({"outputs": outputs})
     final = {**(run.status.get("progress") or {})}
@@ -693,22 +795,31 @@ def _succeeded(run: _Pass, plan: Plan, phase: str, conditions: list[dict[str, An
     run.clean("All" if run.run_policy.get("cleanPodPolicy") == "All" else "None")
 
 
-def _result(observed: Observed, plan: Plan, status: Mapping[str, Any]) -> dict[str, Any]:
+def _result(observed: Observed, plan: Plan, status: Mapping[str, Any],
+            drained: set[int]) -> dict[str, Any]:
     """The final figures the first cluster's root wrote as its termination message (of the
-    clusters the job did not end without, status.abandoned)."""
-    gone = {int(c) for c in status.get("abandoned") or []}
+    clusters the job did not end without, status.abandoned, and that did not drain)."""
+    gone = {int(c) for c in status.get("abandoned") or []} | drained
     roots = [resources.pod_name(observed.name, c.nodes[0]) for c in plan.clusters
              if c.id not in gone]
     pods = {p["metadata"]["name"]: p for p in observed.pods}
     for root in roots[:1]:
-        for cs in (pods.get(root, {}).get("status") or {}).get("containerStatuses") or []:
-            msg = ((cs.get("state") or {}).get("terminated") or {}).get("message")
-            if msg:
-                try:
-                    return dict(json.loads(msg))
-                except ValueError:
-                    return {}
+        return _said(pods.get(root, {})) or {}
     return {}
+
+
+def _said(pod: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A terminated pod's termination message, as the JSON object its worker wrote; None
+    without one."""
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        msg = ((cs.get("state") or {}).get("terminated") or {}).get("message")
+        if msg:
+            try:
+                said = json.loads(msg)
+            except ValueError:
+                return None
+            return dict(said) if isinstance(said, dict) else None
+    return None
 
 
 def _watch(run: _Pass, plan: Plan, obs: Observation, phase: str,

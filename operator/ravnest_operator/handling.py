@@ -31,6 +31,7 @@ from ravnest.spec import parse_job
 from . import monitoring, resources
 from .actions import (
     Action,
+    AnnotatePod,
     CountFinished,
     CountRecovery,
     CountRestart,
@@ -45,7 +46,7 @@ from .actions import (
     SetStatus,
 )
 from .crds import GROUP, PLURAL, VERSION
-from .deciding import FINISHED, Observed, as_planned, decide
+from .deciding import FINISHED, Observed, as_planned, decide, removed_providers
 from .settings import Settings
 from .statuses import progress
 
@@ -102,6 +103,15 @@ def _delete_pod(name: str, namespace: str) -> None:
     except ApiException as e:
         if e.status != 404:
             raise kopf.TemporaryError(f"deleting pod {name}: {e.status} {e.reason}",
+                                      delay=5) from e
+
+
+def _annotate_pod(name: str, namespace: str, key: str, value: str) -> None:
+    try:
+        _core().patch_namespaced_pod(name, namespace, {"metadata": {"annotations": {key: value}}})
+    except ApiException as e:
+        if e.status != 404:
+            raise kopf.TemporaryError(f"annotating pod {name}: {e.status} {e.reason}",
                                       delay=5) from e
 
 
@@ -180,8 +190,10 @@ def _observe(body: kopf.Body, spec: dict[str, Any], status: dict[str, Any], name
     except SpecError as e:
         return replace(seen, problems=tuple(e.problems))
     plan, planned = _load_plan(name, namespace, uid)
+    now = job
     job, changed = as_planned(job, planned)
     return replace(seen, job=job, plan=plan, changed=changed,
+                   removed=removed_providers(now, job, changed),
                    pods=tuple(_pods(name, namespace, uid)))
 
 
@@ -200,6 +212,8 @@ def _carry_out(action: Action, body: kopf.Body, patch: kopf.Patch,
         _create(dict(action.manifest))
     elif isinstance(action, DeletePod):
         _delete_pod(action.name, owner.namespace)
+    elif isinstance(action, AnnotatePod):
+        _annotate_pod(action.name, owner.namespace, action.key, action.value)
     elif isinstance(action, DeleteJob):
         _delete_job(owner.name, owner.namespace)
     elif isinstance(action, Event):

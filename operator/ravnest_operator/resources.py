@@ -13,13 +13,16 @@ from __future__ import annotations
 import base64
 import copy
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ravnest.comm.tls import CA_FILE, CERT_FILE, KEY_FILE, TlsMaterial
 from ravnest.plan.plans import NodePlan, Plan, spare_name
 from ravnest.run.metadata import (
+    DRAIN_DIR_ENV,
     FINAL_SCRAPE_ENV,
+    GONE_ENV,
     GRPC_PORT,
     METRICS_PORT,
     REJOIN_ENV,
@@ -39,6 +42,8 @@ from .templating import merged
 DATA_DIR = "/ravnest"
 METADATA_DIR = "/etc/ravnest"
 TLS_DIR = "/etc/ravnest-tls"
+DRAIN_DIR = "/etc/ravnest-drain"
+"""Where a worker pod's downward-API volume shows its drain order (`DRAIN_ANNOTATION`)."""
 WORKER_UID = 10001
 POD_SECURITY: dict[str, Any] = {"runAsNonRoot": True, "runAsUser": WORKER_UID,
                                 "runAsGroup": WORKER_UID, "fsGroup": WORKER_UID,
@@ -63,6 +68,9 @@ PLANNED_JOB = "job.json"
 """In the plan ConfigMap: the job as it was planned."""
 SPARE_LABEL = "ravnest.io/spare"
 """On a spare pod: the provider it holds."""
+DRAIN_ANNOTATION = "ravnest.io/drain"
+"""On the root pod of a cluster told to drain (providers removed from a running job): the order,
+JSON; the worker reads it from its downward-API volume as `cluster_<c>` in `DRAIN_DIR`."""
 
 
 @dataclass(frozen=True)
@@ -305,27 +313,28 @@ def _resources(provider: Provider) -> dict[str, Any]:
 
 def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
         attempt: int = 0, final_scrape_seconds: float = 0, recovery: int = 0,
-        provider_index: int | None = None) -> dict[str, Any]:
+        provider_index: int | None = None, gone: Sequence[str] = (),
+        drain: str | None = None) -> dict[str, Any]:
     """The worker pod of one provider. With `final_scrape_seconds` (Prometheus scrapes the
     workers) a finished worker stays up to that long for one scrape of its final metrics.
     `recovery` > 0: the pod of a cluster restarted alone for the recovery-th time in this attempt
     (elastic training), whose worker takes its state from the other clusters and rejoins them
     (`REJOIN_ENV`) instead of resuming from a checkpoint. `provider_index`: the provider whose
     placement (image, resources, nodeSelector, tolerations) the pod takes, when a spare took the
-    node's stage over (by default the node's own)."""
+    node's stage over (by default the node's own). `gone`: the nodes of the clusters that drained
+    (`GONE_ENV`). `drain`: the drain order of the node's cluster, when it was told to drain before
+    the pod was made (`DRAIN_ANNOTATION`, which the operator sets on a running root pod); every
+    pod reads its cluster's from a downward-API volume (`DRAIN_DIR_ENV`), only a root acts on it."""
     index = node.provider if provider_index is None else provider_index
     provider = job.spec.expanded_providers()[index]
     annotations = {"ravnest.io/plan": plan.fingerprint, ATTEMPT_ANNOTATION: str(attempt),
                    PROVIDER_ANNOTATION: str(index)}
     if recovery:
         annotations[RECOVERY_ANNOTATION] = str(recovery)
+    if drain:
+        annotations[DRAIN_ANNOTATION] = drain
     if provider.bandwidth is not None:
         annotations["ravnest.io/bandwidth-mbps"] = f"{provider.bandwidth:g}"
-    data_volume: dict[str, Any] = {"name": "data"}
-    if job.spec.checkpoint.volume:
-        data_volume.update(job.spec.checkpoint.volume)
-    else:
-        data_volume["emptyDir"] = {}
     container = {
         "name": "worker",
         "image": provider.image or job.spec.image or image,
@@ -337,6 +346,8 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
                 *([{"name": FINAL_SCRAPE_ENV, "value": f"{final_scrape_seconds:g}"}]
                   if final_scrape_seconds > 0 else []),
                 *([{"name": REJOIN_ENV, "value": "1"}] if recovery else []),
+                *([{"name": GONE_ENV, "value": ",".join(gone)}] if gone else []),
+                {"name": DRAIN_DIR_ENV, "value": DRAIN_DIR},
                 *_s3_credentials(job)],
         "ports": [{"name": "grpc", "containerPort": GRPC_PORT},
                   {"name": "metrics", "containerPort": METRICS_PORT},
@@ -344,11 +355,13 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
         "readinessProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 2},
         "resources": _resources(provider),
         "volumeMounts": [{"name": "node-metadata", "mountPath": METADATA_DIR, "readOnly": True},
-                         {"name": "data", "mountPath": DATA_DIR}, *_claim_mounts(job)],
+                         {"name": "data", "mountPath": DATA_DIR},
+                         {"name": "drain", "mountPath": DRAIN_DIR, "readOnly": True},
+                         *_claim_mounts(job)],
     }
     spec = _hardened(container, [{"name": "node-metadata",
                                   "configMap": {"name": pod_name(owner.name, node.name)}},
-                                 data_volume, *_claim_volumes(job)],
+                                 _data_volume(job), _drain_volume(node), *_claim_volumes(job)],
                      hostname=dns_label(node.name), subdomain=service_name(owner.name))
     if job.spec.security.tls:
         _mount_tls(spec, owner, node.name)
@@ -357,6 +370,19 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
                    "metadata": _meta(owner, pod_name(owner.name, node.name),
                                      node_labels(owner.name, node), annotations),
                    "spec": spec}, job.spec.template)
+
+
+def _data_volume(job: Job) -> dict[str, Any]:
+    """A worker pod's data volume: spec.checkpoint.volume, or an emptyDir."""
+    return {"name": "data", **(job.spec.checkpoint.volume or {"emptyDir": {}})}
+
+
+def _drain_volume(node: NodePlan) -> dict[str, Any]:
+    """The pod's drain order as a file, `cluster_<c>`: the pod's `DRAIN_ANNOTATION`, empty
+    without one; the kubelet updates it when the annotation is set on the running pod."""
+    return {"name": "drain", "downwardAPI": {"items": [{
+        "path": f"cluster_{node.cluster}",
+        "fieldRef": {"fieldPath": f"metadata.annotations['{DRAIN_ANNOTATION}']"}}]}}
 
 
 def _place(spec: dict[str, Any], provider: Provider) -> None:

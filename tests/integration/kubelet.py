@@ -3,12 +3,13 @@
 It watches the job pods the operator creates in a real kube-apiserver, runs one real
 `ravnest worker` process per pod from the pod's own spec (its ConfigMap volume, its Secret env
 and Secret volumes), and writes pod phase, IP and exit code back through the API, as a kubelet
-would. Each pod gets its own loopback address (127.1.x.y), which also plays the headless
-Service's DNS: the worker's peer addresses are rewritten from DNS names to those addresses. The
-job's data volume is a folder per job and claim when it is a persistentVolumeClaim (shared, as a
-ReadWriteMany volume would be), and the pod's own when it is an emptyDir (gone with the pod); the
-claims of ``pvc://`` locations are folders per namespace and claim. Planner and finishing pods run
-`ravnest plan` / `ravnest finish` the same way.
+would; a pod's downward-API volumes are files kept up to date with its annotations, as the
+kubelet refreshes them (a drain order). Each pod gets its own loopback address (127.1.x.y),
+which also plays the headless Service's DNS: the worker's peer addresses are rewritten from DNS
+names to those addresses. The job's data volume is a folder per job and claim when it is a
+persistentVolumeClaim (shared, as a ReadWriteMany volume would be), and the pod's own when it is
+an emptyDir (gone with the pod); the claims of ``pvc://`` locations are folders per namespace and
+claim. Planner and finishing pods run `ravnest plan` / `ravnest finish` the same way.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class _Running:
     uid: str
     proc: subprocess.Popen[bytes]
     termination: Path
+    downward: dict[Path, Any]
+    """A downward-API volume's folder -> its items."""
 
 
 class FakeKubelet(threading.Thread):
@@ -105,6 +108,8 @@ class FakeKubelet(threading.Thread):
             code = r.proc.poll()
             if code is not None and (p.status.phase or "Pending") == "Running":
                 self._terminated(p, code, r)
+            for folder, items in r.downward.items():
+                _project(p, folder, items)
         for name, p in live.items():
             if p.metadata.deletion_timestamp:
                 if name not in self.running:
@@ -147,6 +152,9 @@ class FakeKubelet(threading.Thread):
         claims = self.workdir / p.metadata.namespace / "claims"
         env = {**os.environ, TERMINATION_LOG_ENV: str(pod_dir / "termination-log"),
                PVC_ROOT_ENV: str(claims)}
+        downward = self._downward_volumes(p, pod_dir)
+        mounts = {m.mount_path: pod_dir / m.name for m in container.volume_mounts or []
+                  if pod_dir / m.name in downward}
         for e in container.env or []:
             if e.value_from and e.value_from.secret_key_ref:
                 ref = e.value_from.secret_key_ref
@@ -154,7 +162,7 @@ class FakeKubelet(threading.Thread):
                 if ref.key in (secret.data or {}) or not ref.optional:
                     env[e.name] = base64.b64decode(secret.data[ref.key]).decode()
             elif e.value is not None:
-                env[e.name] = e.value
+                env[e.name] = str(mounts.get(e.value, e.value))
         args = [a.replace(f"{METADATA_DIR}/{mounted}", str(pod_dir / mounted))
                 for a in container.args]
         log = open(pod_dir / "worker.log", "ab")
@@ -164,7 +172,7 @@ class FakeKubelet(threading.Thread):
         log.close()
         self.running[p.metadata.name] = _Running(p.metadata.name, p.metadata.namespace,
                                                  p.metadata.uid, proc,
-                                                 pod_dir / "termination-log")
+                                                 pod_dir / "termination-log", downward)
         self.started.append(p.metadata.name)
         self._patch_status(p, {
             "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
@@ -202,6 +210,17 @@ class FakeKubelet(threading.Thread):
         (pod_dir / "data").mkdir(exist_ok=True)
         replace(meta, output_dir=str(pod_dir / "data")).save(pod_dir / "node.json")
         return "127.0.0.1"
+
+    def _downward_volumes(self, p: Any, pod_dir: Path) -> dict[Path, Any]:
+        """The pod's downward-API volumes, as folders in `pod_dir` (by volume name), written."""
+        out = {}
+        for v in p.spec.volumes or []:
+            if v.downward_api:
+                folder = pod_dir / v.name
+                folder.mkdir(exist_ok=True)
+                _project(p, folder, v.downward_api.items or [])
+                out[folder] = v.downward_api.items or []
+        return out
 
     def _configmap_of(self, p: Any) -> dict[str, str]:
         """The data of the ConfigMap the pod mounts (its node metadata, or a planner's job)."""
@@ -267,6 +286,23 @@ class FakeKubelet(threading.Thread):
     def log_of(self, pod: str) -> str:
         logs = sorted((self.workdir / "pods" / pod).glob("*/worker.log"))
         return "".join(p.read_text(errors="replace") for p in logs)
+
+
+def _project(p: Any, folder: Path, items: Any) -> None:
+    """Write a downward-API volume's files from the pod's metadata (annotations and labels; a
+    missing key: an empty file), each replaced at once when it changed, as the kubelet does."""
+    fields = {"annotations": p.metadata.annotations or {}, "labels": p.metadata.labels or {}}
+    for item in items:
+        path = item.field_ref.field_path
+        kind, _, key = path.partition("[")
+        value = fields[kind.removeprefix("metadata.")].get(key.strip("]'\"")) if key else None
+        target = folder / item.path
+        text = value if value is not None else ""
+        if target.exists() and target.read_text() == text:
+            continue
+        tmp = folder / f"..{item.path}.tmp"
+        tmp.write_text(text)
+        tmp.replace(target)
 
 
 def _now() -> str:

@@ -161,10 +161,7 @@ a job's pods and restarts; an emptyDir is each pod's own and goes with it)."""
 
 
 def _kill_when(kube, kubelet, operator, job: str, pod: str, step: int) -> None:
-    def far_enough() -> bool:
-        st = (get(kube, "rj", job) or {}).get("status", {})
-        return st.get("phase") == "Running" and st.get("progress", {}).get("step", 0) >= step
-    wait_for(f"{job} step {step}", far_enough, 300, kube, operator)
+    _step_at_least(kube, operator, job, step)
     kubelet.kill(pod)
 
 
@@ -354,17 +351,62 @@ def test_a_hot_spare_takes_over_a_killed_workers_stage_on_its_own_machine(cluste
         60, kube, operator)
 
 
+def test_providers_removed_from_a_running_job_drain_their_cluster(cluster, tmp_path):
+    """`kubectl apply` of a running job with provider 5 left out of spec.providers: its cluster
+    (0: providers 0 and 5) is told to drain through its root pod's annotation (a downward-API
+    file to the worker), leaves the ring at a round boundary and ends; cluster 1 trains on to
+    the last update, and the job succeeds with cluster 1's model and says what drained."""
+    kube, kubelet, operator = cluster
+    doc = job_doc("shrunk", epochs=30)  # 660 updates
+    assert apply(kube, doc, tmp_path).returncode == 0
+    _step_at_least(kube, operator, "shrunk", 30)
+    doc["spec"]["providers"] = doc["spec"]["providers"][:5]
+    assert apply(kube, doc, tmp_path).returncode == 0
+
+    def drained() -> list[dict[str, Any]]:
+        return (get(kube, "rj", "shrunk") or {}).get("status", {}).get("drained") or []
+    wait_for("cluster 0 drained", drained, 120, kube, operator)
+    (left,) = drained()
+    assert left["cluster"] == 0 and left["providers"] == [5] and left["round"] > 0
+    wait_for("shrunk to succeed", lambda: phase_of(kube, "shrunk") == "Succeeded", 300, kube,
+             operator)
+    status = get(kube, "rj", "shrunk")["status"]
+    assert status["clusters"] == "1/2" and status["draining"] == []
+    assert status["membership"]["versions"] == [
+        {"version": 1, "fromRound": 1, "clusters": [0, 1]},
+        {"version": 2, "fromRound": left["round"] + 1, "clusters": [1]}]
+    conds = {c["type"]: c for c in status["conditions"]}
+    assert conds.get("SpecChanged", {}).get("status") != "True"
+    assert status.get("restarts", 0) == 0 and status.get("recoveries", 0) == 0
+    assert status["result"]["cluster"] == 1 and status["result"]["updates"] == 660
+    assert status["progress"]["validationMetric"] >= 0.95
+    root = get(kube, "pod", "shrunk-node-0")
+    assert root["metadata"]["annotations"]["ravnest.io/drain"]
+    said = json.loads(root["status"]["containerStatuses"][0]["state"]["terminated"]["message"])
+    assert said["drained"]["round"] == left["round"]
+    assert kubelet.started.count("shrunk-node-0") == 1
+    assert f"drained after round {left['round']}" in kubelet.log_of("shrunk-node-0")
+    print(f"\nshrunk: cluster 0 drained after round {left['round']} of 330")
+
+
+def _step_at_least(kube, operator, job: str, step: int) -> None:
+    def far_enough() -> bool:
+        st = (get(kube, "rj", job) or {}).get("status", {})
+        return st.get("phase") == "Running" and st.get("progress", {}).get("step", 0) >= step
+    wait_for(f"{job} step {step}", far_enough, 300, kube, operator)
+
+
 def test_an_edited_spec_is_not_applied_and_the_job_runs_on_as_planned(cluster, tmp_path):
-    """`kubectl apply` of a running job with three of its six providers removed and runPolicy
-    edited: the job says the providers edit is not applied (SpecChanged), the runPolicy edit is
-    (recovery: job), and after a worker of a removed provider is killed its pods are made again
-    from the spec as planned, and the job succeeds."""
+    """`kubectl apply` of a running job with its providers reordered and one added (a running
+    job does not grow yet) and runPolicy edited: the job says the providers edit is not applied
+    (SpecChanged), the runPolicy edit is (recovery: job), and after a worker is killed its pods
+    are made again from the spec as planned, and the job succeeds."""
     kube, kubelet, operator = cluster
     doc = job_doc("edited", epochs=4)
     assert apply(kube, doc, tmp_path).returncode == 0
     wait_for("edited running", lambda: phase_of(kube, "edited") == "Running", 120, kube,
              operator)
-    doc["spec"]["providers"] = doc["spec"]["providers"][:3]
+    doc["spec"]["providers"] = [*doc["spec"]["providers"][::-1], {"ram": 4}]
     doc["spec"]["runPolicy"] = {"recovery": "job"}
     assert apply(kube, doc, tmp_path).returncode == 0
 

@@ -95,7 +95,8 @@ def test_the_operators_pods_take_ports_environment_and_metadata_from_the_one_mod
     pod = resources.pod(OWNER, job, plan, node, "img", final_scrape_seconds=30)
     container = pod["spec"]["containers"][0]
     assert [e["name"] for e in container["env"]] == [
-        metadata.TOKEN_ENV, metadata.TORCH_THREADS_ENV, metadata.FINAL_SCRAPE_ENV]
+        metadata.TOKEN_ENV, metadata.TORCH_THREADS_ENV, metadata.FINAL_SCRAPE_ENV,
+        metadata.DRAIN_DIR_ENV]
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
         "grpc": metadata.GRPC_PORT, "metrics": metadata.METRICS_PORT, "ring": metadata.RING_PORT}
     assert (resources.GRPC_PORT, resources.RING_PORT, resources.METRICS_PORT) == (

@@ -16,8 +16,11 @@ import yaml
 
 from ravnest import parse_job, plan_job
 from ravnest.plan.handoff import encode
+from ravnest.run.elastic import removed_providers as removed_providers_of
+from ravnest.spec import Provider
 from ravnest_operator import resources
 from ravnest_operator.actions import (
+    AnnotatePod,
     CountFinished,
     CountRecovery,
     CountRestart,
@@ -32,7 +35,13 @@ from ravnest_operator.actions import (
     ScrapeProgress,
     SetStatus,
 )
-from ravnest_operator.deciding import NOT_DURABLE, Observed, as_planned, decide
+from ravnest_operator.deciding import (
+    NOT_DURABLE,
+    Observed,
+    as_planned,
+    decide,
+    removed_providers,
+)
 from ravnest_operator.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -980,15 +989,17 @@ def test_spare_pods_are_let_go_when_training_ends_whatever_the_clean_policy(spar
 # --- a spec edited after planning -----------------------------------------------------------------
 
 def test_a_running_job_keeps_to_its_plan_when_its_spec_is_edited_and_says_so(digits):
-    """kubectl apply of a running job with providers removed: its pods are still made from the
-    spec as planned (no provider index out of range), runPolicy edits apply, and a SpecChanged
-    condition and Warning say what was not applied, until the spec is as planned again."""
+    """kubectl apply of a running job with its providers edited (reordered and one added: a
+    running job does not grow yet): its pods are still made from the spec as planned, runPolicy
+    edits apply, and a SpecChanged condition and Warning say what was not applied, until the spec
+    is as planned again."""
     doc, job, plan = digits
     spec = copy.deepcopy(doc["spec"])
-    spec["providers"] = spec["providers"][:3]
+    spec["providers"] = [*spec["providers"][::-1], {"ram": 4}]
     spec["runPolicy"] = {"backoffLimit": 7, "recovery": "job"}
-    got, changed = as_planned(parse_job({**doc, "spec": spec}), job.to_dict())
-    assert changed == ("providers",)
+    now = parse_job({**doc, "spec": spec})
+    got, changed = as_planned(now, job.to_dict())
+    assert changed == ("providers",) and removed_providers(now, got, changed) is None
     assert got.spec.providers == job.spec.providers
     assert got.spec.run_policy.backoff_limit == 7 and got.spec.run_policy.recovery == "job"
     assert as_planned(job, None) == (job, ())  # a plan ConfigMap without the job: as it is
@@ -1017,3 +1028,118 @@ def test_a_running_job_keeps_to_its_plan_when_its_spec_is_edited_and_says_so(dig
     d = decide(dataclasses.replace(observed, changed=()), NOW, SETTINGS)
     cond = _conditions(d)["SpecChanged"]
     assert (cond["status"], cond["reason"]) == ("False", "AsPlanned")
+
+
+# --- providers removed from a running job: their clusters drain ----------------------------------
+
+def test_the_providers_an_edit_removed_are_found_and_other_edits_are_not_removals():
+    a, b, c = (Provider(ram=r) for r in (4, 8, 2))
+    assert removed_providers_of([a, a, b, c], [a, b]) == [1, 3]  # an entry's last replicas go
+    assert removed_providers_of([a, b, c], [a, b, c]) == []
+    assert removed_providers_of([a, b, c], [c]) == [0, 1]
+    assert removed_providers_of([a, b], [b, a]) is None  # reordered
+    assert removed_providers_of([a, b], [a, b, c]) is None  # added
+    assert removed_providers_of([a, b], [a, Provider(ram=8, compute=2)]) is None  # changed
+
+
+def _drain_edit(digits, keep: list[int], status: dict, pods=()) -> Observed:
+    """The digits job running with spec.providers edited to the providers `keep` (by index)."""
+    doc, job, _ = digits
+    spec = copy.deepcopy(doc["spec"])
+    spec["providers"] = [spec["providers"][i] for i in keep]
+    now = parse_job({**doc, "spec": spec})
+    got, changed = as_planned(now, job.to_dict())
+    return dataclasses.replace(_observed(digits, status, pods), spec=spec, job=got,
+                               changed=changed, removed=removed_providers(now, got, changed))
+
+
+def test_providers_removed_from_a_running_job_drain_their_cluster(digits):
+    """kubectl apply with provider 5 left out: its cluster (0: providers 0 and 5) is told to
+    drain through its root pod's annotation, which the pod's downward-API volume shows its worker;
+    the others train on, and the edit is applied, not refused."""
+    _, _, plan = digits
+    pods = _pods(plan, "Running")
+    observed = _drain_edit(digits, [0, 1, 2, 3, 4], _running(), pods)
+    assert observed.removed == (5,)
+    d = decide(observed, NOW, SETTINGS)
+    order = json.dumps({"providers": [5], "at": AT})
+    root = pods[0]["metadata"]["name"]
+    assert AnnotatePod(root, resources.DRAIN_ANNOTATION, order) in d.actions
+    assert d.status["draining"] == [{"cluster": 0, "orderedAt": AT, "providers": [5]}]
+    assert d.status["drained"] == [] and "phase" not in d.status
+    assert "SpecChanged" not in {c["type"] for c in d.status.get("conditions") or []}
+    assert [a.reason for a in d.actions if isinstance(a, Event)] == ["Draining"]
+    assert not any(isinstance(a, DeletePod | Create) for a in d.actions)
+    # the next pass orders nothing again; a root pod made meanwhile carries the order
+    pods[0]["metadata"]["annotations"][resources.DRAIN_ANNOTATION] = order
+    again = dataclasses.replace(observed, status=_running(**{
+        k: d.status[k] for k in ("draining", "drained")}), pods=tuple(pods))
+    d = decide(again, NOW, SETTINGS)
+    assert not any(isinstance(a, AnnotatePod | Event) for a in d.actions)
+    made = resources.pod(resources.Owner("digits", "team-a", "uid-1"), digits[1], plan,
+                         plan.nodes[0], "img", drain=order)
+    assert made["metadata"]["annotations"][resources.DRAIN_ANNOTATION] == order
+    (volume,) = [v for v in made["spec"]["volumes"] if v["name"] == "drain"]
+    assert volume["downwardAPI"]["items"] == [{"path": "cluster_0", "fieldRef": {
+        "fieldPath": f"metadata.annotations['{resources.DRAIN_ANNOTATION}']"}}]
+    assert _env(made)["RAVNEST_DRAIN_DIR"] == resources.DRAIN_DIR
+
+
+def test_a_drained_cluster_is_out_of_the_job_and_a_restart_leaves_it_out(digits):
+    """Once the root's termination message says it drained: status.drained, the membership's
+    second version and clusters 1/2; its pods gone are not lost, nor made again; a whole restart
+    makes only the other cluster's pods, which are told the drained nodes are gone."""
+    _, _, plan = digits
+    ordered = [{"cluster": 0, "orderedAt": AT, "providers": [5]}]
+    said = json.dumps({"node": "node_0", "updates": 40, "drained": {"round": 20, "updates": 40}})
+    pods = [_pod(plan, i, "Running") for i in range(6)]
+    for i in CLUSTER_0:
+        pods[i] = _pod(plan, i, "Succeeded", code=0, message=said if i == 0 else None)
+    d = decide(_drain_edit(digits, [0, 1, 2, 3, 4], _running(draining=ordered), pods), NOW,
+               SETTINGS)
+    drained = [{**ordered[0], "round": 20, "updates": 40}]
+    assert d.status["drained"] == drained and d.status["draining"] == []
+    assert d.status["clusters"] == "1/2"
+    assert d.status["membership"] == {"plan": plan.fingerprint, "versions": [
+        {"version": 1, "fromRound": 1, "clusters": [0, 1]},
+        {"version": 2, "fromRound": 21, "clusters": [1]}]}
+    assert Event("Drained", "cluster 0 drained after round 20: the job goes on without it") \
+        in d.actions
+    others = [p for i, p in enumerate(pods) if i in CLUSTER_1]
+    d = decide(_drain_edit(digits, [0, 1, 2, 3, 4], _running(drained=drained), others), NOW,
+               SETTINGS)
+    assert "phase" not in d.status and d.status["clusters"] == "1/2"
+    assert not any(isinstance(a, Create | DeletePod) for a in d.actions)
+    assert [a.hosts for a in d.actions if isinstance(a, ScrapeProgress)] == [("10.0.0.2",)]
+    others[0] = _pod(plan, 1, "Failed", code=137)
+    d = decide(_drain_edit(digits, [0, 1, 2, 3, 4], _running(drained=drained), others), NOW,
+               SETTINGS)
+    assert d.status["phase"] == "Restarting"  # no other cluster to take the state from
+    restarted = _drain_edit(digits, [0, 1, 2, 3, 4], {
+        **_running(drained=drained, restarts=1), "phase": "Restarting"})
+    made = [a.manifest for a in decide(restarted, NOW, SETTINGS).actions if isinstance(a, Create)]
+    assert sorted(m["metadata"]["name"] for m in made) == sorted(
+        resources.pod_name("digits", plan.names()[i]) for i in CLUSTER_1)
+    assert {_env(m)["RAVNEST_GONE"] for m in made} == {"node_0,node_5"}
+
+
+@pytest.mark.parametrize("keep, why", [
+    ([0], "would leave no cluster to train: stop the job instead"),
+    ([0, 1, 2, 3, 4, 5], "provider(s) 5 left the job and are listed again: a running job does "
+                         "not grow yet"),
+])
+def test_a_removal_that_cannot_drain_is_refused_and_nothing_is_ordered(digits, keep, why):
+    _, _, plan = digits
+    status = _running()
+    if len(keep) == 6:  # provider 5 drained before, and is back in the spec
+        status["drained"] = [{"cluster": 0, "orderedAt": AT, "providers": [5], "round": 3}]
+    observed = _drain_edit(digits, keep, status, _pods(plan, "Running"))
+    if len(keep) == 6:
+        observed = dataclasses.replace(observed, changed=("providers",), removed=())
+    d = decide(observed, NOW, SETTINGS)
+    cond = _conditions(d)["SpecChanged"]
+    assert (cond["status"], cond["reason"]) == ("True", "NotApplied")
+    assert cond["message"].startswith("spec.providers: the providers removed are not drained: ")
+    assert why in cond["message"]
+    assert not any(isinstance(a, AnnotatePod) for a in d.actions)
+    assert not d.status.get("draining")

@@ -141,8 +141,8 @@ def _spare_lines(status: dict[str, Any]) -> list[str]:
 
 
 def _drain_lines(status: dict[str, Any]) -> list[str]:
-    """Clusters training / planned (as `kubectl get rj` shows them), and those that drained (a
-    local run's status.json)."""
+    """Clusters training / planned (as `kubectl get rj` shows them), and those that drain or
+    drained (a local run's status.json, or a RavnestJob's status)."""
     lines = []
     clusters = status.get("clusters")
     if isinstance(clusters, str) and clusters:
@@ -152,6 +152,10 @@ def _drain_lines(status: dict[str, Any]) -> list[str]:
         v = versions[-1]
         lines.append(f"membership v{v.get('version')} from round {v.get('fromRound')}: clusters "
                      f"{', '.join(map(str, v.get('clusters') or []))}")
+    for d in status.get("draining") or []:  # (on Kubernetes: ordered, not drained yet)
+        if isinstance(d, dict):
+            lines.append(f"cluster {d.get('cluster')} draining: provider(s) "
+                         f"{', '.join(map(str, d.get('providers') or []))} removed")
     for d in status.get("drained") or []:
         if isinstance(d, dict):
             lines.append(f"cluster {d.get('cluster')} drained after round {d.get('round')} "

@@ -67,10 +67,11 @@ What the operator does in the namespaces it serves: exactly its API calls
 derives the same set from the code and tests/integration/test_chart.py compares.
 */}}
 {{- define "ravnest.namespacedRules" -}}
-# handling.py: pods are created per provider, listed by job, deleted on restart/suspend/cleanup.
+# handling.py: pods are created per provider, listed by job, deleted on restart/suspend/cleanup,
+# and a cluster's root pod is annotated with its drain order (providers removed from the spec).
 - apiGroups: [""]
   resources: [pods]
-  verbs: [create, delete, list]
+  verbs: [create, delete, list, patch]
 # handling.py: the plan ConfigMap is read back each pass; plan and node ConfigMaps are created.
 - apiGroups: [""]
   resources: [configmaps]

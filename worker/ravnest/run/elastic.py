@@ -1,8 +1,9 @@
 """The rules of elastic training that both supervisors follow, the local runner (`run.local`) and
 the operator (`ravnest_operator.deciding`), as pure functions of the plan, the policy and what the
 supervisor saw: whether a loss costs only its cluster, when a job ends without a cluster,
-which hot spare takes over a lost provider's stage, which clusters drain when providers are
-removed from a running job, and the job's membership versions that follow.
+which hot spare takes over a lost provider's stage, which providers an edited spec removed, which
+clusters drain when providers are removed from a running job, and the job's membership versions
+that follow.
 
 Each supervisor observes its own way (processes' exit codes; pods' phases) and acts its own way
 (restarting processes; deleting and creating pods); what it decides is decided here, once.
@@ -10,12 +11,12 @@ Each supervisor observes its own way (processes' exit codes; pods' phases) and a
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from ravnest.errors import RavnestError
 from ravnest.plan.plans import GB, Plan, SparePlan
-from ravnest.spec import RunPolicy
+from ravnest.spec import Provider, RunPolicy
 
 
 def restart_alone(plan: Plan, policy: RunPolicy, lost: Collection[int], whole: Collection[int],
@@ -34,12 +35,13 @@ def restart_alone(plan: Plan, policy: RunPolicy, lost: Collection[int], whole: C
 
 
 def ended_without(policy: RunPolicy, plan: Plan, finished: Collection[int],
-                  unable: Collection[int]) -> set[int]:
+                  unable: Collection[int], drained: Collection[int] = ()) -> set[int]:
     """The clusters a job ends without (runPolicy.recovery: cluster): once at least one cluster
     has finished training (`finished`), the rest, if each of them is `unable` to finish (failed,
     lost, or restarted alone and not yet back: nobody is left to take the state from). The final
-    round averaged the finished ones, whose model is the job's. Empty: nothing to end without."""
-    rest = {c.id for c in plan.clusters} - set(finished)
+    round averaged the finished ones, whose model is the job's. Empty: nothing to end without.
+    The clusters that `drained` are neither: they left the job before."""
+    rest = {c.id for c in plan.clusters} - set(finished) - set(drained)
     if policy.recovery != "cluster" or not finished or not rest or not rest <= set(unable):
         return set()
     return rest
@@ -52,6 +54,23 @@ def spare_for(plan: Plan, node: str, free: Iterable[SparePlan]) -> SparePlan | N
     need = plan.node(node).memory_bytes
     fits = [s for s in free if s.ram_gb * GB >= need]
     return min(fits, key=lambda s: (s.ram_gb, s.provider), default=None)
+
+
+def removed_providers(planned: Sequence[Provider], now: Sequence[Provider]) -> list[int] | None:
+    """The providers (indices into `planned`, the job's providers as planned, replicas expanded)
+    that an edited spec no longer has (`now`, expanded too), when removing them is the edit: `now`
+    is `planned` with some providers left out, in the same order. Of identical providers (an
+    entry's replicas) the last ones are the ones removed, as a StatefulSet scaled down loses its
+    highest ordinals. None: `now` is no such subsequence (a provider added or changed)."""
+    removed, i = [], 0
+    for p in now:
+        while i < len(planned) and planned[i] != p:
+            removed.append(i)
+            i += 1
+        if i == len(planned):
+            return None
+        i += 1
+    return [*removed, *range(i, len(planned))]
 
 
 def drain_for(plan: Plan, providers: Collection[int], runs_on: Mapping[str, int],

@@ -287,7 +287,9 @@ class LocalRun:
         if spare is None:
             return None
         proc = self.spare_procs.pop(spare.name)
-        order = json.dumps({"metadata": str(self.out / "nodes" / f"{node}.json"), "rejoin": True})
+        gone = [n.name for c in self.drained for n in self.plan.cluster_nodes(c)]
+        order = json.dumps({"metadata": str(self.out / "nodes" / f"{node}.json"), "rejoin": True,
+                            "gone": gone})  # (drained since the spare was started)
         try:
             assert proc.popen.stdin is not None
             proc.popen.stdin.write(order.encode() + b"\n")
@@ -436,7 +438,8 @@ class LocalRun:
         cluster = plan.node(dead.node).cluster
         finished = {c.id for c in plan.clusters if c.id not in self.drained and all(
             p.popen.poll() == 0 for p in self.procs if p.node in c.nodes)}
-        if not elastic.ended_without(self.job.spec.run_policy, plan, finished, {cluster}):
+        if not elastic.ended_without(self.job.spec.run_policy, plan, finished, {cluster},
+                                      self.drained):
             return False
         others = [p for p in self.procs if plan.node(p.node).cluster != cluster]
         mine = [p for p in self.procs if p not in others]

@@ -124,8 +124,9 @@ def build_node_stage(spec: JobSpec, plan: Plan, node: str) -> Stage:
 def hold_as_spare(meta: NodeMetadata, orders: IO[str] | None) -> NodeMetadata | None:
     """A hot spare's wait (`ravnest worker --spare`; `meta` names the spare): build the job's model
     once, so that its imports are done and its code is known to run here, then wait for one order
-    on `orders`, a JSON line ``{"metadata": <node metadata file>, "rejoin": true}``: the metadata
-    of the node whose stage this process now runs (as a worker whose cluster rejoins, when told).
+    on `orders`, a JSON line ``{"metadata": <node metadata file>, "rejoin": true, "gone": [...]}``:
+    the metadata of the node whose stage this process now runs (as a worker whose cluster
+    rejoins, when told; without the nodes `gone`, whose clusters drained since it was started).
     None: `orders` closed without one (the supervisor let the spare go). Without `orders` (a spare
     pod: the operator places the lost node's new pod where the spare was) it waits until it is
     stopped."""
@@ -153,6 +154,9 @@ def hold_as_spare(meta: NodeMetadata, orders: IO[str] | None) -> NodeMetadata | 
                         f"{taken.plan.fingerprint}, not this spare's plan {meta.plan.fingerprint}")
     if order.get("rejoin"):
         os.environ[REJOIN_ENV] = "1"
+    gone = order.get("gone") or []
+    if isinstance(gone, list) and all(isinstance(n, str) for n in gone) and gone:
+        os.environ[GONE_ENV] = ",".join(gone)
     log.warning("%s takes over the stage of %s (%.1f s after it was started)", meta.node,
                 taken.node, time.monotonic() - started)
     return taken
@@ -288,7 +292,9 @@ class Worker:
                   "drained": {"round": rt.leave_after, "updates": rt.updates}}
         log.warning("%s drained after round %s at update %d: it leaves the job", self.me.name,
                     rt.leave_after, rt.updates)
-        if self.me.is_root and self.drain_dir:
+        if self.me.is_root and self.drain_dir and os.access(self.drain_dir, os.W_OK):
+            # (a pod's drain folder is a read-only downward-API volume: the operator reads the
+            # termination message instead)
             try:
                 draining.acknowledge(Path(self.drain_dir), self.me.cluster, {
                     "round": rt.leave_after, "updates": rt.updates, "samples": rt.samples})
