@@ -88,6 +88,11 @@ class CountTakeover:
 
 
 @dataclass(frozen=True)
+class CountDrain:
+    """The operator's metric of clusters drained out of running jobs goes up by one."""
+
+
+@dataclass(frozen=True)
 class CountRunning:
     """The operator's metric of time to running observes this job (created at `created`)."""
     created: str | None
@@ -103,8 +108,8 @@ class CountFinished:
 
 
 Action = (SetStatus | CreateJobObjects | Create | DeletePod | AnnotatePod | DeleteJob | Event
-          | ScrapeProgress | CountRestart | CountRecovery | CountTakeover | CountRunning
-          | CountFinished)
+          | ScrapeProgress | CountRestart | CountRecovery | CountTakeover | CountDrain
+          | CountRunning | CountFinished)
 
 
 @dataclass

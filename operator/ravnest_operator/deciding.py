@@ -27,6 +27,7 @@ from ravnest.spec import Job, parse_job
 from . import resources
 from .actions import (
     AnnotatePod,
+    CountDrain,
     CountFinished,
     CountRecovery,
     CountRestart,
@@ -224,24 +225,34 @@ def _drains(run: _Pass, job: Job, plan: Plan) -> str | None:
     pod of each such cluster gets the order as an annotation (`resources.DRAIN_ANNOTATION`, which
     its worker reads from a downward-API file, as `ravnest drain` leaves it a file on
     `ravnest run`); once its termination message says it drained, the cluster is out of the job
-    (status.drained, status.membership, status.clusters). Sets `run.drained` and `run.draining`;
-    returns why the providers removed cannot be drained (nothing is ordered then), or None."""
-    ordered, drained = (
+    (status.drained, status.membership, status.clusters); one that finished training first (told
+    too near the end) stays in the job's model (status.notDrained). Sets `run.drained` and
+    `run.draining`; returns why the providers removed cannot be drained (nothing is ordered
+    then), or None."""
+    ordered, drained, late = (
         [d for d in run.status.get(key) or [] if isinstance(d, dict)
          and isinstance(d.get("cluster"), int) and 0 <= d["cluster"] < len(plan.clusters)]
-        for key in ("draining", "drained"))
+        for key in ("draining", "drained", "notDrained"))
     pods = {p["metadata"]["name"]: p for p in run.observed.pods}
     root = {c.id: resources.pod_name(run.observed.name, c.nodes[0]) for c in plan.clusters}
     for d in list(ordered):  # a root that drained said so as it ended
-        said = (_said(pods.get(root[int(d["cluster"])], {})) or {}).get("drained")
+        ended = pods.get(root[int(d["cluster"])], {})
+        said = (_said(ended) or {}).get("drained")
         if isinstance(said, dict):
             ordered.remove(d)
             drained.append({**d, "round": said.get("round"), "updates": said.get("updates")})
             run.out.do(Event("Drained", f"cluster {d['cluster']} drained after round "
-                                        f"{said.get('round')}: the job goes on without it"))
+                                        f"{said.get('round')}: the job goes on without it"),
+                       CountDrain())
+        elif (ended.get("status") or {}).get("phase") == "Succeeded":
+            ordered.remove(d)  # (asked too near the end: the worker says so in its log)
+            late.append(d)
+            run.out.do(Event("NotDrained", f"cluster {d['cluster']} finished training with the "
+                                           f"others before it could drain: it stays in the job's "
+                                           f"model", warning=True))
     refused = None
     if run.observed.removed is not None:
-        ordered, refused = _order_drains(run, job, plan, ordered, drained)
+        ordered, refused = _order_drains(run, job, plan, ordered, [*drained, *late])
     run.drained = {int(d["cluster"]) for d in drained}
     run.draining = {int(d["cluster"]): json.dumps({"providers": d["providers"],
                                                    "at": d["orderedAt"]}) for d in ordered}
@@ -250,8 +261,9 @@ def _drains(run: _Pass, job: Job, plan: Plan) -> str | None:
         if pod is not None and not _going(pod) and (pod["metadata"].get("annotations") or {}
                                                     ).get(resources.DRAIN_ANNOTATION) != order:
             run.out.do(AnnotatePod(root[c], resources.DRAIN_ANNOTATION, order))
-    if ordered or drained:
+    if ordered or drained or late:
         run.out.set({"draining": ordered, "drained": drained,
+                     **({"notDrained": late} if late else {}),
                      "membership": elastic.membership(
                          plan, [d for d in drained if isinstance(d.get("round"), int)])})
     return refused
@@ -259,9 +271,10 @@ def _drains(run: _Pass, job: Job, plan: Plan) -> str | None:
 
 def _order_drains(run: _Pass, job: Job, plan: Plan, ordered: list[dict[str, Any]],
                   drained: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str | None]:
-    """Order the clusters of the providers the spec newly left out to drain: the orders as they
-    stand, and why none was given (a provider drained before is back: a running job does not
-    grow; one that runs no stage; no cluster would be left)."""
+    """Order the clusters of the providers the spec newly left out to drain (`drained`: the
+    orders done with, drained or not): the orders as they stand, and why none was given (a
+    provider drained before is back: a running job does not grow; one that runs no stage; no
+    cluster would be left)."""
     assert run.observed.removed is not None
     want = set(run.observed.removed)
     have = {int(p) for d in [*ordered, *drained] for p in d.get("providers") or []}

@@ -32,6 +32,7 @@ from . import monitoring, resources
 from .actions import (
     Action,
     AnnotatePod,
+    CountDrain,
     CountFinished,
     CountRecovery,
     CountRestart,
@@ -227,6 +228,8 @@ def _carry_out(action: Action, body: kopf.Body, patch: kopf.Patch,
         monitoring.recovered()
     elif isinstance(action, CountTakeover):
         monitoring.took_over()
+    elif isinstance(action, CountDrain):
+        monitoring.drained()
     elif isinstance(action, CountRunning):
         monitoring.running(action.created)
     elif isinstance(action, CountFinished):

@@ -29,6 +29,8 @@ RECOVERIES = Counter("ravnest_operator_cluster_recoveries",
                      "(elastic training).")
 TAKEOVERS = Counter("ravnest_operator_spare_takeovers",
                     "Lost workers' stages taken over by a hot spare provider (spec.plan.spares).")
+DRAINS = Counter("ravnest_operator_cluster_drains",
+                 "Clusters drained out of running jobs (providers removed from spec.providers).")
 
 _phases: dict[tuple[str, str], str] = {}
 _lock = threading.Lock()
@@ -97,3 +99,7 @@ def recovered() -> None:
 
 def took_over() -> None:
     TAKEOVERS.inc()
+
+
+def drained() -> None:
+    DRAINS.inc()

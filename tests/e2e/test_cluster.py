@@ -274,11 +274,13 @@ def test_a_provider_removed_from_the_spec_drains_its_cluster(cluster: Cluster, r
         cluster.wait_for("the job past step 30", lambda: step() >= 30, 600)
         doc["spec"]["providers"] = doc["spec"]["providers"][:5]
         cluster.apply(doc)
+        ordered = time.monotonic()
         clusters = status_of(cluster, name)["plan"]["clusters"]
         (gone,) = [c for c in clusters if "node_5" in c["nodes"]]  # (node_<i>: provider i's)
         (kept,) = [c["id"] for c in clusters if c is not gone]
         cluster.wait_for(f"cluster {gone['id']} drained",
                          lambda: bool(status_of(cluster, name).get("drained")), 300)
+        seconds = time.monotonic() - ordered  # (the kubelet refreshes downward-API files late)
         cluster.wait_for("the shrunk job to succeed", lambda: succeeded(cluster, name), 600)
         st = status_of(cluster, name)
         (left,) = st["drained"]
@@ -292,7 +294,7 @@ def test_a_provider_removed_from_the_spec_drains_its_cluster(cluster: Cluster, r
         log = cluster.kubectl("logs", "-n", JOBS_NS, root).stdout
         assert f"drained after round {left['round']}" in log, log[-3000:]
         print(f"\nshrunk on the cluster: cluster {gone['id']} drained after round "
-              f"{left['round']} of 220")
+              f"{left['round']} of 220, {seconds:.0f} s after the apply")
     finally:
         cluster.kubectl("delete", "rj", "-n", JOBS_NS, name, "--ignore-not-found", "--wait=true",
                         timeout=180, check=False)

@@ -647,7 +647,8 @@ def test_dashboards_cover_the_design() -> None:
                    "ravnest_operator_time_to_running_seconds_bucket",
                    "ravnest_operator_job_restarts_total",
                    "ravnest_operator_cluster_recoveries_total",
-                   "ravnest_operator_spare_takeovers_total"):
+                   "ravnest_operator_spare_takeovers_total",
+                   "ravnest_operator_cluster_drains_total"):
         assert metric in ops, metric
 
 

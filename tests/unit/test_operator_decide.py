@@ -21,6 +21,7 @@ from ravnest.spec import Provider
 from ravnest_operator import resources
 from ravnest_operator.actions import (
     AnnotatePod,
+    CountDrain,
     CountFinished,
     CountRecovery,
     CountRestart,
@@ -1104,7 +1105,7 @@ def test_a_drained_cluster_is_out_of_the_job_and_a_restart_leaves_it_out(digits)
         {"version": 1, "fromRound": 1, "clusters": [0, 1]},
         {"version": 2, "fromRound": 21, "clusters": [1]}]}
     assert Event("Drained", "cluster 0 drained after round 20: the job goes on without it") \
-        in d.actions
+        in d.actions and CountDrain() in d.actions
     others = [p for i, p in enumerate(pods) if i in CLUSTER_1]
     d = decide(_drain_edit(digits, [0, 1, 2, 3, 4], _running(drained=drained), others), NOW,
                SETTINGS)
@@ -1143,3 +1144,19 @@ def test_a_removal_that_cannot_drain_is_refused_and_nothing_is_ordered(digits, k
     assert why in cond["message"]
     assert not any(isinstance(a, AnnotatePod) for a in d.actions)
     assert not d.status.get("draining")
+
+
+def test_a_cluster_told_to_drain_too_near_the_end_finishes_and_counts(digits):
+    """A root that finished training as usual (its termination message says no drain: the leave
+    round would have been past the job's last) is no longer draining; the job ends with it."""
+    _, _, plan = digits
+    ordered = [{"cluster": 0, "orderedAt": AT, "providers": [5]}]
+    said = json.dumps({"node": "node_0", "updates": 66, "cluster": 0, "val_metric": 0.97})
+    pods = [_pod(plan, i, "Succeeded", code=0, message=said if i == 0 else None)
+            for i in range(6)]
+    d = decide(_drain_edit(digits, [0, 1, 2, 3, 4], _running(draining=ordered), pods), NOW,
+               SETTINGS)
+    assert d.status["draining"] == [] and d.status["drained"] == []
+    assert d.status["notDrained"] == ordered
+    assert [a.reason for a in d.actions if isinstance(a, Event)] == ["NotDrained", "Succeeded"]
+    assert d.status["phase"] == "Succeeded" and d.status["result"]["cluster"] == 0
