@@ -75,7 +75,8 @@ class Observed:
     """The spec's fields (camelCase) that differ from the job as planned (`as_planned`)."""
     removed: tuple[int, ...] | None = None
     """When spec.providers is the one field changed and only by providers left out: those
-    providers, as indices into the providers as planned (`removed_providers`); None otherwise."""
+    providers, as indices into the providers as planned (`removed_providers`; empty: the spec is
+    as planned); None otherwise."""
     plan: Plan | None = None
     """The plan its plan ConfigMap holds; None when that does not exist (yet)."""
     pods: tuple[dict[str, Any], ...] = field(default_factory=tuple)
@@ -179,7 +180,10 @@ def as_planned(job: Job, planned: Mapping[str, Any] | None) -> tuple[Job, tuple[
 
 def removed_providers(now: Job, planned: Job, changed: tuple[str, ...]) -> tuple[int, ...] | None:
     """`Observed.removed`: the providers (indices as planned) the spec `now` left out of the
-    job `planned`, when that is its one edit (`changed`: the fields edited); None otherwise."""
+    job `planned`, when that is its one edit (`changed`: the fields edited; none: none left
+    out); None otherwise."""
+    if not changed:
+        return ()
     if changed != ("providers",):
         return None
     removed = elastic.removed_providers(planned.spec.expanded_providers(),
@@ -200,7 +204,7 @@ def _spec_changed(run: _Pass, changed: tuple[str, ...], refused: str | None = No
     (`refused`: why); False (AsPlanned) once they are as planned again, or drained."""
     conditions = run.status.get("conditions") or []
     now = next((c for c in conditions if c.get("type") == "SpecChanged"), None)
-    if changed:
+    if changed or refused:
         text = SPEC_CHANGED.format(", ".join(f"spec.{k}" for k in changed))
         if refused:
             text = (f"spec.providers: the providers removed are not drained: {refused}; the job "
