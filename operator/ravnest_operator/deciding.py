@@ -412,6 +412,10 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     recoveries = _cluster_recoveries(run.status, plan)
     rejoining = {int(c) for c in run.status.get("rejoining") or [] if c in recoveries}
     obs = observe(run.observed.name, plan, list(run.observed.pods))
+    # a cluster all of whose pods succeeded rejoins no more, even where the status this pass was
+    # given is older than the pass that said it was back (the last pass returns before that)
+    rejoining -= {c.id for c in plan.clusters
+                  if all(obs.nodes[n].phase == "Succeeded" for n in c.nodes)}
     runs_on = _runs_on(run.status, job, plan)
     spares = _Spares.of(run, job, plan, runs_on)
     run.out.set({"nodes": {n: s.to_status() for n, s in obs.nodes.items()},

@@ -559,6 +559,17 @@ def test_a_cluster_restarted_alone_gets_pods_that_rejoin_and_is_not_lost_meanwhi
         resources.Owner("digits", "team-a", "uid-1"), digits[1], plan, plan.nodes[1], "img"))
 
 
+def test_a_job_whose_pods_all_succeeded_has_every_cluster_back(digits):
+    """The last pass may be given a status older than the one that said the cluster was back
+    (rejoining [0]): with every pod succeeded, the clusters are 2/2 all the same."""
+    _, _, plan = digits
+    stale = _running(recoveries=1, clusterRecoveries=[1], rejoining=[0])
+    pods = [_pod(plan, i, "Succeeded", code=0, recovery=1 if i in CLUSTER_0 else 0)
+            for i in range(6)]
+    d = decide(_observed(digits, stale, pods), NOW, SETTINGS)
+    assert d.status["phase"] == "Succeeded" and d.status["clusters"] == "2/2"
+
+
 def test_once_its_pods_run_the_cluster_is_back_and_recovering_ends(digits):
     _, _, plan = digits
     running = _running(recoveries=1, clusterRecoveries=[1], rejoining=[0])
