@@ -410,12 +410,8 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
         run.out.set({"conditions": conditions})
     restarts = int(run.status.get("restarts", 0))
     recoveries = _cluster_recoveries(run.status, plan)
-    rejoining = {int(c) for c in run.status.get("rejoining") or [] if c in recoveries}
     obs = observe(run.observed.name, plan, list(run.observed.pods))
-    # a cluster all of whose pods succeeded rejoins no more, even where the status this pass was
-    # given is older than the pass that said it was back (the last pass returns before that)
-    rejoining -= {c.id for c in plan.clusters
-                  if all(obs.nodes[n].phase == "Succeeded" for n in c.nodes)}
+    rejoining = _still_rejoining(run, plan, obs, recoveries)
     runs_on = _runs_on(run.status, job, plan)
     spares = _Spares.of(run, job, plan, runs_on)
     run.out.set({"nodes": {n: s.to_status() for n, s in obs.nodes.items()},
@@ -458,6 +454,15 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     _create_missing(run, job, plan, obs, restarts, recoveries, runs_on, spares)
     conditions, rejoining = _rejoined(run, plan, obs, rejoining, conditions)
     _watch(run, plan, obs, phase, conditions, rejoining)
+
+
+def _still_rejoining(run: _Pass, plan: Plan, obs: Observation,
+                     recoveries: Mapping[int, int]) -> set[int]:
+    """The clusters restarted alone and not back yet (status.rejoining). One all of whose pods
+    succeeded rejoins no more, even where the status this pass was given is older than the pass
+    that said it was back (the last pass returns before it would say so again)."""
+    return {int(c) for c in run.status.get("rejoining") or [] if c in recoveries} - {
+        c.id for c in plan.clusters if all(obs.nodes[n].phase == "Succeeded" for n in c.nodes)}
 
 
 def _ended_without(run: _Pass, job: Job, plan: Plan, obs: Observation,
