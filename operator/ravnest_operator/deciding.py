@@ -296,8 +296,7 @@ def _order_drains(run: _Pass, job: Job, plan: Plan, ordered: list[dict[str, Any]
         return ordered, str(e)
     new: list[dict[str, Any]] = []
     for c in sorted(clusters):
-        providers = sorted(p for p in want - have
-                           if any(runs_on[n.name] == p for n in plan.cluster_nodes(c)))
+        providers = elastic.drained_by(plan, c, want - have, runs_on)
         new.append({"cluster": c, "orderedAt": run.at, "providers": providers})
         run.out.do(Event("Draining", f"provider(s) {', '.join(map(str, providers))} removed "
                                      f"from spec.providers: cluster {c} drains at a round "
@@ -574,14 +573,14 @@ def _create_missing(run: _Pass, job: Job, plan: Plan, obs: Observation, restarts
     """Create the worker pods that are missing (as this attempt's and their cluster's recovery's;
     placed as the spare that took a node over, if one did) and the spares' pods."""
     owner = resources.Owner(run.observed.name, run.observed.namespace, run.observed.uid)
-    gone = [n for c in sorted(run.drained) for n in plan.cluster_nodes(c)]
+    gone = elastic.gone_nodes(plan, run.drained)
     for node in plan.nodes:
         if node.name in obs.nodes and obs.nodes[node.name].phase == "Missing":
             run.out.do(Create(resources.pod(
                 owner, job, plan, node, run.settings.worker_image, attempt=restarts,
                 final_scrape_seconds=run.settings.final_scrape_seconds,
                 recovery=recoveries[node.cluster], provider_index=runs_on.get(node.name),
-                gone=[n.name for n in gone], drain=run.draining.get(node.cluster))))
+                gone=gone, drain=run.draining.get(node.cluster))))
     run.out.do(*(Create(resources.spare_pod(owner, job, plan, i, run.settings.worker_image))
                  for i in spares.missing()))
 
@@ -829,14 +828,13 @@ def _result(observed: Observed, plan: Plan, status: Mapping[str, Any],
     roots = [resources.pod_name(observed.name, c.nodes[0]) for c in plan.clusters
              if c.id not in gone]
     pods = {p["metadata"]["name"]: p for p in observed.pods}
-    for root in roots[:1]:
-        return _said(pods.get(root, {})) or {}
-    return {}
+    return (_said(pods.get(roots[0], {})) or {}) if roots else {}
 
 
 def _said(pod: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A terminated pod's termination message, as the JSON object its worker wrote; None
-    without one."""
+    """A terminated pod's termination message (its first container's that has one: the worker's,
+    before any sidecar a template adds), as the JSON object its worker wrote; None without one.
+    (`PlannerPod.message` is the last container's, or the pod's own.)"""
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         msg = ((cs.get("state") or {}).get("terminated") or {}).get("message")
         if msg:

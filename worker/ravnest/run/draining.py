@@ -52,8 +52,7 @@ def order_drain(out: Path, providers: Sequence[int], running: bool) -> list[int]
     clusters = elastic.drain_for(plan, providers, runs_on, ordered_clusters(folder))
     folder.mkdir(exist_ok=True)
     for c in sorted(clusters):
-        order = {"providers": sorted(p for p in providers
-                                     if any(runs_on[n.name] == p for n in plan.cluster_nodes(c))),
+        order = {"providers": elastic.drained_by(plan, c, providers, runs_on),
                  "at": round(time.time(), 3)}
         tmp = folder / f".cluster_{c}.tmp"
         tmp.write_text(json.dumps(order))

@@ -97,6 +97,20 @@ def drain_for(plan: Plan, providers: Collection[int], runs_on: Mapping[str, int]
     return clusters - set(drained)
 
 
+def drained_by(plan: Plan, cluster: int, providers: Iterable[int],
+               runs_on: Mapping[str, int]) -> list[int]:
+    """Those of `providers` that run a stage of `cluster` (`runs_on`: node -> the provider that
+    runs it now), sorted: the providers its drain order names."""
+    mine = {runs_on[n.name] for n in plan.cluster_nodes(cluster)}
+    return sorted(p for p in providers if p in mine)
+
+
+def gone_nodes(plan: Plan, drained: Iterable[int]) -> list[str]:
+    """The nodes of the clusters that `drained`, by cluster: those a worker started after the
+    drain goes without (`run.metadata.GONE_ENV`)."""
+    return [n.name for c in sorted(drained) for n in plan.cluster_nodes(c)]
+
+
 def membership(plan: Plan, drained: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """The job's membership, versioned: the plan's fingerprint and, for each version, the
     clusters that take part in the rounds from `fromRound` on. Version 1 is the plan's; each

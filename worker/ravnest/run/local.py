@@ -238,7 +238,7 @@ class LocalRun:
         if not rejoin:
             self._token = secrets.token_hex(16)
         assert self.plan is not None
-        gone = [n.name for c in self.drained for n in self.plan.cluster_nodes(c)]
+        gone = elastic.gone_nodes(self.plan, self.drained)
         self._env = {**os.environ, TOKEN_ENV: self._token,
                      "OMP_NUM_THREADS": str(self.worker_threads),
                      TORCH_THREADS_ENV: str(self.worker_threads), RUNNER_PID_ENV: str(os.getpid()),
@@ -287,7 +287,7 @@ class LocalRun:
         if spare is None:
             return None
         proc = self.spare_procs.pop(spare.name)
-        gone = [n.name for c in self.drained for n in self.plan.cluster_nodes(c)]
+        gone = elastic.gone_nodes(self.plan, self.drained)
         order = json.dumps({"metadata": str(self.out / "nodes" / f"{node}.json"), "rejoin": True,
                             "gone": gone})  # (drained since the spare was started)
         try:
