@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from elastic_job import elastic_job, local_run, planned, steps, wait
 from processes import worker_pid
 
@@ -269,3 +270,81 @@ def test_a_whole_restart_after_a_drain_leaves_the_drained_cluster_out(tmp_path):
         assert f"resumed from checkpoint at step {resumed[1]}" in logs[n], logs[n][-3000:]
         assert "within 30s" not in logs[n] and "does not answer" not in logs[n]
     assert _same_model_of_clusters_0_and_1(out)["updates"] == epochs * PER_EPOCH
+
+
+def _grow(out: Path, job: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ravnest", "grow", str(job), "-o", str(out)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_providers_added_to_a_running_job_form_a_cluster_that_joins_and_trains(tmp_path,
+                                                                              undisturbed):
+    """`ravnest grow` (issue 20, grow): providers listed after the running job's form a new
+    cluster (the stages of a planned one) that joins at a round boundary with the latest state,
+    while the others never stop; it trains its own data to the end, the final round averages all
+    four, and an edit that is not an addition is refused with nothing ordered."""
+    out = tmp_path / "out"
+    job = elastic_job(tmp_path, EPOCHS, {"everySteps": 0})
+    with local_run(job, out) as run:
+        plan, ports = planned(run, out)
+        wait("step 40", lambda: len(s := steps(ports)) == len(ports) and min(
+            s.values()) >= 40, run)
+        doc = yaml.safe_load(job.read_text())
+        first = [n for n in plan["nodes"] if n["cluster"] == 0]
+        doc["spec"]["providers"][0]["ram"] += 1  # (a change, not an addition)
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(yaml.safe_dump(doc))
+        refused = _grow(out, bad)
+        assert refused.returncode == 2 and "spec.providers: a running job grows by providers " \
+            "listed after its" in refused.stderr, refused.stderr
+        assert not list((out / "grow").iterdir())  # nothing was ordered
+        doc["spec"]["providers"][0]["ram"] -= 1
+        doc["spec"]["providers"] += [{"ram": n["ram_gb"], "bandwidth": 1000} for n in first]
+        grown = tmp_path / "grown.yaml"
+        grown.write_text(yaml.safe_dump(doc))
+        ordered = _grow(out, grown)
+        assert ordered.returncode == 0, ordered.stderr
+        added = range(len(plan["nodes"]), len(plan["nodes"]) + len(first))
+        assert f"provider(s) {', '.join(map(str, added))} join" in ordered.stdout, ordered.stdout
+        samples = [steps(ports)]
+        joined = out / "drain" / "cluster_3.joined"
+        while not joined.exists():
+            assert run.poll() is None, f"the run ended before cluster 3 joined: " \
+                f"{run.communicate()[1][-3000:]}"
+            samples.append(steps(ports))
+            time.sleep(0.25)
+        _, err = run.communicate(timeout=900)
+    assert run.returncode == 0, err[-3000:]
+    join = json.loads(joined.read_text())["round"]
+    status = json.loads((out / "status.json").read_text())
+    assert status["phase"] == "Succeeded" and status["restarts"] == status["recoveries"] == 0
+    assert status["clusters"] == "4/4", status
+    assert status["membership"]["versions"] == [
+        {"version": 1, "fromRound": 1, "clusters": [0, 1, 2]},
+        {"version": 2, "fromRound": join + 1, "clusters": [0, 1, 2, 3]}]
+    for n in ports:  # the planned clusters' steps never stopped, nor went back
+        seen = [s[n] for s in samples if n in s]
+        assert seen == sorted(seen) and seen[-1] >= seen[0] + 10, (n, seen)
+    logs = {n.stem: n.read_text() for n in (out / "logs").glob("*.log")}
+    newcomers = [f"node_{p}" for p in added]
+    for n in ports:
+        assert "within 30s" not in logs[n] and "skipped" not in logs[n], logs[n][-3000:]
+    for ring in json.loads((out / "nodes" / f"{newcomers[0]}.json").read_text())["plan"]["rings"]:
+        for m in set(ring["members"]) - set(newcomers):
+            assert any(f"{c} of cluster 3, added to the running job, introduced itself" in
+                       logs[m] for c in newcomers), logs[m][-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["clusters"] == 4 and summary["updates"] == TOTAL
+    copies = [fuse_stage_files(out / "stages", c) for c in range(4)]
+    for copy in copies[1:]:  # the final round averaged all four
+        for k, v in copies[0].items():
+            torch.testing.assert_close(copy[k].float(), v.float(), rtol=0, atol=1e-6, msg=k)
+    cluster3 = json.loads((out / "clusters" / "cluster_3.json").read_text())
+    assert cluster3["updates"] == TOTAL and cluster3["rejoined"]["round"] == join
+    assert cluster3["samples"] > 0
+    accuracy, reference = summary["fused_val_metric"], undisturbed["fused_val_metric"]
+    assert abs(accuracy - reference) <= 0.01, (accuracy, reference)
+    print(f"\ncluster 3 (providers {list(added)}) joined after round {join} of "
+          f"{TOTAL // 2}: {cluster3['rejoined']['bytes']} bytes of state in "
+          f"{cluster3['rejoined']['seconds']} s; accuracy {accuracy:.4f} (undisturbed "
+          f"{reference:.4f})")

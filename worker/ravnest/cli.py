@@ -208,6 +208,20 @@ def _drain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _grow(args: argparse.Namespace) -> int:
+    from ravnest.run.growing import order_growth
+    from ravnest.run.locking import held
+    from ravnest.spec import load_job
+
+    job = load_job(args.job)
+    out = Path(args.output or Path("runs") / job.name)
+    added = order_growth(out, job, running=held(out))
+    print(f"{out}: provider(s) {', '.join(map(str, added))} join the running job as new "
+          f"cluster(s) at a round boundary; the others train on (`ravnest status {job.name}` "
+          f"shows it)")
+    return 0
+
+
 def _worker(args: argparse.Namespace) -> int:
     import torch
 
@@ -301,6 +315,11 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--provider", type=int, action="append", required=True,
                    help="index of a provider to remove (spec.providers; repeat for several)")
     d.set_defaults(func=_drain)
+    g = sub.add_parser("grow", help="add providers to a running local job: the job file lists "
+                                    "them after its own; they form clusters that join it")
+    g.add_argument("job", help="the edited job file (providers added at the end)")
+    g.add_argument("-o", "--output", help="local run folder (default runs/<job>)")
+    g.set_defaults(func=_grow)
     w = sub.add_parser("worker", help="run one worker from its node metadata")
     w.add_argument("--metadata", required=True, help="node metadata JSON file")
     w.add_argument("--token-file", help=f"file with the job token (default: ${TOKEN_ENV})")

@@ -137,6 +137,20 @@ class PeerWatch:
                                         name=f"watch-{w.name}")
             w.thread.start()
 
+    def add(self, name: str, peer: Watchable) -> None:
+        """Watch `peer` too (a node that joined the job after the watch began), from now on; a
+        peer watched already is left as it is."""
+        with self._lock:
+            if name in self._peers or self._stopping.is_set():
+                return
+            w = self._peers[name] = _Watched(name, peer.address,
+                                             health_pb2_grpc.HealthStub(_health_channel(peer)))
+            started = any(x.thread is not None for x in self._peers.values())
+        if started:
+            w.thread = threading.Thread(target=self._run, args=(w,), daemon=True,
+                                        name=f"watch-{name}")
+            w.thread.start()
+
     def expect_exit(self, name: str) -> None:
         """`name` may go away from now on without that being a failure: stop watching it."""
         w = self._peers.get(name)

@@ -109,6 +109,19 @@ class Plan:
     spares: tuple[SparePlan, ...] = ()
     """The providers set aside as hot spares, by provider; left out of the JSON when there is
     none (as `kept_whole`)."""
+    planned_clusters: int = 0
+    """How many clusters the plan had when the job started, when clusters were added to it since
+    (`planning.grow`: the clusters from this id on joined a running job); 0 (left out of the
+    JSON): all of them. The fingerprint stays the planned one's: it names the job's model."""
+
+    @property
+    def planned(self) -> int:
+        """The clusters planned when the job started (the data is sharded over as many)."""
+        return self.planned_clusters or len(self.clusters)
+
+    def grown(self, cluster: int) -> bool:
+        """Whether `cluster` was added to the running job (`planning.grow`)."""
+        return cluster >= self.planned
 
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:
@@ -138,6 +151,8 @@ class Plan:
             del d["kept_whole"]
         if not self.spares:
             del d["spares"]
+        if not self.planned_clusters:
+            del d["planned_clusters"]
         return d
 
     def to_json(self) -> str:
@@ -156,7 +171,23 @@ class Plan:
             kept_whole=tuple((str(k[0]), str(k[1])) for k in d.get("kept_whole", ())),
             spares=tuple(SparePlan(str(s["name"]), int(s["provider"]), float(s["ram_gb"]))
                          for s in d.get("spares", ())),
+            planned_clusters=int(d.get("planned_clusters", 0)),
         )
+
+    def joined(self, node: NodePlan, rings: tuple[str, ...]) -> Plan:
+        """This plan with `node`, of a cluster added to the running job (the next cluster, or
+        one added already), appended to its cluster and to the `rings` named."""
+        clusters = list(self.clusters)
+        if node.cluster == len(clusters):
+            clusters.append(ClusterPlan(node.cluster, (), 0.0))
+        c = clusters[node.cluster]
+        stages = {n: self.node(n).stage for n in c.nodes} | {node.name: node.stage}
+        clusters[node.cluster] = replace(c, nodes=tuple(sorted(stages, key=stages.__getitem__)))
+        return replace(self, clusters=tuple(clusters), nodes=(*self.nodes, node),
+                       planned_clusters=self.planned,
+                       rings=tuple(replace(r, members=(*r.members, node.name))
+                                   if r.id in rings and node.name not in r.members else r
+                                   for r in self.rings))
 
     def spare(self, name: str) -> SparePlan:
         for s in self.spares:
@@ -204,7 +235,21 @@ def _human(n: float) -> str:
     raise AssertionError
 
 
+def as_planned(plan: Plan) -> Plan:
+    """The plan as it was when the job started: without the clusters added to it since
+    (`Plan.planned_clusters`), their nodes, and their members of the rings."""
+    if not plan.planned_clusters:
+        return plan
+    clusters = plan.clusters[:plan.planned]
+    names = {n for c in clusters for n in c.nodes}
+    return replace(plan, clusters=clusters, planned_clusters=0,
+                   nodes=tuple(n for n in plan.nodes if n.name in names),
+                   rings=tuple(replace(r, members=tuple(m for m in r.members if m in names))
+                               for r in plan.rings))
+
+
 def fingerprint(plan: Plan, identity: dict[str, Any]) -> str:
-    """Hash of the plan's content and of what defines the model and data (`identity`)."""
-    body = {"plan": replace(plan, fingerprint="").to_dict(), "identity": identity}
+    """Hash of the plan's content and of what defines the model and data (`identity`); of a
+    plan that grew, the hash of the plan as it was planned (`as_planned`)."""
+    body = {"plan": replace(as_planned(plan), fingerprint="").to_dict(), "identity": identity}
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]

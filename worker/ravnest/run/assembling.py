@@ -15,7 +15,7 @@ import io
 import logging
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,20 @@ class Wiring:
     """The peers that answered `wait_ready`: their watches count them as up from the start."""
     membership: RingMembership = field(default_factory=RingMembership)
     """Who this node's ring rounds go without."""
+    dial: Callable[[str, str], Peer] | None = None
+    """A link to another node (name, its gRPC address), as this node's others are made."""
+    reach: Callable[[str, str], RingLink] | None = None
+    """A data-plane link to another node (name, its ring address), with the ring data plane."""
+
+    def welcome(self, name: str, address: str, ring_address: str | None) -> None:
+        """Link to `name`, a node of a cluster added to the running job that introduced itself
+        (train/runtime.py), and follow it as a member of this node's rings."""
+        if name not in self.peers and self.dial is not None:
+            self.peers[name] = self.dial(name, address)
+        if ring_address and name not in self.ring_links and self.reach is not None:
+            self.ring_links[name] = self.reach(name, ring_address)
+        if self.ring_watch is not None and name in self.peers:
+            self.ring_watch.add(name, self.peers[name])
 
     def rejoining(self, on: bool) -> None:
         """Say (`REJOIN_SERVICE`) whether this node is a restarted one not back in its rings."""
@@ -170,9 +184,9 @@ class Wiring:
                    if m != node and m not in gone}
 
         def interrupt(name: str, why: str) -> None:
-            for r in rings:
-                if name in r.members:
-                    self.inbox.interrupt_ring(r.id, why)
+            # (a newcomer, `welcome`, is in none of the rings as planned: all are interrupted)
+            for r in [r for r in rings if name in r.members] or rings:
+                self.inbox.interrupt_ring(r.id, why)
 
         def lost(name: str, reason: str) -> None:
             if name in self.membership.leaving():
@@ -270,16 +284,24 @@ def connect(meta: NodeMetadata, token: str, metrics: WorkerMetrics, *, tls: bool
     creds = Credentials(token, plan.fingerprint)
     inbox = Inbox(capacity=inbox_capacity)
     server = Server(meta.listen, creds, inbox.deliver, on_bytes=metrics.received, tls=material)
-    peers = {n: Peer(meta.addresses[n], creds, compression, on_bytes=metrics.sent, tls=material,
-                     server_name=identity(n)) for n in peer_names(plan, node)}
+
+    def dial(n: str, address: str) -> Peer:
+        return Peer(address, creds, compression, on_bytes=metrics.sent, tls=material,
+                    server_name=identity(n))
+
+    def reach(n: str, address: str) -> RingLink:
+        return RingLink(address, token, plan.fingerprint, node, compression,
+                        timeout=reduce_timeout, on_bytes=metrics.sent, tls=material,
+                        server_name=identity(n))
+
+    peers = {n: dial(n, meta.addresses[n]) for n in peer_names(plan, node)}
     ring_server = None
     if data_plane:
         ring_server = RingServer(meta.ring_listen, token, plan.fingerprint, inbox.deliver,
                                  on_bytes=metrics.received, tls=material, inbox=inbox)
-    links = {n: RingLink(a, token, plan.fingerprint, node, compression, timeout=reduce_timeout,
-                         on_bytes=metrics.sent, tls=material, server_name=identity(n))
-             for n, a in ring_addresses.items()}
-    return Wiring(inbox, server, peers, ring_server, links)
+    links = {n: reach(n, a) for n, a in ring_addresses.items()}
+    return Wiring(inbox, server, peers, ring_server, links, dial=dial,
+                  reach=reach if data_plane else None)
 
 
 def _tls(meta: NodeMetadata) -> TlsMaterial:
@@ -311,10 +333,18 @@ def assemble(wiring: Wiring, meta: NodeMetadata, stage: Stage, settings: Setting
     """The runtime of `meta.node` over its wiring: ring pieces on the data plane where the
     wiring has ring links, else over gRPC. `targets`: where a leaf's criterion gets its
     targets (default: the labels its root sends)."""
-    return NodeRuntime(meta.node, meta.plan, stage, settings, optimizer, scheduler, criterion,
-                       wiring.inbox, wiring.peers, metrics, batches,
-                       ring_peers=wiring.ring_links or None, targets=targets,
-                       membership=wiring.membership)
+    runtime = NodeRuntime(meta.node, meta.plan, stage, settings, optimizer, scheduler,
+                          criterion, wiring.inbox, wiring.peers, metrics, batches,
+                          ring_peers=wiring.ring_links if wiring.reach is not None else None,
+                          targets=targets, membership=wiring.membership)
+    runtime.welcome = wiring.welcome
+    me = meta.plan.node(meta.node)
+    if meta.plan.grown(me.cluster):
+        ring = (meta.ring_addresses or {}).get(meta.node)
+        runtime.introduction = {"node": asdict(me), "address": meta.addresses[meta.node],
+                                "rings": [r.id for r in meta.plan.rings_of(meta.node)],
+                                **({"ringAddress": ring} if ring else {})}
+    return runtime
 
 
 def save_stage(runtime: NodeRuntime, folder: str | Path | Location) -> None:

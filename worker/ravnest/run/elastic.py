@@ -111,16 +111,21 @@ def gone_nodes(plan: Plan, drained: Iterable[int]) -> list[str]:
     return [n.name for c in sorted(drained) for n in plan.cluster_nodes(c)]
 
 
-def membership(plan: Plan, drained: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+def membership(plan: Plan, drained: Iterable[Mapping[str, Any]],
+               joined: Iterable[Mapping[str, Any]] = ()) -> dict[str, Any]:
     """The job's membership, versioned: the plan's fingerprint and, for each version, the
-    clusters that take part in the rounds from `fromRound` on. Version 1 is the plan's; each
-    cluster that drained (`drained`: its cluster and leave round) starts a version from the round
-    after it left."""
-    clusters = [c.id for c in plan.clusters]
+    clusters that take part in the rounds from `fromRound` on. Version 1 is the plan's (as
+    planned); each cluster that drained (`drained`: its cluster and leave round) or that was added
+    and joined (`joined`: its cluster and join round) starts a version from the round after."""
+    clusters = [c.id for c in plan.clusters[:plan.planned]]
     versions = [{"version": 1, "fromRound": 1, "clusters": list(clusters)}]
-    for d in sorted(drained, key=lambda d: (int(d["round"]), int(d["cluster"]))):
-        clusters = [c for c in clusters if c != int(d["cluster"])]
-        start = int(d["round"]) + 1
+    events = [(int(d["round"]), int(d["cluster"]), False) for d in drained] + [
+        (int(j["round"]), int(j["cluster"]), True) for j in joined
+        if isinstance(j.get("round"), int)]
+    for round_, cluster, added in sorted(events):
+        clusters = sorted({*clusters, cluster}) if added else [c for c in clusters
+                                                              if c != cluster]
+        start = round_ + 1
         if versions[-1]["fromRound"] == start:  # (two clusters that left after one round)
             versions[-1]["clusters"] = list(clusters)
         else:

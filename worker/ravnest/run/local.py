@@ -60,10 +60,10 @@ from pathlib import Path
 from typing import Any
 
 from ravnest.comm.tls import identity, issue, make_authority
-from ravnest.errors import SpecError, WorkerFailed
+from ravnest.errors import PlanError, SpecError, WorkerFailed
 from ravnest.plan import building
 from ravnest.plan.plans import Plan, SparePlan, spare_name
-from ravnest.run import draining, elastic, finishing
+from ravnest.run import draining, elastic, finishing, growing
 from ravnest.run.locking import lock_folder, refuse_if_locked
 from ravnest.run.metadata import (
     DRAIN_DIR_ENV,
@@ -187,6 +187,13 @@ class LocalRun:
         self.drained: dict[int, dict[str, Any]] = {}
         """The clusters that drained (`ravnest drain`): what each one's root said when it did."""
         self._env: dict[str, str] = {}
+        self.metas: list[NodeMetadata] = []
+        """The node metadata of every node of the plan (those of clusters added since too)."""
+        self.grow_orders = 0
+        """The grow orders (`ravnest grow`) acted on so far."""
+        self.joined: dict[int, dict[str, Any]] = {}
+        """The clusters added to the running job that joined it: what each one's root said."""
+        self._ca: Any = None
 
     def prepare(self) -> list[NodeMetadata]:
         claims = [f"{field}: {uri!r} names a PersistentVolumeClaim, which only pods on Kubernetes "
@@ -209,7 +216,7 @@ class LocalRun:
             self.job.spec.training.ring_transport == "tcp")
         tls_dirs: dict[str, str | None] = dict.fromkeys(names)
         if self.job.spec.security.tls:
-            ca = make_authority(self.job.name)
+            ca = self._ca = make_authority(self.job.name)  # (kept in memory: a grow issues more)
             for n in names:
                 folder = (self.out / "tls" / identity(n)).resolve()
                 issue(ca, n, ["localhost"], ["127.0.0.1"]).save(folder)
@@ -230,6 +237,8 @@ class LocalRun:
                      **{sp.provider: sp.ram_gb for sp in plan.spares}}
         self.spares = list(plan.spares)  # their metadata files: `_start_spare`
         (self.out / "plan.txt").write_text(plan.table() + "\n")
+        shutil.rmtree(self.out / growing.GROW_DIR, ignore_errors=True)  # a past run's
+        (self.out / growing.GROW_DIR).mkdir()
         return metas
 
     def start(self, metas: list[NodeMetadata], rejoin: bool = False) -> None:
@@ -346,6 +355,7 @@ class LocalRun:
             while True:
                 self._drop_dead_spares()
                 self._note_drained()
+                roots.update(self._grow())
                 roots = {c: p for c, p in roots.items() if c not in self.drained}
                 codes = {p.node: p.popen.poll() for p in self.procs}
                 failed = [p for p in self.procs if codes[p.node] not in (None, 0)
@@ -382,6 +392,76 @@ class LocalRun:
                             "without it", c.id, said.get("round"), said.get("updates"))
                 self.write_status("Running", {})
 
+    def _grow(self) -> dict[int, _Proc]:
+        """Act on the new grow orders (`ravnest grow`): start the workers of the clusters they
+        add, which join the running job (`growing`); the roots of those clusters. An order whose
+        providers cannot form clusters of the job is refused, logged and in the status."""
+        assert self.plan is not None
+        roots: dict[int, _Proc] = {}
+        self._note_joined()
+        for order in growing.orders(self.out / growing.GROW_DIR, self.grow_orders):
+            self.grow_orders += 1
+            try:
+                job, plan = growing.grown_plan(self.plan, order)
+            except (PlanError, SpecError) as e:
+                message = f"grow order {self.grow_orders} refused: {e}"
+                log.error("%s", message)
+                self.conditions = [{"type": "Grown", "status": "False", "reason": "NotApplied",
+                                    "message": message}]
+                self.write_status("Running", {})
+                continue
+            new = [n.name for n in plan.nodes if n.name not in self.plan.names()]
+            metas = self._grown_metadata(job, plan, new)
+            self.job, self.plan = job, plan
+            self.metas.extend(metas)
+            (self.out / "plan.txt").write_text(plan.table() + "\n")
+            self.start(metas, rejoin=True)
+            added = sorted({plan.node(n).cluster for n in new})
+            roots.update({c: p for c in added for p in self.procs
+                          if p.node == plan.clusters[c].nodes[0]})
+            message = (f"provider(s) {', '.join(str(plan.node(n).provider) for n in new)} form "
+                       f"cluster(s) {', '.join(map(str, added))}, which join the running job at a "
+                       f"round boundary with its latest state")
+            log.warning("%s", message)
+            self.conditions = [{"type": "Grown", "status": "True", "reason": "Joining",
+                                "message": message}]
+            self.write_status("Running", {})
+        return roots
+
+    def _grown_metadata(self, job: Job, plan: Plan, new: list[str]) -> list[NodeMetadata]:
+        """The node metadata of the `new` nodes of a plan that grew (files written too): the
+        addresses of every node, theirs on fresh ports."""
+        base = self.metas[0]
+        addresses, metrics_ports, ring_addresses = node_endpoints(
+            new, dict.fromkeys(new, "127.0.0.1"), base.ring_addresses is not None)
+        every = {**base.addresses, **addresses}
+        rings = {**base.ring_addresses, **ring_addresses} if (
+            base.ring_addresses is not None and ring_addresses is not None) else None
+        metas = []
+        for n in new:
+            tls = None
+            if self._ca is not None:
+                folder = (self.out / "tls" / identity(n)).resolve()
+                issue(self._ca, n, ["localhost"], ["127.0.0.1"]).save(folder)
+                tls = str(folder)
+            m = replace(base, job=job, plan=plan, node=n, addresses=every, listen=addresses[n],
+                        metrics_port=metrics_ports[n], tls_dir=tls, ring_addresses=rings,
+                        ring_listen=rings[n] if rings else "")
+            m.save(self.out / "nodes" / f"{n}.json")
+            metas.append(m)
+        return metas
+
+    def _note_joined(self) -> None:
+        """A cluster added to the running job whose root said it joined: noted (membership)."""
+        assert self.plan is not None
+        for c in self.plan.clusters[self.plan.planned:]:
+            if c.id not in self.joined:
+                said = growing.joined(self.out / draining.DRAIN_DIR, c.id)
+                if said is not None:
+                    self.joined[c.id] = {"cluster": c.id, **said}
+                    log.warning("cluster %d joined the job after round %s", c.id,
+                                said.get("round"))
+
     def _drop_dead_spares(self) -> None:
         """A spare whose process ended is no spare: logged, and left out from then on."""
         for name, p in list(self.spare_procs.items()):
@@ -395,11 +475,12 @@ class LocalRun:
         """Start the workers and restart them all after a worker died, from the newest complete
         checkpoint, until they succeed or `backoffLimit` restarts are used up."""
         limit = self.job.spec.run_policy.backoff_limit
+        self.metas = list(metas)
         self.start(metas)
         last: tuple[int, str] | None = None
         while (dead := self.wait()) is not None:
             failure = f"worker {dead.node} exited with code {dead.popen.returncode}"
-            if self._recover(dead, metas, failure):
+            if self._recover(dead, self.metas, failure):
                 continue
             seen, last = last, _failure_of(dead)
             if self.restarts >= limit or (last is not None and seen == last):
@@ -411,8 +492,9 @@ class LocalRun:
             self.stop()
             self.procs = []
             self.restarts += 1
-            metas = self._not_drained(metas)
-            step = checkpointing.latest(self.checkpoint_dir(), [m.node for m in metas])
+            metas = self._not_drained(self.metas)
+            planned = [m for m in metas if not m.plan.grown(m.plan.node(m.node).cluster)]
+            step = checkpointing.latest(self.checkpoint_dir(), [m.node for m in planned])
             where = f"checkpoint at step {step}" if step is not None else "the start"
             message = f"{failure}; restart {self.restarts}/{limit} resumes from {where}"
             log.warning("%s", message)
@@ -501,15 +583,19 @@ class LocalRun:
 
     def write_status(self, phase: str, now: dict[str, Any], **extra: Any) -> None:
         """`status.json`: what `ravnest status <job>` shows for a local run."""
+        joining = [c for c in self.plan.clusters[self.plan.planned:]
+                   if c.id not in self.joined] if self.plan else []
         body = {"job": self.job.name, "phase": phase, "progress": now, "restarts": self.restarts,
                 "recoveries": len(self.recoveries),
                 **({"recovered": self.recoveries} if self.recoveries else {}),
                 **({"spares": [sp.name for sp in self.spares]} if self.spares else {}),
                 **({"takeovers": self.takeovers} if self.takeovers else {}),
                 **({"drained": list(self.drained.values())} if self.drained else {}),
-                **({"clusters": f"{len(self.plan.clusters) - len(self.drained)}/"
+                **({"joined": list(self.joined.values())} if self.joined else {}),
+                **({"clusters": f"{len(self.plan.clusters) - len(self.drained) - len(joining)}/"
                                 f"{len(self.plan.clusters)}",
-                    "membership": elastic.membership(self.plan, self.drained.values())}
+                    "membership": elastic.membership(self.plan, self.drained.values(),
+                                                     self.joined.values())}
                    if self.plan else {}),
                 **({"conditions": self.conditions} if self.conditions else {}), **extra}
         tmp = self.out / ".status.json.tmp"

@@ -29,7 +29,7 @@ from ravnest.errors import PlanError, RavnestError, SpecError
 from ravnest.plan import building
 from ravnest.plan.partitioning import Stage, profile
 from ravnest.plan.plans import Plan, fingerprint
-from ravnest.run import draining, finishing
+from ravnest.run import draining, finishing, growing
 from ravnest.run.assembling import assemble, connect, cut_stage, save_stage
 from ravnest.run.metadata import (
     DRAIN_DIR_ENV,
@@ -79,14 +79,23 @@ def _take(dataset: Dataset[Any], index: torch.Tensor) -> Batch:
     return tuple(xs), y
 
 
+GROWN_SEED_STRIDE = 1_000_003
+"""How far apart the data seeds of clusters added to a running job are (`cluster_batches`)."""
+
+
 def cluster_batches(train: Dataset[Any], val: Dataset[Any], spec: JobSpec, cluster: int,
                     clusters: int) -> Batches:
-    """The data of one cluster.
+    """The data of one cluster of a job planned with `clusters` clusters.
 
     Each epoch the training set is permuted with seed `data.seed + epoch` (or kept in order when
     `shuffle` is off); global batch b is the slice ``[b*K*B, (b+1)*K*B)`` of that order and cluster
     c trains on its c-th block of B samples. Batches per epoch are the same for every cluster and
     a multiple of `updateFrequency`, so every node sees the same number of updates.
+
+    A cluster added to the running job (c >= K, issue 20 grow) changes none of that: it trains on
+    block ``c mod K`` of its own permutation, seeded ``data.seed + epoch + GROWN_SEED_STRIDE *
+    (c div K)`` (shuffled even with `shuffle` off, so that it does not repeat a planned cluster's
+    batches), with as many batches per epoch as the others.
     """
     bsz, k = spec.data.batch_size, clusters
     n = len(train)  # type: ignore[arg-type]
@@ -95,16 +104,18 @@ def cluster_batches(train: Dataset[Any], val: Dataset[Any], spec: JobSpec, clust
     if per_epoch == 0:
         raise SpecError([f"spec.data.batchSize: {n} training samples cannot fill one update of "
                          f"{k} cluster(s) x {bsz} samples x {uf} batches; lower batchSize"])
+    block, salt = cluster % k, cluster // k
 
     def order(epoch: int) -> torch.Tensor:
-        if not spec.data.shuffle:
+        if not spec.data.shuffle and not salt:
             return torch.arange(n)
-        return torch.randperm(n, generator=torch.Generator().manual_seed(spec.data.seed + epoch))
+        seed = spec.data.seed + epoch + GROWN_SEED_STRIDE * salt
+        return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
 
     def batches(epoch: int) -> Iterator[Batch]:
         perm = order(epoch)
         for b in range(per_epoch):
-            start = (b * k + cluster) * bsz
+            start = (b * k + block) * bsz
             yield _take(train, perm[start:start + bsz])
 
     def validation() -> Iterator[Batch]:
@@ -194,7 +205,7 @@ class Worker:
         batches = None
         if me.is_root:
             train, val = building.build_datasets(spec)
-            batches = cluster_batches(train, val, spec, me.cluster, len(plan.clusters))
+            batches = cluster_batches(train, val, spec, me.cluster, plan.planned)
         ckpt = open_location(spec.checkpoint.path, spec.storage.options(pvc_root),
                              base=meta.output_dir)
         self.runtime = assemble(self.wiring, meta, stage, Settings.from_spec(spec, ckpt),
@@ -204,8 +215,10 @@ class Worker:
         self.started = time.monotonic()
         self.resumed_from = 0
         """The checkpoint step training resumed from (0: the start)."""
-        self.rejoin = os.environ.get(REJOIN_ENV) == "1" and len(plan.clusters) > 1
-        """Whether this worker's cluster was restarted alone and rejoins the others."""
+        self.rejoin = (os.environ.get(REJOIN_ENV) == "1" or plan.grown(me.cluster)) and len(
+            plan.clusters) > 1
+        """Whether this worker's cluster was restarted alone, or added to the running job, and
+        joins the others (it never resumes from a checkpoint)."""
         gone = set(filter(None, os.environ.get(GONE_ENV, "").split(",")))
         for name in gone:
             self.wiring.membership.leave(name, 0)
@@ -250,6 +263,7 @@ class Worker:
                 if self.rejoin:
                     self.runtime.rejoin()
                     self.wiring.rejoining(False)
+                    self._acknowledge_join()
                 else:
                     self.resumed_from = self.runtime.resume() or 0
                 if self.me.is_root:
@@ -283,6 +297,19 @@ class Worker:
             return
         if seconds > 0 and not self.metrics.wait_for_scrape(seconds):
             log.info("no scrape of the final metrics within %.0f s", seconds)
+
+    def _acknowledge_join(self) -> None:
+        """The root of a cluster added to the running job joined it: it says so, for the local
+        runner (`cluster_<c>.joined` in the drain folder; `growing`)."""
+        rt = self.runtime
+        if not (self.me.is_root and self.meta.plan.grown(self.me.cluster) and rt.rejoined
+                and self.drain_dir and os.access(self.drain_dir, os.W_OK)):
+            return
+        try:
+            growing.joined_file(Path(self.drain_dir), self.me.cluster).write_text(
+                json.dumps(rt.rejoined))
+        except OSError as e:
+            log.warning("could not acknowledge the join in %s: %s", self.drain_dir, e)
 
     def _acknowledge_drain(self) -> None:
         """This node's cluster drained: its stage and figures are not the job's (the others'

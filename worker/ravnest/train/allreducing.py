@@ -143,6 +143,8 @@ class RingReducer:
         """The ring's members the last round went without."""
         self.rank = self.size = self._tag = 0
         self._next: RingSender | None = None
+        self._grown: tuple[int, RingPlan] | None = None
+        """(round, ring): the ring with a newcomer's node, from that round on (`extend`)."""
         self._form(ring.members)
         self._inbox = inbox
         self._timeout = timeout
@@ -173,9 +175,20 @@ class RingReducer:
                                      f"{'is' if len(self.missing) == 1 else 'are'} missing")
             self._next = self._peers[successor]
 
+    def extend(self, ring: RingPlan, from_round: int) -> None:
+        """From round `from_round` on, the ring is `ring`: this one with a node of a cluster
+        added to the running job (issue 20, grow). Every member switches at the same round (the
+        one the newcomer joins at), so that their membership tags agree."""
+        self._grown = (from_round, ring)
+
     def _begin(self, round_: int) -> None:
         """Form the round's ring over the members present (when a watch says who is lost)."""
+        if self._grown is not None and round_ >= self._grown[0]:
+            self.ring, self._grown = self._grown[1], None
+            self.members = ()  # (formed again: its tag is the grown ring's)
         if self._lost is None:
+            if not self.members:
+                self._form(self.ring.members)
             return
         # resumed before the lost are read: a loss reported in between fails this round at
         # worst (skipped), where the other order could leave it waiting out the timeout. The

@@ -51,11 +51,16 @@ import torch
 
 from ravnest.errors import RavnestError
 from ravnest.plan.partitioning import Stage
+from ravnest.plan.plans import NodePlan, Plan
 from ravnest.train.optimizing import Optimization
 
 JOIN_MARGIN_SECONDS = 5.0
 """How far ahead of the round the others are at a restarted cluster's join round is chosen: time
 for each of its nodes to get the `rejoin` down the pipeline and ask the members of its rings."""
+
+NEWCOMER = "newcomer"
+"""The key of a `where` or `join` control in which a node of a cluster added to the running job
+introduces itself (`newcomer_plan`)."""
 
 PARAM = "p/"
 OPTIM = "o/"
@@ -145,6 +150,27 @@ def resume_position(updates: int, per_epoch: int, update_frequency: int) -> tupl
     if done == 0 and epoch > 0:
         return epoch - 1, per_epoch
     return epoch, done * update_frequency
+
+
+def newcomer_plan(plan: Plan, name: str, info: Mapping[str, Any]) -> NodePlan:
+    """The node plan a newcomer `name` introduced itself with (`info`: its `node` plan, its
+    `address` and `rings`), checked against `plan`: a node of a cluster added to the job (the next
+    one, or one added already) whose stage holds what each of its rings averages. Raises
+    RavnestError saying what does not fit."""
+    raw = dict(info["node"])
+    node = NodePlan(**{**raw, "state": tuple(str(x) for x in raw["state"])})
+    address = info.get("address")
+    if node.name != name or not isinstance(address, str) or ":" not in address:
+        raise RavnestError(f"the node plan names {node.name!r} and address {address!r}")
+    if not plan.planned <= node.cluster <= len(plan.clusters):
+        raise RavnestError(f"cluster {node.cluster} is not one added to the job (planned "
+                           f"{plan.planned}, {len(plan.clusters)} now)")
+    rings = {r.id: r for r in plan.rings}
+    named = [str(r) for r in info.get("rings") or ()]
+    if not named or any(r not in rings or not set(rings[r].state) <= set(node.state)
+                        for r in named):
+        raise RavnestError(f"its rings {named} are not rings of the job whose state it holds")
+    return node
 
 
 def _jsonable(value: Any) -> bool:

@@ -47,9 +47,11 @@ from ravnest.train.metrics import WorkerMetrics
 from ravnest.train.optimizing import Optimization
 from ravnest.train.pipelining import Pending, StagePasses
 from ravnest.train.rejoining import (
+    NEWCOMER,
     RingMembership,
     RoundClock,
     join_round,
+    newcomer_plan,
     pack_state,
     resume_position,
     unpack_state,
@@ -89,6 +91,11 @@ class NodeRuntime:
     """At a root: whether its cluster was told to drain (asked at each round boundary)."""
     leave_after: int | None
     """The round after which this node's cluster leaves the job (it drains), once known."""
+    introduction: dict[str, Any] | None
+    """At a node of a cluster added to the running job: how it introduces itself to the
+    members of its rings (`NEWCOMER`: its node plan, addresses and rings)."""
+    welcome: Callable[[str, str, str | None], None] | None
+    """Link to a newcomer (name, address, ring data plane address), and watch it."""
 
     def __init__(self, name: str, plan: Plan, stage: Stage, settings: Settings,
                  optimizer: torch.optim.Optimizer | None, scheduler: Any,
@@ -130,7 +137,7 @@ class NodeRuntime:
         self.membership = membership
         self.rounds_skipped = self.rounds_partial = 0
         self.rounds, self.rejoined = RoundClock(), None
-        self.drain_asked, self.leave_after = None, None
+        self.drain_asked = self.leave_after = self.introduction = self.welcome = None
         self._joins: list[tuple[str, str, int | None]] = []  # (node, ring, round) to serve
         self._deferred: deque[Frame] = deque()  # frames that came while rejoining
         metrics.clusters_active.set(len(plan.clusters))
@@ -296,8 +303,8 @@ class NodeRuntime:
         self.metrics.reduce_skipped.inc(rounds.skipped)
         self.metrics.reduce_partial.inc(rounds.partial)
         self.metrics.ring_missing.set(rounds.missing)
-        gone = {self.plan.node(m).cluster for r, _ in self.reducers for m in r.missing}
-        self.metrics.clusters_active.set(len(self.plan.clusters) - len(gone))
+        self.metrics.clusters_active.set(
+            len({self.plan.node(m).cluster for r, _ in self.reducers for m in r.members}))
         self.rounds_skipped += rounds.skipped
         self.rounds_partial += rounds.partial
         if round_ != FINAL_ROUND:
@@ -363,10 +370,12 @@ class NodeRuntime:
                 self._pass_down(c)
                 self._finished = True
             case Op.WHERE:
+                self._welcome(c)
                 self._answer(str(c.get("node")), {
                     "op": Op.HERE, "updates": self.updates, "round": self.rounds.last,
                     "seconds_per_round": self.rounds.seconds or 0.0})
             case Op.JOIN:
+                self._welcome(c)
                 self._join(c)
             case Op.LEAVE:
                 self._pass_down(c)
@@ -420,12 +429,41 @@ class NodeRuntime:
             self._answer(who, {"op": Op.LATE, "ring": ring_id, "round": round_,
                                "last": self.rounds.last})
             return
+        first = FINAL_ROUND + 1 if round_ is None else round_ + 1
         if self.membership is not None:
-            self.membership.admit(who, FINAL_ROUND + 1 if round_ is None else round_ + 1)
+            self.membership.admit(who, first)
+        for reducer, _ in self.reducers:
+            if reducer.ring.id == ring_id and who not in reducer.ring.members:
+                reducer.extend(next(r for r in self.plan.rings if r.id == ring_id), first)
         log.info("%s: %s rejoins ring %s after round %s", self.name, who, ring_id,
                  "final" if round_ is None else round_)
         if c.get("serve"):
             self._joins.append((who, ring_id, round_))
+
+    def _welcome(self, c: dict[str, Any]) -> None:
+        """A node of a cluster added to the running job (`growing`) introduces itself: it joins
+        this node's plan (its cluster, its rings) and links, out of the rounds until it joins
+        (`_join`). Its node plan is checked against the rings it names; a bad one is dropped."""
+        info = c.get(NEWCOMER)
+        if not isinstance(info, dict) or str(c.get("node")) in self.plan.names():
+            return
+        try:
+            node = newcomer_plan(self.plan, str(c.get("node")), info)
+        except (RavnestError, KeyError, TypeError, ValueError) as e:
+            log.warning("%s: an introduction of %s dropped: %s", self.name, c.get("node"), e)
+            return
+        if self.membership is not None:
+            self.membership.lost(node.name)  # (out of the rounds until it joins)
+        self.plan = self.plan.joined(node, tuple(info["rings"]))
+        if self.welcome is not None:
+            ring = info.get("ringAddress")
+            self.welcome(node.name, str(info["address"]), str(ring) if ring else None)
+        log.warning("%s: %s of cluster %d, added to the running job, introduced itself (rings "
+                    "%s)", self.name, node.name, node.cluster, ", ".join(info["rings"]))
+
+    def _intro(self) -> dict[str, Any]:
+        """What a control to a ring member says of this node, a newcomer's introduction."""
+        return {NEWCOMER: self.introduction} if self.introduction is not None else {}
 
     def _leave(self, round_: int) -> None:
         """This node's cluster drains: tell the other members of its rings to go without it
@@ -521,7 +559,7 @@ class NodeRuntime:
         if asked is None:
             raise RavnestError(f"{self.name}: cannot rejoin: no member of its rings in another "
                                f"cluster is there to take the state from")
-        self._answer(asked, {"op": Op.WHERE, "node": self.name})
+        self._answer(asked, {"op": Op.WHERE, "node": self.name, **self._intro()})
         here = self._await_controls((Op.HERE,), self.s.peer_timeout, (asked,))
         last = self._last_round_of_job()
         rf = self.s.reduce_factor
@@ -558,7 +596,7 @@ class NodeRuntime:
             wanted[ring.id] = there[0]
             for m in there:
                 self._answer(m, {"op": Op.JOIN, "node": self.name, "ring": ring.id,
-                                 "round": round_, "serve": m == there[0]})
+                                 "round": round_, "serve": m == there[0], **self._intro()})
         updates, nbytes = self._load_states(wanted, c)
         self.updates, self.epoch, self.next_batch = updates, int(c["epoch"]), int(c["next_batch"])
         if c.get("final"):
@@ -604,8 +642,8 @@ class NodeRuntime:
         return updates, nbytes
 
     def _checkpoint(self, c: dict[str, Any]) -> None:
-        if not self.checkpoints.directory:
-            return
+        if not self.checkpoints.directory or self.plan.grown(self.me.cluster):
+            return  # (a cluster added to the running job has no checkpoint: it joins again)
         self.next_batch, self.epoch = int(c["next_batch"]), int(c["epoch"])
         self.checkpoints.save(int(c["step"]), self.state())
 
