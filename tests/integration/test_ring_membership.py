@@ -260,3 +260,41 @@ def test_reduce_all_counts_partial_rounds_and_missing_members() -> None:
     rounds = reduce_all([(reducer, lambda: ([t], 0))], 1)
     assert (rounds.done, rounds.skipped, rounds.partial, rounds.missing) == (1, 0, 1, 2)
     assert torch.equal(t, torch.ones(3))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_ring_extended_at_a_round_takes_a_newcomer_in_from_that_round(transport: str) -> None:
+    """Growing (issue 20): a node of a cluster added to the job joins a ring at round 3. The
+    planned members switch to the grown ring at that round (`extend`), the newcomer runs the
+    grown ring from its first round, and round 3 averages all four, with nobody missing."""
+    planned = ("r0", "r1", "r2")
+    grown = RingPlan(id="ring-0", members=(*planned, "r3"), state=())
+    mesh = Mesh(grown.members, transport)
+    held = {m: tensors_of(m) for m in grown.members}
+    missing: dict[str, tuple[str, ...]] = {}
+    round_2_over = threading.Barrier(4)  # (a newcomer starts once it got the state after it)
+
+    def rank(m: str) -> None:
+        if m == "r3":
+            reducer = mesh.reducer(grown, m, lambda _: set())
+            round_2_over.wait(HANG_GUARD)
+            assert reducer.average(held[m], 3)
+        else:
+            reducer = mesh.reducer(RingPlan("ring-0", planned, ()), m, lambda _: set())
+            reducer.extend(grown, 3)
+            assert reducer.average(held[m], 1) and reducer.average(held[m], 2)
+            assert reducer.members == planned
+            round_2_over.wait(HANG_GUARD)
+            assert reducer.average(held[m], 3)
+        missing[m] = reducer.missing
+
+    try:
+        run_ranks(rank, grown.members)
+    finally:
+        mesh.close()
+    assert missing == dict.fromkeys(grown.members, ())
+    three = mean_of(planned)
+    new = [t.double() for t in tensors_of("r3")]
+    for m in grown.members:
+        for got, a, b in zip(held[m], three, new, strict=True):
+            torch.testing.assert_close(got.double(), (3 * a + b) / 4, rtol=0, atol=1e-6)
