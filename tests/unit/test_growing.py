@@ -1,5 +1,5 @@
 """Growing a running job (issue 20, grow), the parts that decide: the plan a job grows into
-(`planning.grow`), what a newcomer's introduction must hold (`newcomer_plan`, `Plan.joined`), which
+(`growth.grow`), what a newcomer's introduction must hold (`newcomer_plan`, `Plan.joined`), which
 edit of a job is an addition (`growing.added_providers`), the data a new cluster trains, and the
 versioned membership once it joined."""
 
@@ -15,8 +15,8 @@ from torch.utils.data import TensorDataset
 
 from ravnest import parse_job, plan_job
 from ravnest.errors import PlanError, RavnestError, SpecError
+from ravnest.plan.growth import grow
 from ravnest.plan.handoff import identity
-from ravnest.plan.planning import grow
 from ravnest.plan.plans import Plan, ProviderInfo, as_planned, fingerprint
 from ravnest.run import elastic
 from ravnest.run.growing import added_providers

@@ -111,7 +111,7 @@ class Plan:
     none (as `kept_whole`)."""
     planned_clusters: int = 0
     """How many clusters the plan had when the job started, when clusters were added to it since
-    (`planning.grow`: the clusters from this id on joined a running job); 0 (left out of the
+    (`growth.grow`: the clusters from this id on joined a running job); 0 (left out of the
     JSON): all of them. The fingerprint stays the planned one's: it names the job's model."""
 
     @property
@@ -120,7 +120,7 @@ class Plan:
         return self.planned_clusters or len(self.clusters)
 
     def grown(self, cluster: int) -> bool:
-        """Whether `cluster` was added to the running job (`planning.grow`)."""
+        """Whether `cluster` was added to the running job (`growth.grow`)."""
         return cluster >= self.planned
 
     def node(self, name: str) -> NodePlan:

@@ -73,6 +73,15 @@ def removed_providers(planned: Sequence[Provider], now: Sequence[Provider]) -> l
     return [*removed, *range(i, len(planned))]
 
 
+def added_providers(planned: Sequence[Provider], now: Sequence[Provider]) -> list[int] | None:
+    """The providers (indices into `now`, replicas expanded) that an edited spec adds to the job's
+    providers as planned, when adding them is the edit: `now` is `planned` with more after it.
+    None otherwise."""
+    if len(now) <= len(planned) or list(now[:len(planned)]) != list(planned):
+        return None
+    return list(range(len(planned), len(now)))
+
+
 def drain_for(plan: Plan, providers: Collection[int], runs_on: Mapping[str, int],
               drained: Collection[int]) -> set[int]:
     """The clusters to drain so that `providers` leave a running job: the cluster of each one's

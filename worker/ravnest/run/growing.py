@@ -1,7 +1,7 @@
 """Growing on `ravnest run` (issue 20, grow): `ravnest grow <job.yaml>` adds the providers that the
 edited job file lists after those of the running job. The order is a file in the run folder's
 `grow/`, which the runner reads while it supervises: it forms the new providers into clusters
-(`planning.grow`: each takes the stages of a planned cluster, so nothing the running clusters hold
+(`growth.grow`: each takes the stages of a planned cluster, so nothing the running clusters hold
 changes), writes their node metadata and starts their workers. Those join as a restarted cluster
 rejoins (`train.rejoining`): they introduce themselves to the members of their rings, take the
 latest state from them, and take part in the rounds from their join round on, while the others
@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ravnest.errors import RavnestError, SpecError
-from ravnest.plan import planning
+from ravnest.plan import growth
 from ravnest.plan.plans import Plan, ProviderInfo
+from ravnest.run import elastic
 from ravnest.run.metadata import NodeMetadata
 from ravnest.spec import Job, parse_job
 
@@ -30,14 +31,15 @@ def added_providers(running: Job, edited: Job) -> list[int]:
     """The providers (indices, replicas expanded) that `edited` adds to the `running` job: its
     providers are the running ones with more after them, and nothing else changed. Raises
     SpecError, path-qualified, otherwise."""
-    before, now = running.spec.expanded_providers(), edited.spec.expanded_providers()
+    before = running.spec.expanded_providers()
     if _without_providers(running) != _without_providers(edited):
         raise SpecError(["spec: a running job grows by providers added to spec.providers; "
                          "everything else must stay as it runs"])
-    if now[:len(before)] != before or len(now) == len(before):
+    added = elastic.added_providers(before, edited.spec.expanded_providers())
+    if added is None:
         raise SpecError([f"spec.providers: a running job grows by providers listed after its "
                          f"{len(before)} (replicas expanded), the others unchanged and in order"])
-    return list(range(len(before), len(now)))
+    return added
 
 
 def _without_providers(job: Job) -> dict[str, Any]:
@@ -83,7 +85,7 @@ def grown_plan(plan: Plan, order: dict[str, Any]) -> tuple[Job, Plan]:
     pool = job.spec.expanded_providers()
     added = [(i, ProviderInfo(pool[i].ram, pool[i].bandwidth, pool[i].compute))
              for i in order["providers"]]
-    return job, planning.grow(plan, added)
+    return job, growth.grow(plan, added)
 
 
 def joined_file(folder: Path, cluster: int) -> Path:
