@@ -42,6 +42,17 @@ class DeletePod:
 
 
 @dataclass(frozen=True)
+class GrowJob:
+    """Providers were added to a running job (issue 20, grow): create the ConfigMaps of the new
+    `nodes`, then replace the plan ConfigMap's plan and planned job with the grown ones (last: it
+    marks the growth done, as its creation marks a job planned). The new nodes' pods are made as
+    any missing pod is."""
+    job: Job
+    plan: Plan
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class AnnotatePod:
     """Set one annotation on a pod (a merge patch); a pod already gone is not an error."""
     name: str
@@ -107,8 +118,8 @@ class CountFinished:
     started: str | None
 
 
-Action = (SetStatus | CreateJobObjects | Create | DeletePod | AnnotatePod | DeleteJob | Event
-          | ScrapeProgress | CountRestart | CountRecovery | CountTakeover | CountDrain
+Action = (SetStatus | CreateJobObjects | Create | GrowJob | DeletePod | AnnotatePod | DeleteJob
+          | Event | ScrapeProgress | CountRestart | CountRecovery | CountTakeover | CountDrain
           | CountRunning | CountFinished)
 
 

@@ -19,8 +19,9 @@ from typing import Any
 
 from ravnest import storing
 from ravnest.errors import PlanError, RavnestError, SpecError
+from ravnest.plan import growth
 from ravnest.plan.handoff import decode
-from ravnest.plan.plans import Plan, SparePlan, spare_name
+from ravnest.plan.plans import Plan, ProviderInfo, SparePlan, spare_name
 from ravnest.run import elastic
 from ravnest.spec import Job, parse_job
 
@@ -39,6 +40,7 @@ from .actions import (
     DeleteJob,
     DeletePod,
     Event,
+    GrowJob,
     ScrapeProgress,
 )
 from .planning import PlannerPod
@@ -77,6 +79,11 @@ class Observed:
     """When spec.providers is the one field changed and only by providers left out: those
     providers, as indices into the providers as planned (`removed_providers`; empty: the spec is
     as planned); None otherwise."""
+    added: tuple[int, ...] = ()
+    """When spec.providers is the one field changed and only by providers listed after those
+    planned: those providers, as indices into the spec's (`added_providers`)."""
+    edited: Job | None = None
+    """The job as its spec is now, when providers were added (`added`)."""
     plan: Plan | None = None
     """The plan its plan ConfigMap holds; None when that does not exist (yet)."""
     pods: tuple[dict[str, Any], ...] = field(default_factory=tuple)
@@ -153,7 +160,11 @@ def decide(observed: Observed, now: dt.datetime, settings: Settings) -> Decision
         _planned(run, observed.job, plan)
         return run.out
     refused = _drains(run, observed.job, plan)
-    _spec_changed(run, () if observed.removed is not None and refused is None
+    if observed.added:
+        refused = _grows(run, plan)
+        if refused is None:  # (the next pass runs the grown plan)
+            return run.out
+    _spec_changed(run, () if (observed.removed is not None or observed.added) and refused is None
                   else observed.changed, refused)
     _run(run, observed.job, plan, phase)
     return run.out
@@ -191,10 +202,20 @@ def removed_providers(now: Job, planned: Job, changed: tuple[str, ...]) -> tuple
     return None if removed is None else tuple(removed)
 
 
+def added_providers(now: Job, planned: Job, changed: tuple[str, ...]) -> tuple[int, ...]:
+    """`Observed.added`: the providers (indices into the spec `now`'s, replicas expanded) that it
+    lists after those of the job `planned`, when that is its one edit; () otherwise."""
+    if changed != ("providers",):
+        return ()
+    added = elastic.added_providers(planned.spec.expanded_providers(),
+                                    now.spec.expanded_providers())
+    return tuple(added or ())
+
+
 SPEC_CHANGED = ("{} changed after the job was planned, and is not applied: the job runs on as "
-                "planned (a running job shrinks when providers are removed from spec.providers, "
-                "but does not grow or take other edits yet; delete it and apply it again to plan "
-                "it anew)")
+                "planned (a running job shrinks when providers are removed from spec.providers "
+                "and grows when providers are listed after its own, but takes no other edits; "
+                "delete it and apply it again to plan it anew)")
 """The SpecChanged condition's message ({}: the fields)."""
 
 
@@ -207,8 +228,7 @@ def _spec_changed(run: _Pass, changed: tuple[str, ...], refused: str | None = No
     if changed or refused:
         text = SPEC_CHANGED.format(", ".join(f"spec.{k}" for k in changed))
         if refused:
-            text = (f"spec.providers: the providers removed are not drained: {refused}; the job "
-                    f"runs on as planned")
+            text = f"spec.providers: {refused}; the job runs on as planned"
         if now is not None and now.get("status") == "True" and now.get("message") == text:
             return
         conditions = set_condition(conditions, "SpecChanged", True, "NotApplied", text, run.at)
@@ -257,6 +277,7 @@ def _drains(run: _Pass, job: Job, plan: Plan) -> str | None:
     refused = None
     if run.observed.removed is not None:
         ordered, refused = _order_drains(run, job, plan, ordered, [*drained, *late])
+        refused = refused and f"the providers removed are not drained: {refused}"
     run.drained = {int(d["cluster"]) for d in drained}
     run.draining = {int(d["cluster"]): json.dumps({"providers": d["providers"],
                                                    "at": d["orderedAt"]}) for d in ordered}
@@ -265,12 +286,26 @@ def _drains(run: _Pass, job: Job, plan: Plan) -> str | None:
         if pod is not None and not _going(pod) and (pod["metadata"].get("annotations") or {}
                                                     ).get(resources.DRAIN_ANNOTATION) != order:
             run.out.do(AnnotatePod(root[c], resources.DRAIN_ANNOTATION, order))
-    if ordered or drained or late:
+    joined = _joined(plan, pods, root)
+    if ordered or drained or late or joined:
         run.out.set({"draining": ordered, "drained": drained,
                      **({"notDrained": late} if late else {}),
+                     **({"joined": joined} if joined else {}),
                      "membership": elastic.membership(
-                         plan, [d for d in drained if isinstance(d.get("round"), int)])})
+                         plan, [d for d in drained if isinstance(d.get("round"), int)], joined)})
     return refused
+
+
+def _joined(plan: Plan, pods: Mapping[str, Mapping[str, Any]], root: Mapping[int, str]
+            ) -> list[dict[str, Any]]:
+    """The clusters added to the job (`_grows`) whose root said, as it ended, after which round
+    it joined (status.joined, and a version of status.membership)."""
+    joined = []
+    for c in plan.clusters[plan.planned:]:
+        said = (_said(pods.get(root[c.id], {})) or {}).get("rejoined")
+        if isinstance(said, dict) and isinstance(said.get("round"), int):
+            joined.append({"cluster": c.id, "round": said["round"]})
+    return joined
 
 
 def _order_drains(run: _Pass, job: Job, plan: Plan, ordered: list[dict[str, Any]],
@@ -284,8 +319,9 @@ def _order_drains(run: _Pass, job: Job, plan: Plan, ordered: list[dict[str, Any]
     have = {int(p) for d in [*ordered, *drained] for p in d.get("providers") or []}
     if have - want:
         back = ", ".join(map(str, sorted(have - want)))
-        return ordered, (f"provider(s) {back} left the job and are listed again: a running job "
-                         f"does not grow yet")
+        return ordered, (f"provider(s) {back} left the job and are listed again: a drained "
+                         f"cluster does not come back (list new providers after the others to "
+                         f"grow the job)")
     if not want - have:
         return ordered, None
     runs_on = {n.name: n.provider for n in plan.nodes} | _runs_on(run.status, job, plan)
@@ -302,6 +338,38 @@ def _order_drains(run: _Pass, job: Job, plan: Plan, ordered: list[dict[str, Any]
                                      f"from spec.providers: cluster {c} drains at a round "
                                      f"boundary, the others train on"))
     return [*ordered, *new], None
+
+
+def _grows(run: _Pass, plan: Plan) -> str | None:
+    """Growing (issue 20, grow): providers listed after a running job's form new clusters with
+    the stages of planned ones (`growth.grow`). Their ConfigMaps and the grown plan are written
+    (`GrowJob`), their clusters count as rejoining until their pods run (their workers join at a
+    round boundary with the latest state, as a cluster restarted alone does), and status.grown
+    records them. Returns why they cannot join (nothing is done then), or None."""
+    edited = run.observed.edited
+    assert edited is not None
+    if edited.spec.security.tls:
+        return ("the providers added do not join: a job with spec.security.tls cannot grow yet "
+                "(its CA's key is not kept, so no certificate can be issued to a new node)")
+    pool = edited.spec.expanded_providers()
+    try:
+        grown = growth.grow(plan, [(i, ProviderInfo(pool[i].ram, pool[i].bandwidth,
+                                                     pool[i].compute))
+                                   for i in run.observed.added])
+    except PlanError as e:
+        return f"the providers added do not join: {e}"
+    new = tuple(n.name for n in grown.nodes if n.name not in set(plan.names()))
+    clusters = list(range(len(plan.clusters), len(grown.clusters)))
+    rejoining = sorted({*(run.status.get("rejoining") or []), *clusters})
+    text = (f"provider(s) {', '.join(map(str, run.observed.added))} added to spec.providers "
+            f"form cluster(s) {', '.join(map(str, clusters))}: they join at a round boundary "
+            f"with the latest state, the others train on")
+    run.out.do(GrowJob(edited, grown, new), Event("Growing", text))
+    run.out.set({"grown": [*(run.status.get("grown") or []), {
+        "providers": list(run.observed.added), "clusters": clusters, "at": run.at}],
+        "rejoining": rejoining, "plan": _plan_status(grown),
+        "clusters": _active(run, grown, set(rejoining))})
+    return None
 
 
 def _planned(run: _Pass, job: Job, plan: Plan) -> None:
@@ -562,8 +630,9 @@ def _rejoined(run: _Pass, plan: Plan, obs: Observation, rejoining: set[int],
                                    f"again after: {recovering['message']}", run.at)
     run.out.set({"rejoining": sorted(left), "conditions": conditions,
                  "clusters": _active(run, plan, left)})
+    new = {c for c in back if plan.grown(c)}  # (added to the job: never ran before)
     run.out.do(Event("Rejoined", f"cluster(s) {', '.join(map(str, sorted(back)))} running "
-                                 f"again, rejoining the others"))
+                                 f"{'' if new == back else 'again, re'}joining the others"))
     return conditions, left
 
 

@@ -43,11 +43,12 @@ from .actions import (
     DeleteJob,
     DeletePod,
     Event,
+    GrowJob,
     ScrapeProgress,
     SetStatus,
 )
 from .crds import GROUP, PLURAL, VERSION
-from .deciding import FINISHED, Observed, as_planned, decide, removed_providers
+from .deciding import FINISHED, Observed, added_providers, as_planned, decide, removed_providers
 from .settings import Settings
 from .statuses import progress
 
@@ -149,6 +150,20 @@ def _load_plan(job: str, namespace: str, uid: str
         json.loads(planned) if planned else None)
 
 
+def _grow(owner: resources.Owner, action: GrowJob) -> None:
+    """The new nodes' ConfigMaps, then the plan ConfigMap replaced with the grown plan (a pass
+    that stopped half-way is done again: the ConfigMaps that exist are kept)."""
+    for n in action.nodes:
+        _create(resources.node_configmap(owner, action.job, action.plan,
+                                         action.plan.node(n)))
+    cm = resources.plan_configmap(owner, action.plan, action.job)
+    update: Any = _core().replace_namespaced_config_map  # (takes the manifest as a dict)
+    try:
+        update(cm["metadata"]["name"], owner.namespace, cm)
+    except ApiException as e:
+        raise kopf.TemporaryError(f"growing the plan: {e.status} {e.reason}", delay=5) from e
+
+
 def _delete_job(name: str, namespace: str) -> None:
     try:
         kubernetes.client.CustomObjectsApi().delete_namespaced_custom_object(
@@ -193,9 +208,10 @@ def _observe(body: kopf.Body, spec: dict[str, Any], status: dict[str, Any], name
     plan, planned = _load_plan(name, namespace, uid)
     now = job
     job, changed = as_planned(job, planned)
+    added = added_providers(now, job, changed)
     return replace(seen, job=job, plan=plan, changed=changed,
-                   removed=removed_providers(now, job, changed),
-                   pods=tuple(_pods(name, namespace, uid)))
+                   removed=removed_providers(now, job, changed), added=added,
+                   edited=now if added else None, pods=tuple(_pods(name, namespace, uid)))
 
 
 def _carry_out(action: Action, body: kopf.Body, patch: kopf.Patch,
@@ -213,6 +229,8 @@ def _carry_out(action: Action, body: kopf.Body, patch: kopf.Patch,
         _create(dict(action.manifest))
     elif isinstance(action, DeletePod):
         _delete_pod(action.name, owner.namespace)
+    elif isinstance(action, GrowJob):
+        _grow(owner, action)
     elif isinstance(action, AnnotatePod):
         _annotate_pod(action.name, owner.namespace, action.key, action.value)
     elif isinstance(action, DeleteJob):

@@ -397,10 +397,10 @@ def _step_at_least(kube, operator, job: str, step: int) -> None:
 
 
 def test_an_edited_spec_is_not_applied_and_the_job_runs_on_as_planned(cluster, tmp_path):
-    """`kubectl apply` of a running job with its providers reordered and one added (a running
-    job does not grow yet) and runPolicy edited: the job says the providers edit is not applied
-    (SpecChanged), the runPolicy edit is (recovery: job), and after a worker is killed its pods
-    are made again from the spec as planned, and the job succeeds."""
+    """`kubectl apply` of a running job with its providers reordered and one added (not an addition
+    after its own, which is how a running job grows) and runPolicy edited: the job says the
+    providers edit is not applied (SpecChanged), the runPolicy edit is (recovery: job), and after a
+    worker is killed its pods are made again from the spec as planned, and the job succeeds."""
     kube, kubelet, operator = cluster
     doc = job_doc("edited", epochs=4)
     assert apply(kube, doc, tmp_path).returncode == 0

@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import datetime as dt
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +34,14 @@ from ravnest_operator.actions import (
     DeleteJob,
     DeletePod,
     Event,
+    GrowJob,
     ScrapeProgress,
     SetStatus,
 )
 from ravnest_operator.deciding import (
     NOT_DURABLE,
     Observed,
+    added_providers,
     as_planned,
     decide,
     removed_providers,
@@ -1001,10 +1004,10 @@ def test_spare_pods_are_let_go_when_training_ends_whatever_the_clean_policy(spar
 # --- a spec edited after planning -----------------------------------------------------------------
 
 def test_a_running_job_keeps_to_its_plan_when_its_spec_is_edited_and_says_so(digits):
-    """kubectl apply of a running job with its providers edited (reordered and one added: a
-    running job does not grow yet): its pods are still made from the spec as planned, runPolicy
-    edits apply, and a SpecChanged condition and Warning say what was not applied, until the spec
-    is as planned again."""
+    """kubectl apply of a running job with its providers edited (reordered and one added: not an
+    addition after its own, which is how a running job grows): its pods are still made from the spec
+    as planned, runPolicy edits apply, and a SpecChanged condition and Warning say what was not
+    applied, until the spec is as planned again."""
     doc, job, plan = digits
     spec = copy.deepcopy(doc["spec"])
     spec["providers"] = [*spec["providers"][::-1], {"ram": 4}]
@@ -1137,8 +1140,8 @@ def test_a_drained_cluster_is_out_of_the_job_and_a_restart_leaves_it_out(digits)
 
 @pytest.mark.parametrize("keep, why", [
     ([0], "would leave no cluster to train: stop the job instead"),
-    ([0, 1, 2, 3, 4, 5], "provider(s) 5 left the job and are listed again: a running job does "
-                         "not grow yet"),
+    ([0, 1, 2, 3, 4, 5], "provider(s) 5 left the job and are listed again: a drained cluster "
+                         "does not come back"),
 ])
 def test_a_removal_that_cannot_drain_is_refused_and_nothing_is_ordered(digits, keep, why):
     _, _, plan = digits
@@ -1169,3 +1172,95 @@ def test_a_cluster_told_to_drain_too_near_the_end_finishes_and_counts(digits):
     assert d.status["notDrained"] == ordered
     assert [a.reason for a in d.actions if isinstance(a, Event)] == ["NotDrained", "Succeeded"]
     assert d.status["phase"] == "Succeeded" and d.status["result"]["cluster"] == 0
+
+
+# --- growing (issue 20) -----------------------------------------------------------------------
+
+def _grow_edit(digits, added: list[dict], status: dict, pods=(), **spec_changes: Any
+               ) -> Observed:
+    """The digits job running with `added` listed after its providers (and `spec_changes`)."""
+    doc, job, _ = digits
+    spec = copy.deepcopy(doc["spec"])
+    spec["providers"] = [*spec["providers"], *added]
+    spec.update(spec_changes)
+    now = parse_job({**doc, "spec": spec})
+    got, changed = as_planned(now, job.to_dict())
+    added_ = added_providers(now, got, changed)
+    return dataclasses.replace(_observed(digits, status, pods), spec=spec, job=got,
+                               changed=changed, removed=removed_providers(now, got, changed),
+                               added=added_, edited=now if added_ else None)
+
+
+def _like_cluster_0(plan) -> list[dict]:
+    return [{"ram": plan.node(n).ram_gb} for n in plan.clusters[0].nodes]
+
+
+def test_providers_added_to_a_running_job_form_a_cluster_that_joins(digits):
+    """kubectl apply with two providers listed after the job's: they form cluster 2 with the
+    stages of cluster 0; its ConfigMaps and the grown plan are written, then its pods are made
+    (not taken for lost ones), it counts as rejoining until they run, and once its root ended,
+    saying after which round it joined, the membership has a version from the round after."""
+    _, _, plan = digits
+    observed = _grow_edit(digits, _like_cluster_0(plan), _running(), _pods(plan, "Running"))
+    assert observed.added == (6, 7) and observed.removed is None
+    d = decide(observed, NOW, SETTINGS)
+    (grow,) = [a for a in d.actions if isinstance(a, GrowJob)]
+    assert grow.nodes == ("node_6", "node_7") and grow.job == observed.edited
+    assert len(grow.plan.clusters) == 3 and grow.plan.planned == 2
+    assert grow.plan.fingerprint == plan.fingerprint
+    assert d.status["grown"] == [{"providers": [6, 7], "clusters": [2], "at": AT}]
+    assert d.status["rejoining"] == [2] and d.status["clusters"] == "2/3"
+    assert "SpecChanged" not in {c["type"] for c in d.status.get("conditions") or []}
+    assert [a.reason for a in d.actions if isinstance(a, Event)] == ["Growing"]
+    assert not any(isinstance(a, Create | DeletePod) for a in d.actions)
+
+    # the next pass reads the grown plan and the edited job as planned: the new pods are made
+    grown, edited = grow.plan, grow.job
+    status = _running(grown=d.status["grown"], rejoining=[2])
+
+    def passing(pods: list[dict]) -> Decision:
+        return decide(dataclasses.replace(observed, job=edited, plan=grown, changed=(),
+                                          removed=(), added=(), edited=None, status=status,
+                                          pods=tuple(pods)), NOW, SETTINGS)
+
+    old = _pods(plan, "Running")
+    d = passing(old)
+    made = [a.manifest for a in d.actions if isinstance(a, Create)]
+    assert sorted(m["metadata"]["name"] for m in made) == ["digits-node-6", "digits-node-7"]
+    assert "phase" not in d.status and d.status["clusters"] == "2/3"
+    assert not any(isinstance(a, DeletePod | CountRecovery) for a in d.actions)
+    new = [_pod(grown, i, "Running") for i in (6, 7)]
+    d = passing([*old, *new])
+    assert d.status["rejoining"] == [] and d.status["clusters"] == "3/3"
+    assert Event("Rejoined", "cluster(s) 2 running joining the others") in d.actions
+    said = json.dumps({"node": "node_6", "updates": 80, "rejoined": {"round": 30}})
+    ended = [_pod(grown, i, "Succeeded", code=0, message=said if i == 6 else None)
+             for i in range(8)]
+    d = passing(ended)
+    assert d.status["joined"] == [{"cluster": 2, "round": 30}]
+    assert d.status["membership"]["versions"] == [
+        {"version": 1, "fromRound": 1, "clusters": [0, 1]},
+        {"version": 2, "fromRound": 31, "clusters": [0, 1, 2]}]
+
+
+@pytest.mark.parametrize("added, changes, why", [
+    ([{"ram": 0.000001}], {}, r"spec.providers: the providers added do not join: "
+                             r"spec.providers\[6\]: the providers added from here on cannot form"),
+    (None, {"security": {"tls": True}}, "a job with spec.security.tls cannot grow yet"),
+])
+def test_providers_that_cannot_join_are_refused_and_nothing_is_done(digits, added, changes,
+                                                                     why):
+    doc, job, plan = digits
+    if changes:  # (TLS as planned too: only the providers differ)
+        doc = {**doc, "spec": {**doc["spec"], **changes}}
+        job = parse_job(doc)
+        digits = (doc, job, plan)
+    observed = _grow_edit(digits, added or _like_cluster_0(plan), _running(),
+                          _pods(plan, "Running"))
+    assert observed.added
+    d = decide(observed, NOW, SETTINGS)
+    assert not any(isinstance(a, GrowJob | Create | DeletePod) for a in d.actions)
+    assert "grown" not in d.status
+    changed = _conditions(d)["SpecChanged"]
+    assert changed["status"] == "True" and changed["reason"] == "NotApplied"
+    assert re.search(why, changed["message"]), changed["message"]

@@ -72,10 +72,11 @@ derives the same set from the code and tests/integration/test_chart.py compares.
 - apiGroups: [""]
   resources: [pods]
   verbs: [create, delete, list, patch]
-# handling.py: the plan ConfigMap is read back each pass; plan and node ConfigMaps are created.
+# handling.py: the plan ConfigMap is read back each pass; plan and node ConfigMaps are created,
+# and the plan ConfigMap is replaced when providers are added to a running job (it grows).
 - apiGroups: [""]
   resources: [configmaps]
-  verbs: [create, get]
+  verbs: [create, get, update]
 # handling.py: the headless workers Service, the job's token Secret and TLS Secret.
 - apiGroups: [""]
   resources: [services, secrets]
