@@ -389,6 +389,49 @@ def test_providers_removed_from_a_running_job_drain_their_cluster(cluster, tmp_p
     print(f"\nshrunk: cluster 0 drained after round {left['round']} of 330")
 
 
+def test_providers_added_to_a_running_job_form_a_cluster_that_joins(cluster, tmp_path):
+    """`kubectl apply` of a running job with two providers listed after its own (holding cluster
+    0's stages): they form cluster 2, whose ConfigMaps and pods the operator makes; its workers
+    take the latest state from the others' and join at a round boundary, while those train on;
+    it trains to the last update, and the job's status says it grew and when it joined."""
+    kube, kubelet, operator = cluster
+    doc = job_doc("grown", epochs=30)  # 660 updates
+    assert apply(kube, doc, tmp_path).returncode == 0
+    _step_at_least(kube, operator, "grown", 30)
+    plan = json.loads(get(kube, "cm", "grown-plan")["data"]["plan.json"])
+    first = [n for n in plan["nodes"] if n["cluster"] == 0]
+    doc["spec"]["providers"] = [*doc["spec"]["providers"],
+                                *({"ram": n["ram_gb"]} for n in first)]
+    assert apply(kube, doc, tmp_path).returncode == 0
+    wait_for("grown to succeed", lambda: phase_of(kube, "grown") == "Succeeded", 400, kube,
+             operator)
+    status = get(kube, "rj", "grown")["status"]
+    added = [len(plan["nodes"]) + i for i in range(len(first))]
+    (grew,) = status["grown"]
+    assert grew["providers"] == added and grew["clusters"] == [2]
+    (joined,) = status["joined"]
+    assert joined["cluster"] == 2 and joined["round"] > 0
+    assert status["clusters"] == "3/3" and status["rejoining"] == []
+    assert status["membership"]["versions"] == [
+        {"version": 1, "fromRound": 1, "clusters": [0, 1]},
+        {"version": 2, "fromRound": joined["round"] + 1, "clusters": [0, 1, 2]}]
+    conds = {c["type"]: c for c in status["conditions"]}
+    assert conds.get("SpecChanged", {}).get("status") != "True"
+    assert status.get("restarts", 0) == 0 and status.get("recoveries", 0) == 0
+    assert status["result"]["updates"] == 660
+    assert status["progress"]["validationMetric"] >= 0.95
+    new = [f"grown-node-{p}" for p in added]
+    for pod in new:
+        assert kubelet.started.count(pod) == 1
+    root = get(kube, "pod", new[0])
+    said = json.loads(root["status"]["containerStatuses"][0]["state"]["terminated"]["message"])
+    assert said["rejoined"]["round"] == joined["round"] and said["updates"] == 660
+    assert f"rejoined after round {joined['round']}" in kubelet.log_of(new[0])
+    assert "introduced itself" in kubelet.log_of("grown-node-0")
+    print(f"\ngrown: cluster 2 (providers {added}) joined after round {joined['round']} of 330: "
+          f"{said['rejoined']['bytes']} bytes in {said['rejoined']['seconds']} s")
+
+
 def _step_at_least(kube, operator, job: str, step: int) -> None:
     def far_enough() -> bool:
         st = (get(kube, "rj", job) or {}).get("status", {})
