@@ -300,6 +300,48 @@ def test_a_provider_removed_from_the_spec_drains_its_cluster(cluster: Cluster, r
                         timeout=180, check=False)
 
 
+def test_a_provider_added_mid_run_joins_and_trains(cluster: Cluster, release: str):
+    """Growing a running job (issue 20): `kubectl apply` with providers listed after the job's
+    (holding cluster 0's stages) makes the operator create a new cluster's ConfigMaps and pods;
+    the real kubelet runs them, their workers reach the others through the headless Service's
+    DNS, take the latest state and join at a round boundary, and the new cluster trains to the
+    last update with the others."""
+    name = "grown"
+    doc = digits_doc(name, epochs=20)
+    try:
+        cluster.apply(doc)
+
+        def step() -> int:
+            return int((status_of(cluster, name).get("progress") or {}).get("step") or 0)
+
+        cluster.wait_for("the job past step 30", lambda: step() >= 30, 600)
+        first = status_of(cluster, name)["plan"]["clusters"][0]["nodes"]
+        doc["spec"]["providers"] += [copy.deepcopy(SMALL_PROVIDERS[int(n.split("_")[1])])
+                                     for n in first]  # (node_<i>: provider i's)
+        added = list(range(len(SMALL_PROVIDERS), len(doc["spec"]["providers"])))
+        cluster.apply(doc)
+        ordered = time.monotonic()
+        cluster.wait_for("the grown job to succeed", lambda: succeeded(cluster, name), 900)
+        st = status_of(cluster, name)
+        (grew,) = st["grown"]
+        assert grew["providers"] == added and grew["clusters"] == [2], grew
+        (joined,) = st["joined"]
+        assert st["clusters"] == "3/3" and st.get("restarts", 0) == 0, st
+        assert st.get("recoveries", 0) == 0, st
+        assert st["membership"]["versions"][-1] == {
+            "version": 2, "fromRound": joined["round"] + 1, "clusters": [0, 1, 2]}, st
+        assert st["result"]["updates"] == 20 * 22, st["result"]
+        assert st["progress"]["validationMetric"] >= 0.95, st["progress"]
+        log = cluster.kubectl("logs", "-n", JOBS_NS, f"{name}-node-{added[0]}").stdout
+        assert f"rejoined after round {joined['round']}" in log, log[-3000:]
+        print(f"\ngrown on the cluster: cluster 2 (providers {added}) joined after round "
+              f"{joined['round']} of 220; the job succeeded {time.monotonic() - ordered:.0f} s "
+              f"after the apply")
+    finally:
+        cluster.kubectl("delete", "rj", "-n", JOBS_NS, name, "--ignore-not-found", "--wait=true",
+                        timeout=180, check=False)
+
+
 S3 = f"http://minio.{JOBS_NS}:9000"
 S3_ENV = [*({"name": key, "valueFrom": {"secretKeyRef": {"name": "s3-credentials", "key": key}}}
             for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")),

@@ -35,6 +35,14 @@ up to round L, then stops: it writes no stage and no figures (the job's model is
 and its root acknowledges with `cluster_<c>.done` in that folder. Its shard of the data is not
 trained from then on; the other clusters keep their own shards. Asked so late that L would be
 past the job's last round, the cluster finishes with the others.
+
+Growing is the way in (issue 20, grow: providers added to a running job, `plan.growth`). The nodes
+of a cluster added to the job are not in the plan the others hold: their `where` and `join`
+carry an introduction (`NEWCOMER`: the node's plan, its addresses and its rings), which the
+member asked checks (`newcomer_plan`) and takes into its plan (`Plan.joined`); it links to the
+newcomer and watches it, and keeps it out of the rounds until it joins. The cluster then joins as
+a restarted one does, and every member's reducer of a ring it joins takes the grown ring from
+the round after the join round on (`RingReducer.extend`), so that all members switch at one round.
 """
 
 from __future__ import annotations
