@@ -101,6 +101,14 @@ def test_the_public_api_still_resolves_every_name_on_use() -> None:
       "drained": [{"cluster": 2, "round": 40, "updates": 80, "samples": 2560}]},
      ["clusters: 2/3 (training/planned)", "membership v2 from round 41: clusters 0, 1",
       "cluster 2 drained after round 40 (update 80)"]),
+    ({"phase": "Running", "clusters": "3/3",
+      "membership": {"plan": "ab12", "versions": [
+          {"version": 1, "fromRound": 1, "clusters": [0, 1]},
+          {"version": 2, "fromRound": 31, "clusters": [0, 1, 2]}]},
+      "grown": [{"providers": [6, 7], "clusters": [2], "at": 1.0}],
+      "joined": [{"cluster": 2, "round": 30}]},
+     ["clusters: 3/3 (training/planned)", "membership v2 from round 31: clusters 0, 1, 2",
+      "cluster(s) 2 added: provider(s) 6, 7", "cluster 2 joined after round 30"]),
 ])
 def test_status_shows_the_spares_and_the_stages_they_took_over(tmp_path: Path, capsys, status,
                                                                says) -> None:
@@ -110,6 +118,17 @@ def test_status_shows_the_spares_and_the_stages_they_took_over(tmp_path: Path, c
     assert main(["status", "digits", "-o", str(tmp_path)]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert [line.strip() for line in printed[1:]] == says
+
+
+def test_grow_without_a_run_is_refused_and_orders_nothing(tmp_path: Path, capsys) -> None:
+    from ravnest.cli import main
+
+    (tmp_path / "nodes").mkdir()
+    assert main(["grow", str(EXAMPLE), "-o", str(tmp_path)]) == 1
+    assert f"no run is going on in {tmp_path}" in capsys.readouterr().err
+    assert not (tmp_path / "grow").exists()
+    probe = ravnest("grow", str(EXAMPLE), "-o", str(tmp_path))
+    assert probe["code"] == 1 and probe["loaded"] == []  # a control command: no torch, no grpc
 
 
 def test_drain_without_a_run_is_refused_and_orders_nothing(tmp_path: Path, capsys) -> None:

@@ -141,8 +141,8 @@ def _spare_lines(status: dict[str, Any]) -> list[str]:
 
 
 def _drain_lines(status: dict[str, Any]) -> list[str]:
-    """Clusters training / planned (as `kubectl get rj` shows them), and those that drain or
-    drained (a local run's status.json, or a RavnestJob's status)."""
+    """Clusters training / planned (as `kubectl get rj` shows them), those that drain or
+    drained, and those added (a local run's status.json, or a RavnestJob's status)."""
     lines = []
     clusters = status.get("clusters")
     if isinstance(clusters, str) and clusters:
@@ -160,6 +160,13 @@ def _drain_lines(status: dict[str, Any]) -> list[str]:
         if isinstance(d, dict):
             lines.append(f"cluster {d.get('cluster')} drained after round {d.get('round')} "
                          f"(update {d.get('updates')})")
+    for g in status.get("grown") or []:
+        if isinstance(g, dict):
+            lines.append(f"cluster(s) {', '.join(map(str, g.get('clusters') or []))} added: "
+                         f"provider(s) {', '.join(map(str, g.get('providers') or []))}")
+    for j in status.get("joined") or []:
+        if isinstance(j, dict):
+            lines.append(f"cluster {j.get('cluster')} joined after round {j.get('round')}")
     return lines
 
 

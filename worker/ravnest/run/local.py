@@ -191,6 +191,8 @@ class LocalRun:
         """The node metadata of every node of the plan (those of clusters added since too)."""
         self.grow_orders = 0
         """The grow orders (`ravnest grow`) acted on so far."""
+        self.grown: list[dict[str, Any]] = []
+        """The grow orders acted on: the providers added, the clusters they form, when."""
         self.joined: dict[int, dict[str, Any]] = {}
         """The clusters added to the running job that joined it: what each one's root said."""
         self._ca: Any = None
@@ -417,6 +419,8 @@ class LocalRun:
             (self.out / "plan.txt").write_text(plan.table() + "\n")
             self.start(metas, rejoin=True)
             added = sorted({plan.node(n).cluster for n in new})
+            self.grown.append({"providers": [plan.node(n).provider for n in new],
+                               "clusters": added, "at": round(time.time(), 3)})
             roots.update({c: p for c in added for p in self.procs
                           if p.node == plan.clusters[c].nodes[0]})
             message = (f"provider(s) {', '.join(str(plan.node(n).provider) for n in new)} form "
@@ -591,6 +595,7 @@ class LocalRun:
                 **({"spares": [sp.name for sp in self.spares]} if self.spares else {}),
                 **({"takeovers": self.takeovers} if self.takeovers else {}),
                 **({"drained": list(self.drained.values())} if self.drained else {}),
+                **({"grown": self.grown} if self.grown else {}),
                 **({"joined": list(self.joined.values())} if self.joined else {}),
                 **({"clusters": f"{len(self.plan.clusters) - len(self.drained) - len(joining)}/"
                                 f"{len(self.plan.clusters)}",
