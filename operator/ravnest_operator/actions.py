@@ -44,9 +44,9 @@ class DeletePod:
 @dataclass(frozen=True)
 class GrowJob:
     """Providers were added to a running job (issue 20, grow): create the ConfigMaps of the new
-    `nodes`, then replace the plan ConfigMap's plan and planned job with the grown ones (last: it
-    marks the growth done, as its creation marks a job planned). The new nodes' pods are made as
-    any missing pod is."""
+    `nodes`, replace the others' with the grown plan, then replace the plan ConfigMap's plan and
+    planned job with the grown ones (last: it marks the growth done, as its creation marks a job
+    planned). The new nodes' pods are made as any missing pod is."""
     job: Job
     plan: Plan
     nodes: tuple[str, ...]

@@ -299,12 +299,13 @@ def _drains(run: _Pass, job: Job, plan: Plan) -> str | None:
 def _joined(plan: Plan, pods: Mapping[str, Mapping[str, Any]], root: Mapping[int, str]
             ) -> list[dict[str, Any]]:
     """The clusters added to the job (`_grows`) whose root said, as it ended, after which round
-    it joined (status.joined, and a version of status.membership)."""
+    it joined (status.joined, and a version of status.membership; None: asked too near the end,
+    it took the final state only)."""
     joined = []
     for c in plan.clusters[plan.planned:]:
         said = (_said(pods.get(root[c.id], {})) or {}).get("rejoined")
-        if isinstance(said, dict) and isinstance(said.get("round"), int):
-            joined.append({"cluster": c.id, "round": said["round"]})
+        if isinstance(said, dict) and (said.get("round") is None or isinstance(said["round"], int)):
+            joined.append({"cluster": c.id, "round": said.get("round")})  # (None: the final)
     return joined
 
 

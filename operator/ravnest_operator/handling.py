@@ -151,17 +151,24 @@ def _load_plan(job: str, namespace: str, uid: str
 
 
 def _grow(owner: resources.Owner, action: GrowJob) -> None:
-    """The new nodes' ConfigMaps, then the plan ConfigMap replaced with the grown plan (a pass
-    that stopped half-way is done again: the ConfigMaps that exist are kept)."""
-    for n in action.nodes:
-        _create(resources.node_configmap(owner, action.job, action.plan,
-                                         action.plan.node(n)))
-    cm = resources.plan_configmap(owner, action.plan, action.job)
+    """The new nodes' ConfigMaps; the running nodes' replaced with the grown plan (a pod made
+    again, alone or with the whole job, takes the new nodes into its rings; a running worker does
+    not read it again); last the plan ConfigMap's (a pass that stopped half-way is done again)."""
+    for node in action.plan.nodes:
+        cm = resources.node_configmap(owner, action.job, action.plan, node)
+        if node.name not in action.nodes or not _create(cm):
+            _replace(cm)
+    _replace(resources.plan_configmap(owner, action.plan, action.job))
+
+
+def _replace(cm: dict[str, Any]) -> None:
     update: Any = _core().replace_namespaced_config_map  # (takes the manifest as a dict)
     try:
-        update(cm["metadata"]["name"], owner.namespace, cm)
+        update(cm["metadata"]["name"], cm["metadata"]["namespace"], cm)
     except ApiException as e:
-        raise kopf.TemporaryError(f"growing the plan: {e.status} {e.reason}", delay=5) from e
+        raise kopf.TemporaryError(f"growing the plan: replacing ConfigMap "
+                                  f"{cm['metadata']['name']}: {e.status} {e.reason}",
+                                  delay=5) from e
 
 
 def _delete_job(name: str, namespace: str) -> None:

@@ -415,7 +415,6 @@ class LocalRun:
             new = [n.name for n in plan.nodes if n.name not in self.plan.names()]
             metas = self._grown_metadata(job, plan, new)
             self.job, self.plan = job, plan
-            self.metas.extend(metas)
             (self.out / "plan.txt").write_text(plan.table() + "\n")
             self.start(metas, rejoin=True)
             added = sorted({plan.node(n).cluster for n in new})
@@ -433,14 +432,20 @@ class LocalRun:
         return roots
 
     def _grown_metadata(self, job: Job, plan: Plan, new: list[str]) -> list[NodeMetadata]:
-        """The node metadata of the `new` nodes of a plan that grew (files written too): the
-        addresses of every node, theirs on fresh ports."""
+        """The node metadata of the `new` nodes of a plan that grew, theirs on fresh ports, and
+        every node's rewritten with the grown plan and addresses (`self.metas`, the files)."""
         base = self.metas[0]
         addresses, metrics_ports, ring_addresses = node_endpoints(
             new, dict.fromkeys(new, "127.0.0.1"), base.ring_addresses is not None)
         every = {**base.addresses, **addresses}
         rings = {**base.ring_addresses, **ring_addresses} if (
             base.ring_addresses is not None and ring_addresses is not None) else None
+        # the running nodes' metadata too: one restarted (alone, or with the whole job) takes
+        # the new nodes into its rings; its running worker does not read it again
+        self.metas = [replace(m, job=job, plan=plan, addresses=every, ring_addresses=rings)
+                      for m in self.metas]
+        for m in self.metas:
+            m.save(self.out / "nodes" / f"{m.node}.json")
         metas = []
         for n in new:
             tls = None
@@ -453,6 +458,7 @@ class LocalRun:
                         ring_listen=rings[n] if rings else "")
             m.save(self.out / "nodes" / f"{n}.json")
             metas.append(m)
+        self.metas.extend(metas)
         return metas
 
     def _note_joined(self) -> None:

@@ -222,6 +222,10 @@ class Worker:
         gone = set(filter(None, os.environ.get(GONE_ENV, "").split(",")))
         for name in gone:
             self.wiring.membership.leave(name, 0)
+        if not self.rejoin:  # (a whole restart: the clusters added to the job join again)
+            for c in plan.clusters[plan.planned:]:
+                for name in c.nodes:
+                    self.wiring.membership.lost(name)
         self.runtime.checkpoints.without(gone)
         self.drain_dir = os.environ.get(DRAIN_DIR_ENV, "")
         if me.is_root and self.drain_dir:

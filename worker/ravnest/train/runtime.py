@@ -37,7 +37,7 @@ from ravnest.comm.inboxes import Inbox
 from ravnest.comm.sending import RingSender, Sender
 from ravnest.errors import PeerFailed, PeerTimeout, RavnestError, TransportError
 from ravnest.plan.partitioning import OUTPUT, Stage
-from ravnest.plan.plans import NodePlan, Plan, RingPlan
+from ravnest.plan.plans import NodePlan, Plan, RingPlan, as_planned
 from ravnest.train.allreducing import FINAL_ROUND, RingReducer, reduce_all
 from ravnest.train.averaging import RingTensors, ring_reducers, ring_tensors
 from ravnest.train.curves import Curve, LossMeter
@@ -148,7 +148,8 @@ class NodeRuntime:
         self.losses = LossMeter()
         self.best_state: dict[str, torch.Tensor] | None = None
         self._snapshot: dict[str, torch.Tensor] | None = None
-        self.checkpoints = Checkpoints(settings, name, plan.names(), metrics, plan.fingerprint)
+        self.checkpoints = Checkpoints(settings, name, as_planned(plan).names(), metrics,
+                                       plan.fingerprint)  # (added clusters write none)
         self.updates = 0
         self.epoch = 0
         self.next_batch = 0
