@@ -395,9 +395,9 @@ def test_providers_added_to_a_running_job_form_a_cluster_that_joins(cluster, tmp
     take the latest state from the others' and join at a round boundary, while those train on;
     it trains to the last update, and the job's status says it grew and when it joined."""
     kube, kubelet, operator = cluster
-    doc = job_doc("grown", epochs=30)  # 660 updates
+    doc = job_doc("grown", epochs=20)  # 440 updates
     assert apply(kube, doc, tmp_path).returncode == 0
-    _step_at_least(kube, operator, "grown", 30)
+    _step_at_least(kube, operator, "grown", 20)
     plan = json.loads(get(kube, "cm", "grown-plan")["data"]["plan.json"])
     first = [n for n in plan["nodes"] if n["cluster"] == 0]
     doc["spec"]["providers"] = [*doc["spec"]["providers"],
@@ -418,17 +418,17 @@ def test_providers_added_to_a_running_job_form_a_cluster_that_joins(cluster, tmp
     conds = {c["type"]: c for c in status["conditions"]}
     assert conds.get("SpecChanged", {}).get("status") != "True"
     assert status.get("restarts", 0) == 0 and status.get("recoveries", 0) == 0
-    assert status["result"]["updates"] == 660
+    assert status["result"]["updates"] == 440
     assert status["progress"]["validationMetric"] >= 0.95
     new = [f"grown-node-{p}" for p in added]
     for pod in new:
         assert kubelet.started.count(pod) == 1
     root = get(kube, "pod", new[0])
     said = json.loads(root["status"]["containerStatuses"][0]["state"]["terminated"]["message"])
-    assert said["rejoined"]["round"] == joined["round"] and said["updates"] == 660
+    assert said["rejoined"]["round"] == joined["round"] and said["updates"] == 440
     assert f"rejoined after round {joined['round']}" in kubelet.log_of(new[0])
     assert "introduced itself" in kubelet.log_of("grown-node-0")
-    print(f"\ngrown: cluster 2 (providers {added}) joined after round {joined['round']} of 330: "
+    print(f"\ngrown: cluster 2 (providers {added}) joined after round {joined['round']} of 220: "
           f"{said['rejoined']['bytes']} bytes in {said['rejoined']['seconds']} s")
 
 
