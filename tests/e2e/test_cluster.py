@@ -307,7 +307,7 @@ def test_a_provider_added_mid_run_joins_and_trains(cluster: Cluster, release: st
     DNS, take the latest state and join at a round boundary, and the new cluster trains to the
     last update with the others."""
     name = "grown"
-    doc = digits_doc(name, epochs=40)  # (long enough for new pods to start and join before the end)
+    doc = digits_doc(name, epochs=50)  # (long enough for new pods to start and join before the end)
     try:
         cluster.apply(doc)
 
@@ -331,12 +331,12 @@ def test_a_provider_added_mid_run_joins_and_trains(cluster: Cluster, release: st
         assert st.get("recoveries", 0) == 0, st
         assert st["membership"]["versions"][-1] == {
             "version": 2, "fromRound": joined["round"] + 1, "clusters": [0, 1, 2]}, st
-        assert st["result"]["updates"] == 40 * 22, st["result"]
+        assert st["result"]["updates"] == 50 * 22, st["result"]
         assert st["progress"]["validationMetric"] >= 0.95, st["progress"]
         log = cluster.kubectl("logs", "-n", JOBS_NS, f"{name}-node-{added[0]}").stdout
         assert f"rejoined after round {joined['round']}" in log, log[-3000:]
         print(f"\ngrown on the cluster: cluster 2 (providers {added}) joined after round "
-              f"{joined['round']} of 440; the job succeeded {time.monotonic() - ordered:.0f} s "
+              f"{joined['round']} of 550; the job succeeded {time.monotonic() - ordered:.0f} s "
               f"after the apply")
     finally:
         cluster.kubectl("delete", "rj", "-n", JOBS_NS, name, "--ignore-not-found", "--wait=true",

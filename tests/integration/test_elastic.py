@@ -272,6 +272,17 @@ def test_a_whole_restart_after_a_drain_leaves_the_drained_cluster_out(tmp_path):
     assert _same_model_of_clusters_0_and_1(out)["updates"] == epochs * PER_EPOCH
 
 
+def _at_step_40(run: subprocess.Popen[str], out: Path, job: Path
+                ) -> tuple[dict[str, Any], dict[str, int], dict[str, Any], list[dict[str, Any]]]:
+    """Once every worker reached step 40: the plan, the metrics ports, the job file's document
+    and the nodes of cluster 0 (whose stages a cluster added takes)."""
+    plan, ports = planned(run, out)
+    wait("step 40", lambda: len(s := steps(ports)) == len(ports) and min(
+        s.values()) >= 40, run)
+    return (plan, ports, yaml.safe_load(job.read_text()),
+            [n for n in plan["nodes"] if n["cluster"] == 0])
+
+
 def _grow(out: Path, job: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ravnest", "grow", str(job), "-o", str(out)],
                           capture_output=True, text=True, timeout=60)
@@ -286,11 +297,7 @@ def test_providers_added_to_a_running_job_form_a_cluster_that_joins_and_trains(t
     out = tmp_path / "out"
     job = elastic_job(tmp_path, EPOCHS, {"everySteps": 0})
     with local_run(job, out) as run:
-        plan, ports = planned(run, out)
-        wait("step 40", lambda: len(s := steps(ports)) == len(ports) and min(
-            s.values()) >= 40, run)
-        doc = yaml.safe_load(job.read_text())
-        first = [n for n in plan["nodes"] if n["cluster"] == 0]
+        plan, ports, doc, first = _at_step_40(run, out, job)
         doc["spec"]["providers"][0]["ram"] += 1  # (a change, not an addition)
         bad = tmp_path / "bad.yaml"
         bad.write_text(yaml.safe_dump(doc))
@@ -360,11 +367,7 @@ def test_after_growing_a_whole_restart_resumes_the_planned_clusters_and_the_new_
     out, epochs = tmp_path / "out", 60
     job = elastic_job(tmp_path, epochs, {"everySteps": 20}, {"recovery": "job"})
     with local_run(job, out) as run:
-        plan, ports = planned(run, out)
-        wait("step 40", lambda: len(s := steps(ports)) == len(ports) and min(
-            s.values()) >= 40, run)
-        doc = yaml.safe_load(job.read_text())
-        first = [n for n in plan["nodes"] if n["cluster"] == 0]
+        plan, ports, doc, first = _at_step_40(run, out, job)
         doc["spec"]["providers"] += [{"ram": n["ram_gb"], "bandwidth": 1000} for n in first]
         grown = tmp_path / "grown.yaml"
         grown.write_text(yaml.safe_dump(doc))

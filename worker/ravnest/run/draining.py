@@ -14,9 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ravnest.errors import RavnestError
-from ravnest.run import elastic
-from ravnest.run.metadata import NodeMetadata
+from ravnest.run import elastic, metadata
 
 DRAIN_DIR = "drain"
 """The folder in a run folder that holds the drain orders and their acknowledgements."""
@@ -37,13 +35,7 @@ def order_drain(out: Path, providers: Sequence[int], running: bool) -> list[int]
     """Order the clusters of `providers` in the run in `out` to drain; returns them. `running`:
     whether a runner holds the folder (nothing is ordered when none does). Raises RavnestError
     for a provider that runs no stage, when no cluster would be left, or with no run."""
-    if not running:
-        raise RavnestError(f"no run is going on in {out}: start one with `ravnest run` (a "
-                           f"drain removes providers from a running job)")
-    metas = sorted((out / "nodes").glob("node_*.json"))
-    if not metas:
-        raise RavnestError(f"{out}/nodes/ holds no node metadata: is {out} a run folder?")
-    plan = NodeMetadata.load(metas[0]).plan
+    plan = metadata.of_run(out, running, "drain removes providers from").plan
     runs_on = {n.name: n.provider for n in plan.nodes}
     for t in _status(out).get("takeovers") or []:
         runs_on[str(t["node"])] = int(t["provider"])

@@ -16,11 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ravnest.errors import RavnestError, SpecError
+from ravnest.errors import SpecError
 from ravnest.plan import growth
 from ravnest.plan.plans import Plan, ProviderInfo
-from ravnest.run import elastic
-from ravnest.run.metadata import NodeMetadata
+from ravnest.run import elastic, metadata
 from ravnest.spec import Job, parse_job
 
 GROW_DIR = "grow"
@@ -52,13 +51,7 @@ def order_growth(out: Path, edited: Job, running: bool) -> list[int]:
     """Order the run in `out` to add the providers that `edited` lists after its own; returns
     their indices. Raises RavnestError with no run going on, SpecError for an edit that is not
     such an addition (nothing is ordered)."""
-    if not running:
-        raise RavnestError(f"no run is going on in {out}: start one with `ravnest run` (a grow "
-                           f"adds providers to a running job)")
-    metas = sorted((out / "nodes").glob("node_*.json"))
-    if not metas:
-        raise RavnestError(f"{out}/nodes/ holds no node metadata: is {out} a run folder?")
-    job = NodeMetadata.load(metas[0]).job
+    job = metadata.of_run(out, running, "grow adds providers to").job
     assert job is not None
     folder = out / GROW_DIR
     done = [json.loads(p.read_text()) for p in sorted(folder.glob("order-*.json"))]

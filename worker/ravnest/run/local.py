@@ -406,11 +406,8 @@ class LocalRun:
             try:
                 job, plan = growing.grown_plan(self.plan, order)
             except (PlanError, SpecError) as e:
-                message = f"grow order {self.grow_orders} refused: {e}"
-                log.error("%s", message)
-                self.conditions = [{"type": "Grown", "status": "False", "reason": "NotApplied",
-                                    "message": message}]
-                self.write_status("Running", {})
+                self._say("Grown", "False", "NotApplied",
+                          f"grow order {self.grow_orders} refused: {e}", logging.ERROR)
                 continue
             new = [n.name for n in plan.nodes if n.name not in self.plan.names()]
             metas = self._grown_metadata(job, plan, new)
@@ -422,13 +419,10 @@ class LocalRun:
                                "clusters": added, "at": round(time.time(), 3)})
             roots.update({c: p for c in added for p in self.procs
                           if p.node == plan.clusters[c].nodes[0]})
-            message = (f"provider(s) {', '.join(str(plan.node(n).provider) for n in new)} form "
-                       f"cluster(s) {', '.join(map(str, added))}, which join the running job at a "
-                       f"round boundary with its latest state")
-            log.warning("%s", message)
-            self.conditions = [{"type": "Grown", "status": "True", "reason": "Joining",
-                                "message": message}]
-            self.write_status("Running", {})
+            self._say("Grown", "True", "Joining",
+                      f"provider(s) {', '.join(str(plan.node(n).provider) for n in new)} form "
+                      f"cluster(s) {', '.join(map(str, added))}, which join the running job at a "
+                      f"round boundary with its latest state")
         return roots
 
     def _grown_metadata(self, job: Job, plan: Plan, new: list[str]) -> list[NodeMetadata]:
@@ -506,12 +500,18 @@ class LocalRun:
             planned = [m for m in metas if not m.plan.grown(m.plan.node(m.node).cluster)]
             step = checkpointing.latest(self.checkpoint_dir(), [m.node for m in planned])
             where = f"checkpoint at step {step}" if step is not None else "the start"
-            message = f"{failure}; restart {self.restarts}/{limit} resumes from {where}"
-            log.warning("%s", message)
-            self.conditions = [{"type": "Restarting", "status": "True", "reason": "WorkerFailed",
-                                "message": message}]
-            self.write_status("Restarting", {})
+            self._say("Restarting", "True", "WorkerFailed",
+                      f"{failure}; restart {self.restarts}/{limit} resumes from {where}",
+                      phase="Restarting")
             self.start(metas)
+
+    def _say(self, type_: str, status: str, reason: str, message: str,
+             level: int = logging.WARNING, phase: str = "Running") -> None:
+        """Log `message`, make it the run's one condition, and write the status."""
+        log.log(level, "%s", message)
+        self.conditions = [{"type": type_, "status": status, "reason": reason,
+                            "message": message}]
+        self.write_status(phase, {})
 
     def _not_drained(self, metas: list[NodeMetadata]) -> list[NodeMetadata]:
         """The metadata of the nodes of the clusters that did not drain (a whole restart leaves
@@ -571,10 +571,7 @@ class LocalRun:
                    f"{len(self.recoveries)}/{policy.recovery_limit}){taken}: it takes its state "
                    f"from cluster(s) {', '.join(map(str, whole))} and rejoins at a round "
                    f"boundary, while they train on")
-        log.warning("%s", message)
-        self.conditions = [{"type": "Recovering", "status": "True", "reason": "WorkerFailed",
-                            "message": message}]
-        self.write_status("Running", {})
+        self._say("Recovering", "True", "WorkerFailed", message)
         self.start([m for m in metas if m.node in mine and (spare is None or m.node != dead.node)],
                    rejoin=True)
         return True

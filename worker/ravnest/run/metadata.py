@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ravnest.errors import SpecError
+from ravnest.errors import RavnestError, SpecError
 from ravnest.plan.plans import Plan
 from ravnest.spec import Job, parse_job
 
@@ -156,3 +156,16 @@ class NodeMetadata:
             return moved
         return replace(moved, ring_listen=with_host(self.ring_listen, listen_host), ring_addresses={
             n: with_host(a, hosts[n]) for n, a in self.ring_addresses.items()})
+
+
+def of_run(out: Path, running: bool, doing: str) -> NodeMetadata:
+    """A node's metadata in the run folder `out`, for a command that acts on the running job
+    (`doing`: what it does, for the error). Raises RavnestError with no run going on
+    (`running`: whether a runner holds the folder) or no node metadata there."""
+    if not running:
+        raise RavnestError(f"no run is going on in {out}: start one with `ravnest run` (a "
+                           f"{doing} a running job)")
+    metas = sorted((out / "nodes").glob("node_*.json"))
+    if not metas:
+        raise RavnestError(f"{out}/nodes/ holds no node metadata: is {out} a run folder?")
+    return NodeMetadata.load(metas[0])

@@ -150,11 +150,7 @@ class NodeRuntime:
         self._snapshot: dict[str, torch.Tensor] | None = None
         self.checkpoints = Checkpoints(settings, name, as_planned(plan).names(), metrics,
                                        plan.fingerprint)  # (added clusters write none)
-        self.updates = 0
-        self.epoch = 0
-        self.next_batch = 0
-        self.samples = 0
-        self.in_flight = 0
+        self.updates = self.epoch = self.next_batch = self.samples = self.in_flight = 0
         self._finished = False
         self._last_step_time = time.monotonic()
         self._trim_heap = HeapTrimmer()
