@@ -525,7 +525,12 @@ class NodeRuntime:
             op = frame.control.get("op") if frame.kind == Kind.CONTROL else None
             if op in ops:
                 return dict(frame.control, _sender=frame.sender, _tensors=frame.tensors)
-            if op in (Op.ABORT, Op.WHERE, Op.JOIN):
+            if op == Op.ABORT and any(f.kind == Kind.CONTROL and f.control.get("op") == Op.FINISH
+                                      for f in self._deferred):
+                # an upstream neighbour that passed on `finish` (a root that took the final
+                # state) and then ended is not lost: this node finishes once its state is in
+                log.info("%s: %s ended after training was over", self.name, frame.sender)
+            elif op in (Op.ABORT, Op.WHERE, Op.JOIN):
                 self.handle(frame)
             else:
                 self._deferred.append(frame)
