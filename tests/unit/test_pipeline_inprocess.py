@@ -21,10 +21,11 @@ from models import DeepMLP
 from ravnest.comm.framing import Frame
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.loopback import Loopback
-from ravnest.errors import TransportError
+from ravnest.errors import PeerFailed, PeerTimeout, TransportError
 from ravnest.plan.partitioning import Profile, build_stage, profile
 from ravnest.plan.plans import ClusterPlan, NodePlan, Plan, RingPlan
 from ravnest.train.allreducing import RingReducer
+from ravnest.train.messages import Kind, Op
 from ravnest.train.metrics import Identity, WorkerMetrics
 from ravnest.train.runtime import Batch, Batches, NodeRuntime
 from ravnest.train.settings import Settings
@@ -219,3 +220,28 @@ def test_loopback_reports_a_refused_frame_on_the_next_call() -> None:
         link.flush(5)
     finally:
         link.close()
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_rejoining_node_takes_no_neighbour_ended_after_finish_for_a_loss(finished: bool
+                                                                           ) -> None:
+    """A cluster that rejoins for the final state: its root passes `finish` on and ends, while
+    its next node still waits for its ring's state. The root's end (an abort from the watch)
+    is no failure once `finish` came before it; without `finish` it is."""
+    torch.manual_seed(SEED)
+    gm, prof = profile(DeepMLP(), (torch.zeros(BATCH, 1, 8, 8),))
+    plan = make_plan(prof, 2)
+    xs, ys = data(2)
+    runtimes, links = build(plan, gm, xs, ys)
+    node = next(rt for rt in runtimes if rt.me.cluster == 1 and rt.me.stage == 1)
+    root = plan.clusters[1].nodes[0]
+    try:
+        if finished:
+            node.inbox.deliver(Frame(Kind.CONTROL, sender=root, control={"op": Op.FINISH}))
+        node.inbox.deliver(Frame(Kind.CONTROL, sender=root, control={
+            "op": Op.ABORT, "node": root, "error": "it was lost: it began shutting down"}))
+        with pytest.raises(PeerTimeout if finished else PeerFailed):
+            node._await_controls((Op.STATE,), 1.0)
+    finally:
+        for link in links:
+            link.close()
