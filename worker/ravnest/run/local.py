@@ -216,13 +216,9 @@ class LocalRun:
         addresses, metrics_ports, ring_addresses = node_endpoints(
             names, dict.fromkeys(names, "127.0.0.1"),
             self.job.spec.training.ring_transport == "tcp")
-        tls_dirs: dict[str, str | None] = dict.fromkeys(names)
         if self.job.spec.security.tls:
-            ca = self._ca = make_authority(self.job.name)  # (kept in memory: a grow issues more)
-            for n in names:
-                folder = (self.out / "tls" / identity(n)).resolve()
-                issue(ca, n, ["localhost"], ["127.0.0.1"]).save(folder)
-                tls_dirs[n] = str(folder)
+            self._ca = make_authority(self.job.name)  # (kept in memory: a grow issues more)
+        tls_dirs = {n: self._certify(n) for n in names}
         metas = [NodeMetadata(job=self.job, plan=plan, node=n, addresses=addresses,
                               output_dir=str(self.out.resolve()), listen=addresses[n],
                               metrics_port=metrics_ports[n], tls_dir=tls_dirs[n],
@@ -357,6 +353,7 @@ class LocalRun:
             while True:
                 self._drop_dead_spares()
                 self._note_drained()
+                self._note_joined()
                 roots.update(self._grow())
                 roots = {c: p for c, p in roots.items() if c not in self.drained}
                 codes = {p.node: p.popen.poll() for p in self.procs}
@@ -400,7 +397,6 @@ class LocalRun:
         providers cannot form clusters of the job is refused, logged and in the status."""
         assert self.plan is not None
         roots: dict[int, _Proc] = {}
-        self._note_joined()
         for order in growing.orders(self.out / growing.GROW_DIR, self.grow_orders):
             self.grow_orders += 1
             try:
@@ -442,18 +438,22 @@ class LocalRun:
             m.save(self.out / "nodes" / f"{m.node}.json")
         metas = []
         for n in new:
-            tls = None
-            if self._ca is not None:
-                folder = (self.out / "tls" / identity(n)).resolve()
-                issue(self._ca, n, ["localhost"], ["127.0.0.1"]).save(folder)
-                tls = str(folder)
             m = replace(base, job=job, plan=plan, node=n, addresses=every, listen=addresses[n],
-                        metrics_port=metrics_ports[n], tls_dir=tls, ring_addresses=rings,
+                        metrics_port=metrics_ports[n], tls_dir=self._certify(n),
+                        ring_addresses=rings,
                         ring_listen=rings[n] if rings else "")
             m.save(self.out / "nodes" / f"{n}.json")
             metas.append(m)
         self.metas.extend(metas)
         return metas
+
+    def _certify(self, node: str) -> str | None:
+        """With TLS, issue `node` its certificate from the run's CA; the folder it is in."""
+        if self._ca is None:
+            return None
+        folder = (self.out / "tls" / identity(node)).resolve()
+        issue(self._ca, node, ["localhost"], ["127.0.0.1"]).save(folder)
+        return str(folder)
 
     def _note_joined(self) -> None:
         """A cluster added to the running job whose root said it joined: noted (membership)."""
