@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import secrets
 import time
 from pathlib import Path
@@ -106,6 +107,14 @@ def test_digits_trains_on_the_cluster(cluster: Cluster, release: str):
     pods = cluster.wait_for("6 digits worker pods Running", all_running, 300)
     for p in pods:
         assert p["spec"]["nodeName"], p["metadata"]["name"]
+    # On a cluster of several worker nodes (kind's, scripts/kind-e2e), the scheduler spreads them,
+    # and peers reach each other across nodes.
+    schedulable = [n for n in cluster.get("nodes", namespace="")["items"]
+                   if not any(t.get("effect") == "NoSchedule"
+                              for t in n["spec"].get("taints", []))]
+    if len(schedulable) > 1:
+        assert len({p["spec"]["nodeName"] for p in pods}) > 1, [p["spec"]["nodeName"] for p in pods]
+    for p in pods:
         assert p["spec"]["containers"][0]["image"].endswith(IMAGE)
         cs = p["status"]["containerStatuses"][0]
         assert cs["imageID"] and cs["containerID"].startswith(("containerd://", "docker://"))
@@ -150,9 +159,10 @@ def test_digits_trains_on_the_cluster(cluster: Cluster, release: str):
 
 def test_deleted_worker_pod_restarts_job_from_checkpoint(cluster: Cluster, release: str):
     name = "restart"
-    # Checkpoints must outlive the pods: a hostPath PersistentVolume on the (single) node, made
-    # writable for the workers' uid by a root pod of our image.
-    path = f"/tmp/ravnest-e2e-{int(time.time())}"
+    # Checkpoints must outlive the pods: a hostPath PersistentVolume, made writable for the workers'
+    # uid by a root pod of our image, on the node's /tmp (one node), or on a folder every node
+    # mounts (RAVNEST_E2E_HOSTPATH: scripts/kind-e2e's several nodes share one).
+    path = f"{os.environ.get('RAVNEST_E2E_HOSTPATH', '/tmp')}/ravnest-e2e-{int(time.time())}"
     cluster.apply({"apiVersion": "v1", "kind": "PersistentVolume",
                    "metadata": {"name": f"{JOBS_NS}-{name}"},
                    "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
