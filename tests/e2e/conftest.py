@@ -40,7 +40,9 @@ from e2e_cluster import (
 )
 
 
-@pytest.fixture(scope="session")
+# Module scope: the cluster goes when this tier's one module is done, not at the end of the whole
+# run (its three nodes would idle through the other tiers, a quarter of a core and GBs of disk).
+@pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     given = os.environ.get("RAVNEST_E2E_KUBECONFIG")
     if given:
@@ -90,7 +92,7 @@ def _cpu(quantity: str) -> float:
     return float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def release(cluster: Cluster) -> Iterator[str]:
     """The chart installed with our image; uninstalled at the end (test_uninstall does it too)."""
     repo, _, tag = IMAGE.rpartition(":")
