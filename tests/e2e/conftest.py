@@ -1,12 +1,12 @@
-"""The cluster tier: the chart and real training jobs on a real Kubernetes, from any kubeconfig.
+"""The cluster tier: the chart and a real training job on a real Kubernetes, from any kubeconfig.
 
 RAVNEST_E2E_KUBECONFIG set: that cluster is used as it is (kind in a user's CI, see
-scripts/kind-e2e); the images RAVNEST_E2E_IMAGE (default ravnest-k8s:test) and the BYO and MinIO
-ones must already be on its nodes. Unset: the session brings up a kind cluster of one control-plane
-and two workers here, offline (scripts/kind-cluster up --offline: a node image built here, see
-scripts/kind-node-image), builds the images (the project image by tests/project_image.py, the same
-build as the image tier's; the BYO and MinIO images FROM it and FROM scratch), loads them onto the
-workers, and deletes the cluster at the end.
+scripts/kind-e2e); the image RAVNEST_E2E_IMAGE (default ravnest-k8s:test) must already be on its
+nodes. Unset: the session brings up the local single-node cluster of scripts/local-cluster
+(etcd, kube-apiserver, controller-manager, scheduler, kube-proxy, kubelet + containerd + runc,
+CNI bridge, CoreDNS), importing the image from the local Docker Engine (built offline by
+tests/project_image.py when missing, the same build as the image tier's), and tears it down
+at the end.
 
 Nothing here skips: a missing tool or a cluster that does not come up fails with the reason.
 """
@@ -23,25 +23,19 @@ from typing import Any
 
 import pytest
 from e2e_cluster import (
-    BYO_IMAGE,
     IMAGE,
     JOBS_NS,
-    MINIO_IMAGE,
     RELEASE,
     ROOT,
-    SHARED_IN_NODE,
     SYSTEM_NS,
     TIMINGS,
     Cluster,
-    build_byo_image,
-    build_minio_image,
     ensure_docker_image,
-    load_images,
 )
 
 
 # Module scope: the cluster goes when this tier's one module is done, not at the end of the whole
-# run (its three nodes would idle through the other tiers, a quarter of a core and GBs of disk).
+# run (it would idle through the other tiers).
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     given = os.environ.get("RAVNEST_E2E_KUBECONFIG")
@@ -53,30 +47,25 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield c
         return
     if os.geteuid() != 0:
-        pytest.fail("the session's kind cluster (scripts/kind-cluster up --offline) needs root; or "
-                    "set RAVNEST_E2E_KUBECONFIG to a cluster's kubeconfig")
+        pytest.fail("the local cluster (scripts/local-cluster) needs root; or set "
+                    "RAVNEST_E2E_KUBECONFIG to a cluster's kubeconfig")
     ensure_docker_image(tmp_path_factory.mktemp("image"))
-    build_byo_image()
-    build_minio_image()
-    script = ROOT / "scripts" / "kind-cluster"
+    script = ROOT / "scripts" / "local-cluster"
+    state = Path(os.environ.get("RAVNEST_CLUSTER_DIR", "/var/lib/ravnest-cluster"))
     start = time.monotonic()
-    up = subprocess.run(["bash", str(script), "up", "--offline"], capture_output=True, text=True,
+    up = subprocess.run(["bash", str(script), "up"], capture_output=True, text=True,
                         timeout=3600)
     TIMINGS["cluster_up_s"] = time.monotonic() - start
     try:
         if up.returncode != 0:
-            pytest.fail(f"scripts/kind-cluster up --offline exited {up.returncode}:\n"
+            pytest.fail(f"scripts/local-cluster up exited {up.returncode}:\n"
                         f"{up.stdout[-2000:]}\n{up.stderr[-6000:]}")
-        c = Cluster(up.stdout.strip().splitlines()[-1], local=True, shared=SHARED_IN_NODE)
-        start = time.monotonic()
-        load_images(c, IMAGE, BYO_IMAGE, MINIO_IMAGE)
-        TIMINGS["image_load_s"] = time.monotonic() - start
-        yield c
+        yield Cluster(str(state / "admin.kubeconfig"), local=True, logs=state / "logs")
     finally:
         down = subprocess.run(["bash", str(script), "down"], capture_output=True, text=True,
                               timeout=600)
         if down.returncode != 0:
-            print(f"scripts/kind-cluster down exited {down.returncode}:\n{down.stderr[-3000:]}")
+            print(f"scripts/local-cluster down exited {down.returncode}:\n{down.stderr[-3000:]}")
 
 
 def smoke_test_values(cluster: Cluster) -> list[str]:

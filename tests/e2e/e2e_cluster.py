@@ -43,21 +43,14 @@ def tool(name: str) -> str:
     return found
 
 
-SHARED_IN_NODE = "/mnt/ravnest-shared"
-"""Where every node of scripts/kind-cluster mounts one host folder (hostPath volumes shared)."""
-
-
 @dataclass
 class Cluster:
-    """A kubeconfig and the CLIs that talk to it. `local`: the session's own kind cluster
-    (scripts/kind-cluster), whose images this tier builds and loads; `shared`: a node folder that
-    is one folder on every node, for hostPath volumes that pods on any node see."""
+    """A kubeconfig and the CLIs that talk to it."""
 
     kubeconfig: str
     local: bool
-    shared: str = field(default_factory=lambda: os.environ.get("RAVNEST_E2E_HOSTPATH", "/tmp"))
+    logs: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
-    loaded: set[str] = field(default_factory=set)
 
     def run(self, argv: list[str], *, check: bool = True, timeout: float = 120,
             stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -103,13 +96,12 @@ class Cluster:
                      ["logs", "-n", SYSTEM_NS, "deploy/ravnest", "--tail=40"]):
             r = self.kubectl(*args, check=False)
             parts.append(f"$ kubectl {' '.join(args)}\n{r.stdout[-4000:]}{r.stderr[-1000:]}")
-        if self.local:  # kind's nodes are containers named as the nodes
-            nodes = self.kubectl("get", "nodes", "-o", "name", check=False).stdout.split()
-            for node in (n.split("/", 1)[1] for n in nodes):
-                r = subprocess.run(["docker", "exec", node, "journalctl", "-u", "kubelet", "-u",
-                                    "containerd", "-n", "25", "--no-pager"],
-                                   capture_output=True, text=True, timeout=60)
-                parts.append(f"--- {node}: kubelet and containerd (tail)\n{r.stdout}{r.stderr}")
+        if self.logs:
+            for name in ("kubelet", "containerd"):
+                log = self.logs / f"{name}.log"
+                if log.exists():
+                    tail = log.read_text(errors="replace").splitlines()[-25:]
+                    parts.append(f"--- {log} (tail)\n" + "\n".join(tail))
         return "\n".join(parts)
 
     def wait_for(self, what: str, predicate: Callable[[], Any], timeout: float,
@@ -137,9 +129,12 @@ def ensure_docker_image(log_dir: Path) -> None:
     project_image.ensure_image(log_dir)
 
 
-def build_byo_image() -> None:
-    """The user image of tests/e2e/byo, built FROM the project image offline
-    (`docker build --network none`)."""
+def ensure_byo_image(cluster: Cluster) -> None:
+    """The user image of tests/e2e/byo on the cluster's node: built FROM the project image offline
+    (`docker build --network none`) and imported into the local cluster's containerd. A cluster
+    given by kubeconfig must have it already (scripts/kind-e2e builds and loads it)."""
+    if not cluster.local:
+        return
     build = subprocess.run(["docker", "build", "--network", "none", "--build-arg",
                             f"RAVNEST_IMAGE={IMAGE}", "-t", BYO_IMAGE,
                             str(ROOT / "tests" / "e2e" / "byo")],
@@ -148,10 +143,15 @@ def build_byo_image() -> None:
         pytest.fail(f"docker build of {BYO_IMAGE} exited {build.returncode}:\n"
                     f"{build.stderr[-3000:]}")
     project_image.prune_replaced()
+    _import(BYO_IMAGE)
 
 
-def build_minio_image() -> None:
-    """MinIO's binary (scripts/k8s-tools' build) alone in an image FROM scratch, built offline."""
+def ensure_minio_image(cluster: Cluster) -> None:
+    """The MinIO image on the cluster's node: scripts/k8s-tools' build of the binary, alone in an
+    image FROM scratch, built offline and imported into the local cluster's containerd (a
+    cluster given by kubeconfig must have it already: scripts/kind-e2e builds and loads it)."""
+    if not cluster.local:
+        return
     binary = BIN / "minio"
     if not binary.is_file():
         pytest.fail(f"no MinIO binary at {binary}: run scripts/k8s-tools")
@@ -163,31 +163,15 @@ def build_minio_image() -> None:
     if build.returncode != 0:
         pytest.fail(f"docker build of {MINIO_IMAGE} exited {build.returncode}:\n"
                     f"{build.stderr[-3000:]}")
+    _import(MINIO_IMAGE)
 
 
-def load_images(cluster: Cluster, *images: str) -> None:
-    """`kind load` onto the session's cluster's workers (scripts/kind-cluster load)."""
-    load = subprocess.run(["bash", str(ROOT / "scripts" / "kind-cluster"), "load", *images],
-                          capture_output=True, text=True, timeout=3600)
+def _import(image: str) -> None:
+    load = subprocess.run(["bash", str(ROOT / "scripts" / "local-cluster"), "import", image],
+                          capture_output=True, text=True, timeout=1800)
     if load.returncode != 0:
-        pytest.fail(f"scripts/kind-cluster load {' '.join(images)} exited {load.returncode}:\n"
+        pytest.fail(f"scripts/local-cluster import {image} exited {load.returncode}:\n"
                     f"{load.stderr[-3000:]}")
-    cluster.loaded.update(images)
-
-
-def ensure_byo_image(cluster: Cluster) -> None:
-    """The user image on the cluster's nodes: the session's cluster loads it when it comes up; a
-    cluster given by kubeconfig must have it already (scripts/kind-e2e builds and loads it)."""
-    if cluster.local and BYO_IMAGE not in cluster.loaded:
-        build_byo_image()
-        load_images(cluster, BYO_IMAGE)
-
-
-def ensure_minio_image(cluster: Cluster) -> None:
-    """The MinIO image on the cluster's nodes (as ensure_byo_image)."""
-    if cluster.local and MINIO_IMAGE not in cluster.loaded:
-        build_minio_image()
-        load_images(cluster, MINIO_IMAGE)
 
 
 def minio_objects(user: str, password: str) -> list[dict[str, Any]]:

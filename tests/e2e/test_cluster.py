@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import secrets
 import time
 from pathlib import Path
@@ -159,9 +160,9 @@ def test_digits_trains_on_the_cluster(cluster: Cluster, release: str):
 def test_deleted_worker_pod_restarts_job_from_checkpoint(cluster: Cluster, release: str):
     name = "restart"
     # Checkpoints must outlive the pods: a hostPath PersistentVolume, made writable for the workers'
-    # uid by a root pod of our image, on a folder that every node mounts (`cluster.shared`), so
-    # that a pod restarted on another node reads what the first wrote.
-    path = f"{cluster.shared}/ravnest-e2e-{int(time.time())}"
+    # uid by a root pod of our image, on the node's /tmp (one node), or on a folder every node
+    # mounts (RAVNEST_E2E_HOSTPATH: scripts/kind-e2e's several nodes share one).
+    path = f"{os.environ.get('RAVNEST_E2E_HOSTPATH', '/tmp')}/ravnest-e2e-{int(time.time())}"
     cluster.apply({"apiVersion": "v1", "kind": "PersistentVolume",
                    "metadata": {"name": f"{JOBS_NS}-{name}"},
                    "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
