@@ -65,8 +65,8 @@ class Scrape:
     exited: float | None = None
 
 
-def _scrape(port: int, into: Scrape) -> None:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1.0) as r:
+def _scrape(port: int, into: Scrape, host: str = "127.0.0.1") -> None:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=1.0) as r:
         text = r.read().decode()
     now = time.monotonic()
     activity, sent = {}, 0.0

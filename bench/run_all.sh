@@ -46,8 +46,11 @@ if [[ $(id -u) == 0 ]]; then
     echo "-- bf16 against fp32 on the wire where the link, not the CPU, is the limit"
     python bench/wan.py --ranks 2 3 --delays 20 --rates 100 1000 --size 24 --rounds 2 --wires none bf16 \
         --transports grpc tcp
+    echo
+    echo "== bench/bandwidth.py: bandwidth-aware plan vs one ignoring bandwidth, on tbf links"
+    python bench/bandwidth.py
 else
-    echo "bench/wan.py: NOT RUN (needs root for network namespaces)"
+    echo "bench/wan.py, bench/bandwidth.py: NOT RUN (need root for network namespaces)"
 fi
 echo
 echo "== all benchmarks: $((SECONDS - start)) s"

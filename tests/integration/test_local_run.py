@@ -264,3 +264,44 @@ def test_a_run_larger_than_the_machine_is_warned_about(tmp_path, digits_doc, cap
     assert any(f"{count} workers need an estimated" in r.getMessage() and "spec.providers" in
                r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert pids_with(str(tmp_path)) == []
+
+
+def test_providers_on_hosts_of_their_own_train_over_tls(tmp_path, digits_doc):
+    """`LocalRun.host` / `LocalRun.launch` (what bench/bandwidth.py uses to put each provider in a
+    network namespace of its own): every worker listens on its provider's address, is reached
+    there by its peers over mutual TLS (its certificate names that address), and the run trains
+    as on 127.0.0.1. Here the hosts are other loopback addresses, 127.0.1.(i+1)."""
+    from cryptography import x509
+
+    from ravnest.comm.tls import CERT_FILE, identity
+    from ravnest.run.local import LocalRun
+    from ravnest.run.metadata import NodeMetadata, host_of
+
+    launched: list[int] = []
+
+    class Placed(LocalRun):
+        def host(self, provider: int) -> str:
+            return f"127.0.1.{provider + 1}"
+
+        def launch(self, provider: int, argv: list[str]) -> list[str]:
+            launched.append(provider)
+            return argv
+
+    digits_doc["spec"]["training"]["epochs"] = 1
+    digits_doc["spec"]["security"] = {"tls": True}
+    digits_doc["spec"]["plan"] = {"clusters": 2}
+    digits_doc["spec"]["providers"] = [{"ram": 4, "bandwidth": 1000}] * 4
+    digits_doc["spec"].pop("checkpoint")
+    run = Placed(parse_job(digits_doc), tmp_path / "run", progress=False)
+    summary = run.run()
+    assert run.plan is not None
+    assert sorted(launched) == [0, 1, 2, 3]
+    assert summary["clusters"] == 2 and summary["val_metric"] >= 0.8
+    for node in run.plan.nodes:
+        meta = NodeMetadata.load(tmp_path / "run" / "nodes" / f"{node.name}.json")
+        host = f"127.0.1.{node.provider + 1}"
+        assert host_of(meta.listen) == host and host_of(meta.addresses[node.name]) == host
+        cert = x509.load_pem_x509_certificate(
+            (tmp_path / "run" / "tls" / identity(node.name) / CERT_FILE).read_bytes())
+        ips = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert host in {str(ip) for ip in ips.get_values_for_type(x509.IPAddress)}

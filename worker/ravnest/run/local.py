@@ -1,9 +1,10 @@
 """The local runner: `ravnest run job.yaml` on one machine, no cluster needed.
 
 It validates and plans the job (nothing starts if that fails), starts one worker process per
-provider on 127.0.0.1, shows progress read from the roots' Prometheus endpoints, and when every
-worker succeeded writes the run's outputs into one folder (the trained model and its figures go to
-``spec.output.uri`` instead when the job names one, e.g. ``s3://bucket/prefix``; see `finishing`):
+provider on 127.0.0.1 (`LocalRun.host`), shows progress read from the roots' Prometheus endpoints,
+and when every worker succeeded writes the run's outputs into one folder (the trained model and
+its figures go to ``spec.output.uri`` instead when the job names one, e.g.
+``s3://bucket/prefix``; see `finishing`):
 
 - ``model.pt``: the fused trained model, a state_dict with the original parameter names;
 - ``best_model.pt``: the model with the lowest smoothed validation loss;
@@ -74,6 +75,7 @@ from ravnest.run.metadata import (
     TORCH_THREADS_ENV,
     NodeMetadata,
     endpoint,
+    host_of,
 )
 from ravnest.run.progress import progress, scrape
 from ravnest.spec import Job
@@ -142,12 +144,18 @@ def node_endpoints(names: Sequence[str], hosts: Mapping[str, str], tcp_ring: boo
     return addresses, metrics_ports, ring_addresses
 
 
+LOOPBACK = "127.0.0.1"
+"""Where a local run's workers listen and are reached, unless `LocalRun.host` says otherwise."""
+
+
 @dataclass
 class _Proc:
     node: str
     popen: subprocess.Popen[bytes]
     log: Path
     metrics_port: int
+    host: str = LOOPBACK
+    """The host its metrics port listens on."""
 
 
 class LocalRun:
@@ -214,11 +222,11 @@ class LocalRun:
         self.claim()
         names = plan.names()
         addresses, metrics_ports, ring_addresses = node_endpoints(
-            names, dict.fromkeys(names, "127.0.0.1"),
+            names, {n: self.host(plan.node(n).provider) for n in names},
             self.job.spec.training.ring_transport == "tcp")
         if self.job.spec.security.tls:
             self._ca = make_authority(self.job.name)  # (kept in memory: a grow issues more)
-        tls_dirs = {n: self._certify(n) for n in names}
+        tls_dirs = {n: self._certify(n, host_of(addresses[n])) for n in names}
         metas = [NodeMetadata(job=self.job, plan=plan, node=n, addresses=addresses,
                               output_dir=str(self.out.resolve()), listen=addresses[n],
                               metrics_port=metrics_ports[n], tls_dir=tls_dirs[n],
@@ -261,11 +269,24 @@ class LocalRun:
             logfile = self.out / "logs" / f"{m.node}.log"
             with open(logfile, "ab") as fh:
                 popen = subprocess.Popen(
-                    [sys.executable, "-m", "ravnest", "worker", "--metadata",
-                     str(self.out / "nodes" / f"{m.node}.json")],
+                    self.launch(self._runs_on(m.node),
+                                [sys.executable, "-m", "ravnest", "worker", "--metadata",
+                                 str(self.out / "nodes" / f"{m.node}.json")]),
                     stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                     start_new_session=True, umask=PRIVATE_UMASK)
-            self.procs.append(_Proc(m.node, popen, logfile, m.metrics_port))
+            self.procs.append(_Proc(m.node, popen, logfile, m.metrics_port, host_of(m.listen)))
+
+    def host(self, provider: int) -> str:
+        """The address the workers of provider `provider` (an index into the job's providers)
+        listen on and are reached at: the loopback here. A subclass may put providers on hosts
+        of their own (bench/bandwidth.py: network namespaces with links of their own speeds);
+        a hot spare keeps the address of the node it takes over."""
+        return LOOPBACK
+
+    def launch(self, provider: int, argv: list[str]) -> list[str]:
+        """The command line that runs `argv` (a worker of provider `provider`): `argv` itself
+        here; a subclass may wrap it (bench/bandwidth.py: `ip netns exec HOST ...`)."""
+        return argv
 
     def _start_spare(self, spare: SparePlan) -> None:
         """Start a hot spare: a worker that builds the job's model and waits on its stdin for the
@@ -277,8 +298,9 @@ class LocalRun:
         logfile = self.out / "logs" / f"{spare.name}.log"
         with open(logfile, "ab") as fh:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "ravnest", "worker", "--spare", "--orders", "-",
-                 "--metadata", str(path)],
+                self.launch(spare.provider,
+                            [sys.executable, "-m", "ravnest", "worker", "--spare", "--orders", "-",
+                             "--metadata", str(path)]),
                 stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.PIPE, env=self._env,
                 start_new_session=True, umask=PRIVATE_UMASK)
         self.spare_procs[spare.name] = _Proc(spare.name, popen, logfile, 0)
@@ -306,7 +328,8 @@ class LocalRun:
             self.stop([proc], grace=0)
             self.spares.remove(spare)
             return None
-        self.procs.append(_Proc(node, proc.popen, proc.log, meta.metrics_port))
+        self.procs.append(_Proc(node, proc.popen, proc.log, meta.metrics_port,
+                                host_of(meta.listen)))
         lost = self._runs_on(node)
         self.spares.remove(spare)
         self.spares.append(SparePlan(spare_name(lost), lost, self._ram[lost]))
@@ -426,7 +449,8 @@ class LocalRun:
         every node's rewritten with the grown plan and addresses (`self.metas`, the files)."""
         base = self.metas[0]
         addresses, metrics_ports, ring_addresses = node_endpoints(
-            new, dict.fromkeys(new, "127.0.0.1"), base.ring_addresses is not None)
+            new, {n: self.host(plan.node(n).provider) for n in new},
+            base.ring_addresses is not None)
         every = {**base.addresses, **addresses}
         rings = {**base.ring_addresses, **ring_addresses} if (
             base.ring_addresses is not None and ring_addresses is not None) else None
@@ -439,7 +463,8 @@ class LocalRun:
         metas = []
         for n in new:
             m = replace(base, job=job, plan=plan, node=n, addresses=every, listen=addresses[n],
-                        metrics_port=metrics_ports[n], tls_dir=self._certify(n),
+                        metrics_port=metrics_ports[n],
+                        tls_dir=self._certify(n, host_of(addresses[n])),
                         ring_addresses=rings,
                         ring_listen=rings[n] if rings else "")
             m.save(self.out / "nodes" / f"{n}.json")
@@ -447,12 +472,13 @@ class LocalRun:
         self.metas.extend(metas)
         return metas
 
-    def _certify(self, node: str) -> str | None:
-        """With TLS, issue `node` its certificate from the run's CA; the folder it is in."""
+    def _certify(self, node: str, host: str) -> str | None:
+        """With TLS, issue `node` its certificate from the run's CA, for the loopback and the
+        host it listens on; the folder it is in."""
         if self._ca is None:
             return None
         folder = (self.out / "tls" / identity(node)).resolve()
-        issue(self._ca, node, ["localhost"], ["127.0.0.1"]).save(folder)
+        issue(self._ca, node, ["localhost"], sorted({LOOPBACK, host})).save(folder)
         return str(folder)
 
     def _note_joined(self) -> None:
@@ -726,7 +752,7 @@ class _Progress:
         stats = []
         for p in roots.values():
             try:
-                stats.append(scrape(p.metrics_port, timeout=0.5))
+                stats.append(scrape(p.metrics_port, host=p.host, timeout=0.5))
             except OSError:
                 return {}
         if not stats or not stats[0].get("ravnest_total_steps"):
