@@ -45,14 +45,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import wan
 import yaml
-from e2e import Scrape, _scrape
+from e2e import Scrape, scraping, train_rate
 
 from ravnest import parse_job
 from ravnest.plan import building, planning
@@ -139,38 +138,19 @@ def run_once(job: Job, addresses: list[str]) -> dict[str, Any]:
         run = NetnsRun(job, out, addresses)
         metas = run.prepare()
         scrapes = {m.node: Scrape() for m in metas}
-        stop = threading.Event()
-
-        def poll() -> None:
-            while not stop.wait(0.2):
-                for p in run.procs:
-                    try:
-                        _scrape(p.metrics_port, scrapes[p.node], host=p.host)
-                    except (OSError, ValueError):
-                        pass  # not serving yet, or gone
-
         started = time.time()
-        poller = threading.Thread(target=poll, daemon=True)
         try:
             run.start(metas)
-            poller.start()
-            failed = run.wait()
+            with scraping(run, scrapes):
+                failed = run.wait()
             if failed is not None:
                 raise SystemExit(f"{failed.node} failed: see its log\n"
                                  + failed.log.read_text(errors="replace")[-3000:])
         finally:
-            stop.set()
-            if poller.is_alive():
-                poller.join()
             run.stop()
         summary = run.finish(time.time() - started)
     assert run.plan is not None
-    rate = 0.0
-    for c in run.plan.clusters:
-        moving = [(t, v) for t, v in scrapes[c.nodes[0]].samples if v > 0]
-        if len(moving) >= 2:
-            rate += (moving[-1][1] - moving[0][1]) / (moving[-1][0] - moving[0][0])
-    return {"plan": run.plan, "summary": summary, "train_rate": rate}
+    return {"plan": run.plan, "summary": summary, "train_rate": train_rate(run.plan, scrapes)}
 
 
 def main(argv: list[str] | None = None) -> None:

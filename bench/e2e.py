@@ -18,6 +18,7 @@ Prometheus endpoint while it trains, and prints:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import statistics
@@ -26,6 +27,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from ravnest import parse_job
+from ravnest.plan.plans import Plan
 from ravnest.run.local import LocalRun
 
 log = logging.getLogger("bench.e2e")
@@ -88,6 +91,43 @@ def _scrape(port: int, into: Scrape, host: str = "127.0.0.1") -> None:
     into.first_seen = into.first_seen or now
 
 
+@contextlib.contextmanager
+def scraping(run: LocalRun, scrapes: dict[str, Scrape]) -> Iterator[None]:
+    """Scrape every worker of `run` (at its host) every 0.2 s while the block runs, into
+    `scrapes`, and note when each one exited."""
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(0.2):
+            for p in run.procs:
+                sc = scrapes[p.node]
+                if sc.exited is None and p.popen.poll() is not None:
+                    sc.exited = time.monotonic()
+                try:
+                    _scrape(p.metrics_port, sc, host=p.host)
+                except (OSError, ValueError):
+                    pass  # not serving yet, or gone
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        poller.join()
+
+
+def train_rate(plan: Plan, scrapes: dict[str, Scrape]) -> float:
+    """Samples/s while training: each cluster root's `ravnest_samples_total` between the first
+    and the last scrape that saw it above 0, summed over the clusters."""
+    rate = 0.0
+    for c in plan.clusters:
+        moving = [(t, v) for t, v in scrapes[c.nodes[0]].samples if v > 0]
+        if len(moving) >= 2:
+            rate += (moving[-1][1] - moving[0][1]) / (moving[-1][0] - moving[0][0])
+    return rate
+
+
 def run_once(job_path: Path, epochs: int | None, verbose: bool) -> dict[str, Any]:
     doc = yaml.safe_load(job_path.read_text())
     if epochs:
@@ -97,39 +137,17 @@ def run_once(job_path: Path, epochs: int | None, verbose: bool) -> dict[str, Any
         run = LocalRun(job, out, progress=False)
         metas = run.prepare()
         scrapes = {m.node: Scrape() for m in metas}
-        stop = threading.Event()
-
-        def poll() -> None:
-            while not stop.wait(0.2):
-                for p in run.procs:
-                    sc = scrapes[p.node]
-                    if sc.exited is None and p.popen.poll() is not None:
-                        sc.exited = time.monotonic()
-                    try:
-                        _scrape(p.metrics_port, sc)
-                    except (OSError, ValueError):
-                        pass  # not serving yet, or gone
-
         started, launched = time.time(), time.monotonic()
-        poller = threading.Thread(target=poll, daemon=True)
         try:
             run.start(metas)
-            poller.start()
-            run.wait()
+            with scraping(run, scrapes):
+                run.wait()
         finally:
-            stop.set()
-            if poller.is_alive():
-                poller.join()
             run.stop()
         summary = run.finish(time.time() - started)
         finished = time.monotonic()
     assert run.plan is not None
-    roots = [c.nodes[0] for c in run.plan.clusters]
-    rate = 0.0
-    for r in roots:
-        moving = [(t, v) for t, v in scrapes[r].samples if v > 0]
-        if len(moving) >= 2:
-            rate += (moving[-1][1] - moving[0][1]) / (moving[-1][0] - moving[0][0])
+    rate = train_rate(run.plan, scrapes)
     if verbose:
         log.info("run: %s", summary)
     phases = _phases(launched, finished, scrapes)
