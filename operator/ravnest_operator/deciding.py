@@ -872,6 +872,9 @@ def _succeeded(run: _Pass, plan: Plan, phase: str, conditions: list[dict[str, An
     if outputs:
         run.out.set({"outputs": outputs})
     final = {**(run.status.get("progress") or {})}
+    rate = _final_rate(run.observed, plan, run.status.get("startTime"))
+    if rate is not None:
+        final["samplesPerSecond"] = rate
     if result:
         run.out.set({"result": result})
         final.update({k: v for k, v in {
@@ -899,6 +902,29 @@ def _result(observed: Observed, plan: Plan, status: Mapping[str, Any],
              if c.id not in gone]
     pods = {p["metadata"]["name"]: p for p in observed.pods}
     return (_said(pods.get(roots[0], {})) or {}) if roots else {}
+
+
+def _final_rate(observed: Observed, plan: Plan, started: str | None) -> float | None:
+    """Samples/s of the whole job as it ended: the samples every cluster root says it trained
+    (its termination message) over the time from status.startTime to the last of them finishing.
+    The figure scraped while the job ran is older (a job of a minute could end between two
+    scrapes, at a tenth of its rate). None when a root's figures or times are missing."""
+    if not started:
+        return None
+    pods = {p["metadata"]["name"]: p for p in observed.pods}
+    samples, ends = 0.0, []
+    for c in plan.clusters:
+        pod = pods.get(resources.pod_name(observed.name, c.nodes[0]), {})
+        said = _said(pod) or {}
+        ended = next((cs["state"]["terminated"].get("finishedAt")
+                      for cs in (pod.get("status") or {}).get("containerStatuses") or []
+                      if (cs.get("state") or {}).get("terminated")), None)
+        if not isinstance(said.get("samples"), int | float) or not ended:
+            return None
+        samples += said["samples"]
+        ends.append(ended if isinstance(ended, dt.datetime) else parse_time(str(ended)))
+    seconds = (max(ends) - parse_time(started)).total_seconds()
+    return round(samples / seconds, 2) if seconds > 0 and samples else None
 
 
 def _said(pod: Mapping[str, Any]) -> dict[str, Any] | None:
