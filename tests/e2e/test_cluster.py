@@ -13,6 +13,7 @@ fetched back from it; `helm uninstall` and deleting the namespaces leave nothing
 from __future__ import annotations
 
 import copy
+import datetime as dt
 import json
 import os
 import secrets
@@ -141,6 +142,12 @@ def test_digits_trains_on_the_cluster(cluster: Cluster, release: str):
     assert st["result"]["updates"] == 66, st["result"]
     assert st["plan"]["summary"] == "2x3", st["plan"]
     assert st.get("restarts", 0) == 0
+    # samples/s is the whole job's: over startTime to completionTime, at least the samples of
+    # cluster 0 alone, at most those of both clusters and some (not the last figure scraped)
+    seconds = (dt.datetime.fromisoformat(st["completionTime"])
+               - dt.datetime.fromisoformat(st["startTime"])).total_seconds()
+    trained = st["progress"]["samplesPerSecond"] * seconds
+    assert st["result"]["samples"] <= trained <= 2.5 * st["result"]["samples"], (st, seconds)
     table = cluster.kubectl("get", "rj", "digits", "-n", JOBS_NS).stdout
     row = table.splitlines()[1].split()
     assert row[1] == "Succeeded" and row[3] == "2/2" and row[5] == "66/66", table
