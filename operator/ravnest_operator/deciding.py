@@ -916,30 +916,36 @@ def _final_rate(observed: Observed, plan: Plan, started: str | None) -> float | 
     for c in plan.clusters:
         pod = pods.get(resources.pod_name(observed.name, c.nodes[0]), {})
         said = _said(pod) or {}
-        ended = next((cs["state"]["terminated"].get("finishedAt")
-                      for cs in (pod.get("status") or {}).get("containerStatuses") or []
-                      if (cs.get("state") or {}).get("terminated")), None)
+        ended = (_terminated(pod) or {}).get("finishedAt")  # (of the container that said it)
         if not isinstance(said.get("samples"), int | float) or not ended:
             return None
         samples += said["samples"]
-        ends.append(ended if isinstance(ended, dt.datetime) else parse_time(str(ended)))
+        ends.append(parse_time(ended))
     seconds = (max(ends) - parse_time(started)).total_seconds()
     return round(samples / seconds, 2) if seconds > 0 and samples else None
 
 
-def _said(pod: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A terminated pod's termination message (its first container's that has one: the worker's,
-    before any sidecar a template adds), as the JSON object its worker wrote; None without one.
-    (`PlannerPod.message` is the last container's, or the pod's own.)"""
+def _terminated(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The terminated state of a pod's first container that left a termination message (the
+    worker's, before any sidecar a template adds); None without one."""
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-        msg = ((cs.get("state") or {}).get("terminated") or {}).get("message")
-        if msg:
-            try:
-                said = json.loads(msg)
-            except ValueError:
-                return None
-            return dict(said) if isinstance(said, dict) else None
+        state = (cs.get("state") or {}).get("terminated") or {}
+        if state.get("message"):
+            return dict(state)
     return None
+
+
+def _said(pod: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A terminated pod's termination message (`_terminated`), as the JSON object its worker
+    wrote; None without one. (`PlannerPod.message` is the last container's, or the pod's own.)"""
+    state = _terminated(pod)
+    if state is None:
+        return None
+    try:
+        said = json.loads(state["message"])
+    except ValueError:
+        return None
+    return dict(said) if isinstance(said, dict) else None
 
 
 def _watch(run: _Pass, plan: Plan, obs: Observation, phase: str,
