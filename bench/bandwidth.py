@@ -70,6 +70,7 @@ from e2e import Scrape, _scrape, scraping, train_rate
 from ravnest import parse_job
 from ravnest.plan import building, planning
 from ravnest.plan.costs import Workload
+from ravnest.plan.partitioning import Profile
 from ravnest.plan.plans import Plan, ProviderInfo
 from ravnest.run.local import LocalRun
 from ravnest.run.metadata import METRICS_PORT
@@ -122,15 +123,6 @@ class NetnsRun(LocalRun):
         return ["ip", "netns", "exec", f"{wan.PREFIX}-h{provider}", *argv]
 
 
-def shape(rates: list[float]) -> None:
-    """Host i's uplink limited to rates[i] Mbit/s (tbf; its queue holds a second of traffic)."""
-    for i, rate_mbit in enumerate(rates):
-        rate = rate_mbit * 1e6 / 8
-        burst = max(64 << 10, int(rate / 250))
-        wan._tc(f"{wan.PREFIX}-h{i}", "qdisc", "replace", "dev", "eth0", "root", "tbf",
-                "rate", f"{rate_mbit}mbit", "burst", str(burst), "limit", str(int(rate) + burst))
-
-
 def runner_leg() -> None:
     """A veth from this namespace into the bridge, so the runner reaches the workers."""
     subprocess.run(["ip", "link", "del", f"{wan.PREFIX}-runner"], capture_output=True)
@@ -142,9 +134,9 @@ def runner_leg() -> None:
     wan._ip("link", "set", f"{wan.PREFIX}-runner", "up")
 
 
-def estimate(plan: Plan, job: Job, rates: list[float]) -> planning.Estimate:
-    """The cost model's figures for `plan` on the true links (every provider at its rate)."""
-    _, profile, _ = building.plan_job(job)
+def estimate(plan: Plan, job: Job, profile: Profile, rates: list[float]) -> planning.Estimate:
+    """The cost model's figures for `plan` of `job` (whose model `profile` is) on the true links
+    (every provider at its rate)."""
     pool = [ProviderInfo(p.ram, r, p.compute)
             for p, r in zip(job.spec.expanded_providers(), rates, strict=True)]
     clusters = [[plan.node(n).provider for n in c.nodes] for c in plan.clusters]
@@ -373,20 +365,21 @@ def main(argv: list[str] | None = None) -> None:
         with wan.network(len(args.rates)) as addresses:
             runner_leg()
             for name, rates in links.items():
-                shape(rates)
+                wan.shape_links(rates)
                 alternate(name, lambda kind, rep: run_once(planned[kind], addresses))
     report(links, results, planned["aware"])
 
 
 def report(links: dict[str, list[float]], results: dict[str, dict[str, list[dict[str, Any]]]],
            aware: Job) -> None:
+    _, profile, _ = building.plan_job(aware)
     for name, rates in links.items():
         medians = {}
         _emit()
         _emit(f"#### links {name}: {', '.join(f'{r:g}' for r in rates)} Mbit/s")
         for kind, runs in results[name].items():
             plan = runs[-1]["plan"]
-            est = estimate(plan, aware, rates)
+            est = estimate(plan, aware, profile, rates)
             train = [r["train_rate"] for r in runs]
             whole = [r["summary"]["samples_per_second"] or math.nan for r in runs]
             medians[kind] = statistics.median(train)

@@ -120,16 +120,14 @@ def network(n: int) -> Iterator[list[str]]:
         _cleanup(n)
 
 
-def shape_links(n: int, rate_mbit: float) -> None:
-    """Every host's uplink limited to `rate_mbit` (tbf; its queue holds a second of traffic)."""
-    rate = rate_mbit * 1e6 / 8
-    burst = max(64 << 10, int(rate / 250))
-    for i in range(n):
-        host = f"{PREFIX}-h{i}"
-        subprocess.run(["ip", "netns", "exec", host, "tc", "qdisc", "del", "dev", "eth0", "root"],
-                       capture_output=True)
-        _tc(host, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", f"{rate_mbit}mbit",
-            "burst", str(burst), "limit", str(int(rate) + burst))
+def shape_links(rates_mbit: list[float]) -> None:
+    """Host i's uplink limited to rates_mbit[i] Mbit/s (tbf; its queue holds a second of
+    traffic)."""
+    for i, rate_mbit in enumerate(rates_mbit):
+        rate = rate_mbit * 1e6 / 8
+        burst = max(64 << 10, int(rate / 250))
+        _tc(f"{PREFIX}-h{i}", "qdisc", "replace", "dev", "eth0", "root", "tbf",
+            "rate", f"{rate_mbit}mbit", "burst", str(burst), "limit", str(int(rate) + burst))
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
@@ -452,7 +450,7 @@ def main() -> None:
         with network(n):
             for rate in args.rates:
                 for delay in args.delays:
-                    shape_links(n, rate)
+                    shape_links([rate] * n)
                     # the lanes are gRPC's sender threads: the data plane's ring has one stream
                     cases = [(t, lanes, wire) for t in args.transports
                              for lanes in (args.lanes or [UNORDERED_LANES]
