@@ -1,12 +1,13 @@
 """The cluster tier: the chart and a real training job on a real Kubernetes, from any kubeconfig.
 
 RAVNEST_E2E_KUBECONFIG set: that cluster is used as it is (kind in a user's CI, see
-scripts/kind-e2e); the image RAVNEST_E2E_IMAGE (default ravnest-k8s:test) must already be on its
-nodes. Unset: the session brings up the local single-node cluster of scripts/local-cluster
-(etcd, kube-apiserver, controller-manager, scheduler, kube-proxy, kubelet + containerd + runc,
-CNI bridge, CoreDNS), importing the image from the local Docker Engine (built offline by
-tests/project_image.py when missing, the same build as the image tier's), and tears it down
-at the end.
+scripts/kind-e2e); the images RAVNEST_E2E_IMAGE (default ravnest-k8s:test), RAVNEST_E2E_BYO_IMAGE
+and RAVNEST_E2E_MINIO_IMAGE must already be on its nodes, and RAVNEST_E2E_HOSTPATH (default /tmp)
+names a node folder for hostPath volumes that every node mounts. Unset: the tier makes a kind
+cluster of one control-plane and two worker nodes here, offline (scripts/kind-cluster up --offline:
+a node image built here, dockerd through scripts/runc-bounded), builds the images in the local
+Docker Engine (our image by tests/project_image.py, the same build as the image tier's) and puts
+them on the workers with `kind load`, and deletes the cluster when the tier is done.
 
 Nothing here skips: a missing tool or a cluster that does not come up fails with the reason.
 """
@@ -23,15 +24,23 @@ from typing import Any
 
 import pytest
 from e2e_cluster import (
+    BYO_IMAGE,
     IMAGE,
     JOBS_NS,
+    MINIO_IMAGE,
     RELEASE,
     ROOT,
     SYSTEM_NS,
     TIMINGS,
     Cluster,
+    build_test_images,
     ensure_docker_image,
 )
+
+# The cluster this tier makes (not scripts/kind-e2e's, which a user may keep), and the folder
+# scripts/kind-cluster mounts on every node.
+KIND_CLUSTER = "ravnest-e2e-tier"
+KIND_SHARED = "/mnt/ravnest-shared"
 
 
 # Module scope: the cluster goes when this tier's one module is done, not at the end of the whole
@@ -42,30 +51,42 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if given:
         if not Path(given).is_file():
             pytest.fail(f"RAVNEST_E2E_KUBECONFIG={given} is not a file")
-        c = Cluster(given, local=False)
+        c = Cluster(given, hostpath=os.environ.get("RAVNEST_E2E_HOSTPATH", "/tmp"))
         c.kubectl("get", "--raw", "/readyz")
         yield c
         return
     if os.geteuid() != 0:
-        pytest.fail("the local cluster (scripts/local-cluster) needs root; or set "
-                    "RAVNEST_E2E_KUBECONFIG to a cluster's kubeconfig")
+        pytest.fail("a kind cluster made here (scripts/kind-cluster up --offline) needs root; or "
+                    "set RAVNEST_E2E_KUBECONFIG to a cluster's kubeconfig")
     ensure_docker_image(tmp_path_factory.mktemp("image"))
-    script = ROOT / "scripts" / "local-cluster"
-    state = Path(os.environ.get("RAVNEST_CLUSTER_DIR", "/var/lib/ravnest-cluster"))
+    build_test_images()
+    script = ["bash", str(ROOT / "scripts" / "kind-cluster")]
+    env = {**os.environ, "KIND_CLUSTER": KIND_CLUSTER}
     start = time.monotonic()
-    up = subprocess.run(["bash", str(script), "up"], capture_output=True, text=True,
-                        timeout=3600)
+    up = subprocess.run([*script, "up", "--offline"], capture_output=True, text=True,
+                        timeout=3600, env=env)
     TIMINGS["cluster_up_s"] = time.monotonic() - start
     try:
         if up.returncode != 0:
-            pytest.fail(f"scripts/local-cluster up exited {up.returncode}:\n"
+            pytest.fail(f"scripts/kind-cluster up --offline exited {up.returncode}:\n"
                         f"{up.stdout[-2000:]}\n{up.stderr[-6000:]}")
-        yield Cluster(str(state / "admin.kubeconfig"), local=True, logs=state / "logs")
+        start = time.monotonic()
+        load = subprocess.run([*script, "load", IMAGE, BYO_IMAGE, MINIO_IMAGE],
+                              capture_output=True, text=True, timeout=3600, env=env)
+        TIMINGS["image_load_s"] = time.monotonic() - start
+        if load.returncode != 0:
+            pytest.fail(f"scripts/kind-cluster load exited {load.returncode}:\n"
+                        f"{load.stderr[-4000:]}")
+        nodes = subprocess.run(["docker", "ps", "--filter",
+                                f"label=io.x-k8s.kind.cluster={KIND_CLUSTER}", "--format",
+                                "{{.Names}}"], capture_output=True, text=True, timeout=60)
+        yield Cluster(up.stdout.strip().splitlines()[-1], hostpath=KIND_SHARED,
+                      nodes=sorted(nodes.stdout.split()))
     finally:
-        down = subprocess.run(["bash", str(script), "down"], capture_output=True, text=True,
-                              timeout=600)
+        down = subprocess.run([*script, "down"], capture_output=True, text=True, timeout=600,
+                              env=env)
         if down.returncode != 0:
-            print(f"scripts/local-cluster down exited {down.returncode}:\n{down.stderr[-3000:]}")
+            print(f"scripts/kind-cluster down exited {down.returncode}:\n{down.stderr[-3000:]}")
 
 
 def smoke_test_values(cluster: Cluster) -> list[str]:

@@ -39,7 +39,7 @@ def tool(name: str) -> str:
         return str(cached)
     found = shutil.which(name)
     if not found:
-        pytest.fail(f"`{name}` is neither in {BIN} nor on PATH: run scripts/k8s-tools --cluster")
+        pytest.fail(f"`{name}` is neither in {BIN} nor on PATH: run scripts/k8s-tools --kind")
     return found
 
 
@@ -48,8 +48,10 @@ class Cluster:
     """A kubeconfig and the CLIs that talk to it."""
 
     kubeconfig: str
-    local: bool
-    logs: Path | None = None
+    hostpath: str = "/tmp"
+    """A node folder for hostPath volumes that every node mounts (one node: any folder)."""
+    nodes: list[str] = field(default_factory=list)
+    """The node containers of a kind cluster made here, whose kubelet logs go in diagnostics."""
     env: dict[str, str] = field(default_factory=dict)
 
     def run(self, argv: list[str], *, check: bool = True, timeout: float = 120,
@@ -96,12 +98,11 @@ class Cluster:
                      ["logs", "-n", SYSTEM_NS, "deploy/ravnest", "--tail=40"]):
             r = self.kubectl(*args, check=False)
             parts.append(f"$ kubectl {' '.join(args)}\n{r.stdout[-4000:]}{r.stderr[-1000:]}")
-        if self.logs:
-            for name in ("kubelet", "containerd"):
-                log = self.logs / f"{name}.log"
-                if log.exists():
-                    tail = log.read_text(errors="replace").splitlines()[-25:]
-                    parts.append(f"--- {log} (tail)\n" + "\n".join(tail))
+        for node in self.nodes:
+            for unit in ("kubelet", "containerd"):
+                r = subprocess.run(["docker", "exec", node, "journalctl", "-u", unit, "-n", "25",
+                                    "--no-pager"], capture_output=True, text=True, timeout=60)
+                parts.append(f"--- {node}: journalctl -u {unit} (tail)\n{r.stdout}{r.stderr}")
         return "\n".join(parts)
 
     def wait_for(self, what: str, predicate: Callable[[], Any], timeout: float,
@@ -129,49 +130,28 @@ def ensure_docker_image(log_dir: Path) -> None:
     project_image.ensure_image(log_dir)
 
 
-def ensure_byo_image(cluster: Cluster) -> None:
-    """The user image of tests/e2e/byo on the cluster's node: built FROM the project image offline
-    (`docker build --network none`) and imported into the local cluster's containerd. A cluster
-    given by kubeconfig must have it already (scripts/kind-e2e builds and loads it)."""
-    if not cluster.local:
-        return
-    build = subprocess.run(["docker", "build", "--network", "none", "--build-arg",
-                            f"RAVNEST_IMAGE={IMAGE}", "-t", BYO_IMAGE,
-                            str(ROOT / "tests" / "e2e" / "byo")],
-                           capture_output=True, text=True, timeout=900)
-    if build.returncode != 0:
-        pytest.fail(f"docker build of {BYO_IMAGE} exited {build.returncode}:\n"
-                    f"{build.stderr[-3000:]}")
+def build_test_images() -> None:
+    """The images the tests run besides ours, built offline (`docker build --network none`) in the
+    local Docker Engine: the user image of tests/e2e/byo, FROM ours with a model package of its
+    own, and MinIO's binary (scripts/k8s-tools' build) alone in an image FROM scratch, the S3 store
+    the jobs write to. A cluster given by kubeconfig must have them already (scripts/kind-e2e
+    builds and loads them)."""
+    _build(BYO_IMAGE, ROOT / "tests" / "e2e" / "byo", "--build-arg", f"RAVNEST_IMAGE={IMAGE}")
     project_image.prune_replaced()
-    _import(BYO_IMAGE)
-
-
-def ensure_minio_image(cluster: Cluster) -> None:
-    """The MinIO image on the cluster's node: scripts/k8s-tools' build of the binary, alone in an
-    image FROM scratch, built offline and imported into the local cluster's containerd (a
-    cluster given by kubeconfig must have it already: scripts/kind-e2e builds and loads it)."""
-    if not cluster.local:
-        return
     binary = BIN / "minio"
     if not binary.is_file():
         pytest.fail(f"no MinIO binary at {binary}: run scripts/k8s-tools")
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy2(binary.resolve(), Path(tmp) / "minio")
         shutil.copy2(ROOT / "tests" / "e2e" / "minio" / "Dockerfile", Path(tmp) / "Dockerfile")
-        build = subprocess.run(["docker", "build", "--network", "none", "-q", "-t", MINIO_IMAGE,
-                                tmp], capture_output=True, text=True, timeout=600)
+        _build(MINIO_IMAGE, Path(tmp))
+
+
+def _build(image: str, context: Path, *args: str) -> None:
+    build = subprocess.run(["docker", "build", "--network", "none", "-q", "-t", image, *args,
+                            str(context)], capture_output=True, text=True, timeout=900)
     if build.returncode != 0:
-        pytest.fail(f"docker build of {MINIO_IMAGE} exited {build.returncode}:\n"
-                    f"{build.stderr[-3000:]}")
-    _import(MINIO_IMAGE)
-
-
-def _import(image: str) -> None:
-    load = subprocess.run(["bash", str(ROOT / "scripts" / "local-cluster"), "import", image],
-                          capture_output=True, text=True, timeout=1800)
-    if load.returncode != 0:
-        pytest.fail(f"scripts/local-cluster import {image} exited {load.returncode}:\n"
-                    f"{load.stderr[-3000:]}")
+        pytest.fail(f"docker build of {image} exited {build.returncode}:\n{build.stderr[-3000:]}")
 
 
 def minio_objects(user: str, password: str) -> list[dict[str, Any]]:

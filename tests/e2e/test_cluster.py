@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import json
-import os
 import secrets
 import time
 from pathlib import Path
@@ -31,8 +30,6 @@ from e2e_cluster import (
     SYSTEM_NS,
     TIMINGS,
     Cluster,
-    ensure_byo_image,
-    ensure_minio_image,
     minio_objects,
     run_pod,
 )
@@ -167,9 +164,9 @@ def test_digits_trains_on_the_cluster(cluster: Cluster, release: str):
 def test_deleted_worker_pod_restarts_job_from_checkpoint(cluster: Cluster, release: str):
     name = "restart"
     # Checkpoints must outlive the pods: a hostPath PersistentVolume, made writable for the workers'
-    # uid by a root pod of our image, on the node's /tmp (one node), or on a folder every node
-    # mounts (RAVNEST_E2E_HOSTPATH: scripts/kind-e2e's several nodes share one).
-    path = f"{os.environ.get('RAVNEST_E2E_HOSTPATH', '/tmp')}/ravnest-e2e-{int(time.time())}"
+    # uid by a root pod of our image, on a folder every node mounts (kind's nodes here share one;
+    # a cluster given by kubeconfig: RAVNEST_E2E_HOSTPATH), as a network file system would be.
+    path = f"{cluster.hostpath}/ravnest-e2e-{int(time.time())}"
     cluster.apply({"apiVersion": "v1", "kind": "PersistentVolume",
                    "metadata": {"name": f"{JOBS_NS}-{name}"},
                    "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
@@ -383,7 +380,6 @@ print(json.dumps({"accuracy": accuracy, "files": sorted(fs.ls("models/spirals"))
 
 def _start_minio(cluster: Cluster) -> None:
     """MinIO in the jobs' namespace and a bucket `models` in it, as a user's S3 store."""
-    ensure_minio_image(cluster)
     for obj in minio_objects("ravnest-e2e", secrets.token_hex(16)):
         cluster.apply(obj)
 
@@ -404,7 +400,6 @@ def test_your_own_model_trains_from_its_own_image(cluster: Cluster, release: str
     nothing itself, and the job trains to >= 95% validation accuracy. Its checkpoints and outputs
     go to an S3 store (MinIO in the cluster), from which a pod of the user's image fetches the
     trained model back and scores it."""
-    ensure_byo_image(cluster)
     _start_minio(cluster)
     doc = {"apiVersion": "ravnest.io/v1alpha1", "kind": "RavnestJob",
            "metadata": {"name": "spirals", "namespace": JOBS_NS},
