@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 import uuid
@@ -219,3 +220,9 @@ def prune_replaced() -> None:
     """Delete the test images a rebuild left untagged (the builds' label, inherited by images
     FROM ours): each is GBs, and a machine that rebuilds keeps every old one otherwise."""
     docker("image", "prune", "--force", "--filter", f"label={LABEL}", timeout=600)
+
+
+if __name__ == "__main__":
+    # `python tests/project_image.py`: the image built (or found) outside pytest, as scripts/test
+    # and scripts/kind-e2e do; the build's log goes to a temporary folder.
+    print(ensure_image(Path(tempfile.mkdtemp(prefix="ravnest-image-"))))

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import project_image
 import pytest
 from e2e_cluster import (
     BYO_IMAGE,
@@ -77,9 +78,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         if load.returncode != 0:
             pytest.fail(f"scripts/kind-cluster load exited {load.returncode}:\n"
                         f"{load.stderr[-4000:]}")
-        nodes = subprocess.run(["docker", "ps", "--filter",
-                                f"label=io.x-k8s.kind.cluster={KIND_CLUSTER}", "--format",
-                                "{{.Names}}"], capture_output=True, text=True, timeout=60)
+        nodes = project_image.docker("ps", "--filter",
+                                     f"label=io.x-k8s.kind.cluster={KIND_CLUSTER}", "--format",
+                                     "{{.Names}}", check=False, timeout=60)
         yield Cluster(up.stdout.strip().splitlines()[-1], hostpath=KIND_SHARED,
                       nodes=sorted(nodes.stdout.split()))
     finally:

@@ -100,8 +100,8 @@ class Cluster:
             parts.append(f"$ kubectl {' '.join(args)}\n{r.stdout[-4000:]}{r.stderr[-1000:]}")
         for node in self.nodes:
             for unit in ("kubelet", "containerd"):
-                r = subprocess.run(["docker", "exec", node, "journalctl", "-u", unit, "-n", "25",
-                                    "--no-pager"], capture_output=True, text=True, timeout=60)
+                r = project_image.docker("exec", node, "journalctl", "-u", unit, "-n", "25",
+                                         "--no-pager", check=False, timeout=60)
                 parts.append(f"--- {node}: journalctl -u {unit} (tail)\n{r.stdout}{r.stderr}")
         return "\n".join(parts)
 
@@ -148,10 +148,8 @@ def build_test_images() -> None:
 
 
 def _build(image: str, context: Path, *args: str) -> None:
-    build = subprocess.run(["docker", "build", "--network", "none", "-q", "-t", image, *args,
-                            str(context)], capture_output=True, text=True, timeout=900)
-    if build.returncode != 0:
-        pytest.fail(f"docker build of {image} exited {build.returncode}:\n{build.stderr[-3000:]}")
+    project_image.docker("build", "--network", "none", "-q", "-t", image, *args, str(context),
+                         timeout=900)
 
 
 def minio_objects(user: str, password: str) -> list[dict[str, Any]]:
