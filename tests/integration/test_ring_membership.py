@@ -6,6 +6,7 @@ timeout, and members that disagree for a moment on who is present never mix thei
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Callable, Collection
 
@@ -15,7 +16,8 @@ import torch
 from ravnest.comm.dataplane import RingLink, RingServer
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.transport import Credentials, Peer, Server
-from ravnest.plan.plans import Plan, RingPlan
+from ravnest.plan.plans import ClusterPlan, NodePlan, Plan, RingPlan
+from ravnest.run import assembling
 from ravnest.run.assembling import Wiring
 from ravnest.train.allreducing import FINAL_ROUND, RingReducer, reduce_all
 
@@ -298,3 +300,55 @@ def test_a_ring_extended_at_a_round_takes_a_newcomer_in_from_that_round(transpor
     for m in grown.members:
         for got, a, b in zip(held[m], three, new, strict=True):
             torch.testing.assert_close(got.double(), (3 * a + b) / 4, rtol=0, atol=1e-6)
+
+
+def _three_clusters_of_one_stage() -> Plan:
+    """x0, x1, x2: one node per cluster, all in ring x."""
+    def node(c: int) -> NodePlan:
+        return NodePlan(name=f"x{c}", provider=c, cluster=c, stage=0, role="root-leaf",
+                        start=0, end=1, first_layer="a", last_layer="a", state=("w",), params=1,
+                        memory_bytes=1, ram_gb=1.0, seconds_per_microbatch=0.1)
+    return Plan(clusters=tuple(ClusterPlan(id=c, nodes=(f"x{c}",), seconds_per_batch=0.1)
+                               for c in range(3)),
+                nodes=tuple(node(c) for c in range(3)),
+                rings=(RingPlan(id="x", members=("x0", "x1", "x2"), state=("w",)),),
+                model_bytes=4, memory_bytes=4, samples_per_second=1.0)
+
+
+@pytest.mark.parametrize("others", ["late", "late-and-dead", "dead"])
+def test_a_restarted_node_waits_for_a_ring_member_that_answers_late(
+        others: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A restarted node (x1) asks the members of its ring in the other clusters whether they
+    answer before it rejoins. A member that answers only after the short wait
+    (REJOIN_READY_SECONDS, 1 s here; on a loaded machine the first answer can take longer) is
+    waited for, not given up: it is the one the node can take its state from. Once one answered,
+    one that never does is left out (lost); when none answers within the peer timeout, all are."""
+    monkeypatch.setattr(assembling, "REJOIN_READY_SECONDS", 1.0)
+    plan = _three_clusters_of_one_stage()
+    inbox = Inbox()
+    mine = Server("127.0.0.1:0", CREDS, inbox.deliver)
+    late = Server("127.0.0.1:0", CREDS, Inbox().deliver)  # bound; it answers once started
+    with socket.socket() as s:  # a port nobody listens on: the member that never answers
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    ports = {"x0": late.port if others != "dead" else dead_port,
+             "x2": dead_port if others != "late" else late.port}
+    peers = {m: Peer(f"127.0.0.1:{p}", CREDS) for m, p in ports.items()}
+    wiring = Wiring(inbox, mine, peers, None, {})
+    starter = threading.Timer(3.0, late.start)
+    caplog.set_level(logging.INFO)
+    try:
+        mine.start()
+        starter.start()
+        wiring.wait_ready(8.0 if others == "dead" else 60.0, plan, "x1")
+    finally:
+        starter.cancel()
+        for p in peers.values():
+            p.close()
+        mine.stop()
+        late.stop()
+    answered = {m for m, p in ports.items() if p == late.port and others != "dead"}
+    assert wiring.ready == answered
+    assert wiring.membership.absent(0) == set(ports) - answered
+    for m in set(ports) - answered:
+        assert f"ring member {m} does not answer" in caplog.text

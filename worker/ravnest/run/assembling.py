@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
@@ -45,7 +46,8 @@ from ravnest.train.targets import Targets
 log = logging.getLogger(__name__)
 
 REJOIN_READY_SECONDS = 10.0
-"""How long a restarted node waits for the members of its rings in other clusters to answer."""
+"""How long a restarted node waits for all the members of its rings in other clusters to answer
+once each of its rings has one that did (until then it waits for them up to its peer timeout)."""
 FAILED_CLOSE_SECONDS = 1.0
 """How long each link of a failing node may take to deliver what it posted (its abort)."""
 
@@ -129,31 +131,75 @@ class Wiring:
         over: a run resumed at its end finishes at once, and a neighbour that passed its own
         wait and sent `finish` may be gone before this node asks it (the wait would run out).
 
-        Given `plan` and `node` (a restarted node that rejoins), only the pipeline neighbours are
-        waited for so long: the members of its rings in the other clusters, which train on, get
-        `REJOIN_READY_SECONDS`, and those that do not answer by then count as lost."""
+        Given `plan` and `node` (a restarted node that rejoins), the members of its rings in the
+        other clusters, which train on, are waited for together (`_await_members`)."""
         members: set[str] = set()
         if plan is not None:
             members = {m for r in plan.rings_of(node) for m in r.members} - set(
                 plan.neighbours(node)) - {node}
-        members_by = 0.0
         gone = self.membership.leaving()  # drained before this worker started
-        for name, peer in sorted(self.peers.items(), key=lambda x: x[0] in members):
-            if name in gone:
+        for name, peer in sorted(self.peers.items()):
+            if name in gone or name in members:
                 continue
-            wait = timeout
-            if name in members:
-                members_by = members_by or time.monotonic() + min(timeout, REJOIN_READY_SECONDS)
-                wait = max(0.0, members_by - time.monotonic())
+            if peer.wait_ready(timeout, stop=self._finished):
+                self.ready.add(name)
+        waited = {m: self.peers[m] for m in sorted(members - gone) if m in self.peers}
+        if plan is not None and waited:
+            rings = [set(r.members) & set(waited) for r in plan.rings_of(node)]
+            self._await_members(waited, [r for r in rings if r], timeout)
+
+    def _finished(self) -> bool:
+        return Op.FINISH in self.inbox.control_ops
+
+    def _await_members(self, members: dict[str, Peer], rings: list[set[str]],
+                       timeout: float) -> None:
+        """Ask the ring members of a restarted node (`members`, each ring's among them in
+        `rings`) all at once whether they answer. Once every ring has one that did, the others
+        get what is left of `REJOIN_READY_SECONDS` and count as lost if they have not answered by
+        then (the node rejoins without them); until then all are waited for, up to `timeout`:
+        the node can only rejoin from a member that answers, and on a loaded machine the first
+        answer may take longer than the short wait (a member that is there is not given up)."""
+        started = time.monotonic()
+        short = started + min(timeout, REJOIN_READY_SECONDS)
+        answered: set[str] = set()
+        done: set[str] = set()
+        settled = threading.Event()
+        changed = threading.Condition()
+
+        def ask(name: str, peer: Peer) -> None:
             try:
-                if peer.wait_ready(wait, stop=lambda: Op.FINISH in self.inbox.control_ops):
-                    self.ready.add(name)
+                ok = peer.wait_ready(timeout, stop=lambda: settled.is_set() or self._finished())
             except PeerTimeout:
-                if name not in members:
-                    raise
-                log.warning("ring member %s does not answer: this node rejoins without it",
-                            name)
-                self.membership.lost(name)
+                ok = False
+            except Exception:  # a failed ask counts as no answer, and says why
+                log.exception("asking ring member %s whether it answers failed", name)
+                ok = False
+            with changed:
+                if ok:
+                    answered.add(name)
+                done.add(name)
+                changed.notify_all()
+
+        threads = [threading.Thread(target=ask, args=item, name=f"ready-{item[0]}", daemon=True)
+                   for item in members.items()]
+        for t in threads:
+            t.start()
+        with changed:
+            while len(done) < len(members) and not self._finished() and not (
+                    time.monotonic() >= short and all(r & answered for r in rings)):
+                changed.wait(0.2)
+        settled.set()
+        for t in threads:
+            t.join()
+        self.ready.update(answered)
+        if answered:
+            log.info("ring members %s answered within %.1fs", ", ".join(sorted(answered)),
+                     time.monotonic() - started)
+        if self._finished():
+            return
+        for name in sorted(set(members) - answered):
+            log.warning("ring member %s does not answer: this node rejoins without it", name)
+            self.membership.lost(name)
 
     def watch_peers(self, plan: Plan, node: str) -> None:
         """Follow the pipeline neighbours (`watch_neighbours`) and the other ring members
