@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection
+from concurrent import futures
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,36 +162,29 @@ class Wiring:
         answer may take longer than the short wait (a member that is there is not given up)."""
         started = time.monotonic()
         short = started + min(timeout, REJOIN_READY_SECONDS)
-        answered: set[str] = set()
-        done: set[str] = set()
         settled = threading.Event()
-        changed = threading.Condition()
 
-        def ask(name: str, peer: Peer) -> None:
-            try:
-                ok = peer.wait_ready(timeout, stop=lambda: settled.is_set() or self._finished())
-            except PeerTimeout:
-                ok = False
-            except Exception:  # a failed ask counts as no answer, and says why
-                log.exception("asking ring member %s whether it answers failed", name)
-                ok = False
-            with changed:
-                if ok:
-                    answered.add(name)
-                done.add(name)
-                changed.notify_all()
+        def stop() -> bool:
+            return settled.is_set() or self._finished()
 
-        threads = [threading.Thread(target=ask, args=item, name=f"ready-{item[0]}", daemon=True)
-                   for item in members.items()]
-        for t in threads:
-            t.start()
-        with changed:
-            while len(done) < len(members) and not self._finished() and not (
+        answered: set[str] = set()
+        with futures.ThreadPoolExecutor(len(members), thread_name_prefix="ready") as pool:
+            asks = {pool.submit(peer.wait_ready, timeout, stop): name
+                    for name, peer in members.items()}
+            pending = set(asks)
+            while pending and not self._finished() and not (
                     time.monotonic() >= short and all(r & answered for r in rings)):
-                changed.wait(0.2)
-        settled.set()
-        for t in threads:
-            t.join()
+                done, pending = futures.wait(pending, timeout=0.2,
+                                             return_when=futures.FIRST_COMPLETED)
+                answered |= {asks[f] for f in done if f.exception() is None and f.result()}
+            settled.set()  # the asks still waiting end within a Check's timeout
+        for f, name in asks.items():
+            error = f.exception()
+            if error is None and f.result():
+                answered.add(name)
+            elif error is not None and not isinstance(error, PeerTimeout):
+                # a failed ask counts as no answer, and says why
+                log.error("asking ring member %s whether it answers failed", name, exc_info=error)
         self.ready.update(answered)
         if answered:
             log.info("ring members %s answered within %.1fs", ", ".join(sorted(answered)),
