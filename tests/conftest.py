@@ -39,3 +39,36 @@ def s3_server() -> Iterator[S3Server]:
 
     with minio_server() as server:
         yield server
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Say what would keep this process from exiting once the tests are done: threads that are not
+    daemons (the interpreter joins them at exit) and child processes still running (they may hold
+    the output pipe of whoever ran the tests), each with where it is. CI only sees a run that never
+    ends; this names why."""
+    import sys
+    import threading
+    import traceback
+
+    frames = sys._current_frames()
+    threads = [t for t in threading.enumerate()
+               if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == os.getpid():  # (state, ppid, ...)
+                cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+                    errors="replace")
+                children.append(f"pid {stat.parent.name}: {cmd.strip()}")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    if not threads and not children:
+        return
+    lines = ["", "still running after the tests (the process may not exit):"]
+    for t in threads:
+        frame = frames.get(t.ident or -1)
+        stack = "".join(traceback.format_stack(frame)[-6:]) if frame else "  (no frame)\n"
+        lines.append(f"thread {t.name!r}:\n{stack}")
+    lines += [f"child process {c}" for c in children]
+    print("\n".join(lines), file=sys.stderr, flush=True)

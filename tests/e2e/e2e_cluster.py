@@ -105,6 +105,28 @@ class Cluster:
                 parts.append(f"--- {node}: journalctl -u {unit} (tail)\n{r.stdout}{r.stderr}")
         return "\n".join(parts)
 
+    def job_report(self, name: str, namespace: str = JOBS_NS) -> str:
+        """What to print when a job's test fails, before its pods are deleted: the job's status
+        and events, the operator's log, and each of its pods' logs (and their containers' last
+        run, where one restarted). The diagnostics above are about nodes and scheduling."""
+        parts = []
+        for args in (["get", "rj", name, "-n", namespace, "-o", "yaml"],
+                     ["get", "pods", "-n", namespace, "-o", "wide"],
+                     ["get", "events", "-n", namespace, "--sort-by=.lastTimestamp"],
+                     ["logs", "-n", SYSTEM_NS, "deploy/ravnest", "--tail=300"]):
+            r = self.kubectl(*args, check=False)
+            parts.append(f"$ kubectl {' '.join(args)}\n{r.stdout[-20000:]}{r.stderr[-1000:]}")
+        pods = self.get("pods", namespace=namespace, selector=f"ravnest.io/job={name}") or {}
+        for pod in pods.get("items", []):
+            pod_name = pod["metadata"]["name"]
+            for previous in ([], ["--previous"]):
+                r = self.kubectl("logs", "-n", namespace, pod_name, "--tail=150", *previous,
+                                 check=False)
+                if r.stdout or not previous:
+                    parts.append(f"--- {pod_name} {' '.join(previous)}\n"
+                                 f"{r.stdout}{r.stderr[-500:]}")
+        return "\n".join(parts)
+
     def wait_for(self, what: str, predicate: Callable[[], Any], timeout: float,
                  namespace: str = JOBS_NS, interval: float = 2) -> Any:
         deadline = time.monotonic() + timeout

@@ -221,6 +221,9 @@ def test_deleted_worker_pod_restarts_job_from_checkpoint(cluster: Cluster, relea
         resumed = [int(line.split("at step ")[1].split()[0]) for line in log.splitlines()
                    if "resumed from checkpoint at step" in line]
         assert resumed and resumed[0] >= 20, log[-3000:]  # did not start over
+    except BaseException:
+        print(cluster.job_report(name))  # before its pods go
+        raise
     finally:
         cluster.kubectl("delete", "rj", "-n", JOBS_NS, name, "--ignore-not-found", "--wait=true",
                         timeout=180, check=False)
@@ -267,6 +270,9 @@ def test_deleted_worker_pod_costs_only_its_cluster_which_rejoins_live(cluster: C
             assert "rejoined after round" in log, log[-3000:]
         assert st["result"]["updates"] == 60 * 22, st["result"]
         assert st["progress"]["validationMetric"] >= 0.95, st["progress"]
+    except BaseException:
+        print(cluster.job_report(name))  # before its pods go
+        raise
     finally:
         cluster.kubectl("delete", "rj", "-n", JOBS_NS, name, "--ignore-not-found", "--wait=true",
                         timeout=180, check=False)
@@ -309,6 +315,9 @@ def test_a_provider_removed_from_the_spec_drains_its_cluster(cluster: Cluster, r
         assert f"drained after round {left['round']}" in log, log[-3000:]
         print(f"\nshrunk on the cluster: cluster {gone['id']} drained after round "
               f"{left['round']} of 220, {seconds:.0f} s after the apply")
+    except BaseException:
+        print(cluster.job_report(name))  # before its pods go
+        raise
     finally:
         cluster.kubectl("delete", "rj", "-n", JOBS_NS, name, "--ignore-not-found", "--wait=true",
                         timeout=180, check=False)
@@ -352,6 +361,9 @@ def test_a_provider_added_mid_run_joins_and_trains(cluster: Cluster, release: st
         print(f"\ngrown on the cluster: cluster 2 (providers {added}) joined after round "
               f"{joined['round']} of 550; the job succeeded {time.monotonic() - ordered:.0f} s "
               f"after the apply")
+    except BaseException:
+        print(cluster.job_report(name))  # before its pods go
+        raise
     finally:
         cluster.kubectl("delete", "rj", "-n", JOBS_NS, name, "--ignore-not-found", "--wait=true",
                         timeout=180, check=False)
