@@ -16,7 +16,7 @@ import os
 import secrets
 import threading
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import kopf
 import kubernetes
@@ -198,7 +198,7 @@ def _scraped(hosts: tuple[str, ...], started: str | None) -> dict[str, Any]:
     return progress(samples, started)
 
 
-def _observe(body: kopf.Body, spec: dict[str, Any], status: dict[str, Any], name: str,
+def _observe(body: dict[str, Any], spec: dict[str, Any], status: dict[str, Any], name: str,
             namespace: str, uid: str) -> Observed:
     """What a pass needs to know of a job: nothing more for a finished one, the reasons for an
     invalid one, else its plan ConfigMap's plan and its pods."""
@@ -221,7 +221,7 @@ def _observe(body: kopf.Body, spec: dict[str, Any], status: dict[str, Any], name
                    edited=now if added else None, pods=tuple(_pods(name, namespace, uid)))
 
 
-def _carry_out(action: Action, body: kopf.Body, patch: kopf.Patch,
+def _carry_out(action: Action, body: dict[str, Any], patch: kopf.Patch,
                owner: resources.Owner) -> None:
     """Do one step of a decision."""
     if isinstance(action, SetStatus):
@@ -244,7 +244,7 @@ def _carry_out(action: Action, body: kopf.Body, patch: kopf.Patch,
         _delete_job(owner.name, owner.namespace)
     elif isinstance(action, Event):
         post = kopf.warn if action.warning else kopf.info
-        post(body, reason=action.reason, message=action.message)
+        post(kopf.Body(cast(kopf.RawBody, body)), reason=action.reason, message=action.message)
     elif isinstance(action, ScrapeProgress):
         patch.status["progress"] = {**action.base, **_scraped(action.hosts, action.started)}
     elif isinstance(action, CountRestart):
@@ -261,7 +261,7 @@ def _carry_out(action: Action, body: kopf.Body, patch: kopf.Patch,
         monitoring.finished(action.previous, action.phase, action.started)
 
 
-def reconcile(body: kopf.Body, spec: dict[str, Any], status: dict[str, Any], name: str,
+def reconcile(body: dict[str, Any], spec: dict[str, Any], status: dict[str, Any], name: str,
               namespace: str, uid: str, patch: kopf.Patch) -> None:
     """Move one job one step towards its goal: observe, decide, carry out."""
     observed = _observe(body, spec, status, name, namespace, uid)
@@ -280,19 +280,51 @@ def _lock(uid: str) -> threading.Lock:
         return _locks.setdefault(uid, threading.Lock())
 
 
+def _current(name: str, namespace: str, uid: str) -> dict[str, Any] | None:
+    """The job as the apiserver has it now (None: it is gone, or is another job of that name)."""
+    try:
+        job = cast(dict[str, Any], kubernetes.client.CustomObjectsApi()
+                   .get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+    return job if job["metadata"].get("uid") == uid else None
+
+
+def _write_status(name: str, namespace: str, status: dict[str, Any]) -> None:
+    """A pass's status fields, merged into the job's status (a field set to None is removed)."""
+    kubernetes.client.CustomObjectsApi().patch_namespaced_custom_object_status(
+        GROUP, VERSION, namespace, PLURAL, name, {"status": status},
+        _content_type="application/merge-patch+json")
+
+
 def _reconcile_once(kwargs: dict[str, Any], wait: bool) -> None:
-    """Change handlers and the timer share one lock per job: passes never overlap."""
+    """Change handlers and the timer share one lock per job: passes never overlap. Each pass
+    reads the job as it is now and writes its status before the next pass begins: the body kopf
+    hands a handler can be older than the status the last pass wrote (kopf applies a handler's
+    patch after it returns, and sees it only when the watch brings it back), and a pass deciding
+    on an older status than its plan and pods would take its own doing for a fault (pods it just
+    created as stale, a cluster it just restarted or added as lost) and restart that cluster
+    again."""
     lock = _lock(kwargs["uid"])
     if not lock.acquire(blocking=wait):
         return
+    name, namespace = kwargs["name"], kwargs["namespace"]
     try:
+        body = _current(name, namespace, kwargs["uid"])
+        if body is None:
+            return  # deleted since: its deletion handler follows
+        status = dict(body.get("status") or {})
+        patch = kopf.Patch()
         with monitoring.reconciling():
-            reconcile(kwargs["body"], kwargs["spec"], kwargs["status"], kwargs["name"],
-                      kwargs["namespace"], kwargs["uid"], kwargs["patch"])
+            reconcile(body, dict(body.get("spec") or {}), status, name, namespace,
+                      kwargs["uid"], patch)
+            if patch.get("status"):
+                _write_status(name, namespace, dict(patch["status"]))
     finally:
         lock.release()
-    monitoring.observe_phase(kwargs["namespace"], kwargs["name"],
-                             kwargs["patch"].status.get("phase") or kwargs["status"].get("phase"))
+    monitoring.observe_phase(namespace, name, patch.status.get("phase") or status.get("phase"))
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)

@@ -89,11 +89,12 @@ derives the same set from the code and tests/integration/test_chart.py compares.
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
-# kopf watches the jobs (list, watch) and patches its annotations on them; handling.py deletes
-# finished jobs after ttlSecondsAfterFinished.
+# kopf watches the jobs (list, watch) and patches its annotations on them; each pass of
+# handling.py reads its job as it is now (get); finished jobs are deleted after
+# ttlSecondsAfterFinished.
 - apiGroups: [ravnest.io]
   resources: [ravnestjobs]
-  verbs: [delete, list, patch, watch]
+  verbs: [delete, get, list, patch, watch]
 # The handlers' status patches go to the status subresource.
 - apiGroups: [ravnest.io]
   resources: [ravnestjobs/status]

@@ -1,0 +1,117 @@
+"""One pass of the operator against a real apiserver, called in this process: what it decides on
+and where its status goes. kopf hands a handler its copy of the job, which can be older than the
+status the last pass wrote (kopf applies a handler's patch after the handler returns, and its copy
+catches up only when the watch brings the change back); on a loaded machine a pass decided on
+such a copy took the pods it had just made for stale, or a cluster it had just restarted or added
+for lost, and restarted that cluster again (seen on kind: a job grown by a cluster recovered it at
+once; an elastic job's restarted cluster recovered twice and was left out)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import copy
+
+import kopf
+import kubernetes
+import pytest
+from kube import LocalApiserver, local_apiserver
+from operator_harness import ROOT, apply, get, job_doc, kctl
+
+
+@pytest.fixture(scope="module")
+def kube(tmp_path_factory: pytest.TempPathFactory):
+    with local_apiserver(tmp_path_factory.mktemp("passes") / "kube") as kube:
+        kctl(kube, "apply", "-f", str(ROOT / "crds" / "ravnestjob.yaml"))
+        kctl(kube, "wait", "--for=condition=Established", "crd/ravnestjobs.ravnest.io",
+             "--timeout=60s")
+        kubernetes.config.load_kube_config(str(kube.kubeconfig))
+        yield kube
+
+
+def _pass(job: dict, status: dict) -> tuple[kopf.Patch, list[str]]:
+    """One pass as kopf's timer calls it, handed `job` with `status` (kopf's copy): kopf's patch
+    it leaves, and the reasons of the Events it posted (kopf.info and kopf.warn queue them for
+    kopf's poster, which is not running here: the queue is read instead)."""
+    from kopf._core.engines import posting
+
+    from ravnest_operator import handling
+
+    meta = job["metadata"]
+    patch = kopf.Patch()
+    body = {**copy.deepcopy(job), "status": status}
+    loop = asyncio.new_event_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def run() -> None:
+        posting.settings_var.set(kopf.OperatorSettings())
+        posting.event_queue_loop_var.set(loop)
+        posting.event_queue_var.set(queue)
+        handling._reconcile_once({"body": body, "spec": body["spec"], "status": status,
+                                  "name": meta["name"], "namespace": meta["namespace"],
+                                  "uid": meta["uid"], "patch": patch}, wait=True)
+
+    try:
+        contextvars.copy_context().run(run)
+        loop.run_until_complete(asyncio.sleep(0))  # the queued events
+        return patch, [queue.get_nowait().reason for _ in range(queue.qsize())]
+    finally:
+        loop.close()
+
+
+def _pods(kube: LocalApiserver, job: str) -> list[str]:
+    return [p["metadata"]["name"] for p in get(kube, "pods", selector=f"ravnest.io/job={job}")
+            ["items"]]
+
+
+def test_a_pass_decides_on_the_status_the_apiserver_has_not_on_an_older_copy(kube, tmp_path):
+    """The job finished (its status says Succeeded); kopf's copy is from before its first pass.
+    A pass decided on that copy would plan the job again: a planner pod, phase Planning."""
+    assert apply(kube, job_doc("done"), tmp_path).returncode == 0
+    kctl(kube, "patch", "rj", "done", "--subresource=status", "--type=merge", "-p",
+         '{"status": {"phase": "Succeeded", "completionTime": "2026-11-27T08:00:00Z"}}')
+    job = get(kube, "rj", "done")
+    patch, events = _pass(job, status={})
+    assert _pods(kube, "done") == [] and events == []
+    assert get(kube, "rj", "done")["status"]["phase"] == "Succeeded"
+    assert not patch  # nothing left for kopf to apply later, over a later pass's status
+
+
+def test_a_pass_writes_its_status_before_the_next_pass_reads_it(kube, tmp_path):
+    """A new job's first pass starts planning; its status is in the apiserver when the pass
+    returns (not when kopf gets round to it), so the next pass, handed kopf's copy from before
+    the first, plans nothing twice."""
+    assert apply(kube, job_doc("fresh"), tmp_path).returncode == 0
+    job = get(kube, "rj", "fresh")
+    _, events = _pass(job, status={})
+    assert events == ["Planning"]
+    status = get(kube, "rj", "fresh")["status"]
+    assert status["phase"] == "Planning", status
+    assert _pods(kube, "fresh") == ["fresh-planner"]
+    _, events = _pass(job, status={})  # kopf's copy: still the one from before the first pass
+    assert events == []
+    after = get(kube, "rj", "fresh")["status"]
+    assert after["phase"] == "Planning" and _pods(kube, "fresh") == ["fresh-planner"], after
+    conditions = {c["type"]: c for c in after["conditions"]}
+    assert conditions["Created"]["status"] == "True"
+
+
+def test_a_pass_on_a_job_deleted_meanwhile_does_nothing(kube, tmp_path):
+    assert apply(kube, job_doc("gone"), tmp_path).returncode == 0
+    job = get(kube, "rj", "gone")
+    kctl(kube, "delete", "rj", "gone", "--wait=true")
+    assert _pass(job, status={})[1] == []
+    assert _pods(kube, "gone") == [] and get(kube, "rj", "gone") is None
+
+
+def test_a_pass_does_not_act_on_a_new_job_of_the_same_name(kube, tmp_path):
+    """kopf's copy is of a job deleted since; one of the same name was made again (another uid):
+    that job's own handlers see to it."""
+    assert apply(kube, job_doc("again"), tmp_path).returncode == 0
+    old = get(kube, "rj", "again")
+    kctl(kube, "delete", "rj", "again", "--wait=true")
+    assert apply(kube, job_doc("again"), tmp_path).returncode == 0
+    assert _pass(old, status={})[1] == []
+    assert _pods(kube, "again") == []
+    assert "status" not in get(kube, "rj", "again")
+
