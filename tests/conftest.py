@@ -43,16 +43,18 @@ def s3_server() -> Iterator[S3Server]:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Say what would keep this process from exiting once the tests are done: threads that are not
-    daemons (the interpreter joins them at exit) and child processes still running (they may hold
-    the output pipe of whoever ran the tests), each with where it is. CI only sees a run that never
-    ends; this names why."""
+    daemons and executors' threads (the interpreter joins both at exit), and child processes
+    still running (they may hold the output pipe of whoever ran the tests), each with where it
+    is. CI only sees a run that never ends; this names why."""
     import sys
     import threading
     import traceback
+    from concurrent.futures import thread as executor_threads
 
     frames = sys._current_frames()
-    threads = [t for t in threading.enumerate()
-               if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    joined = set(getattr(executor_threads, "_threads_queues", {}))  # joined at exit, daemons too
+    threads = [t for t in threading.enumerate() if t is not threading.main_thread()
+               and t.is_alive() and (not t.daemon or t in joined)]
     children = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:

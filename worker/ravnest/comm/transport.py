@@ -187,6 +187,26 @@ def _parse_health(request: bytes, context: grpc.ServicerContext) -> Any:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a HealthCheckRequest: {e}")
 
 
+def _sent_apart(send_response: Callable[[Any], None]) -> Callable[[Any], None]:
+    """`send_response` (grpc's, for a non-blocking stream) called in a thread of its own, in
+    order, until None (the stream's end). grpcio-health-checking's servicer calls it while it
+    holds its lock, and grpc's call blocks until the server's polling thread has seen the message
+    go; when that thread meanwhile runs the servicer's close callback of another watch, which
+    takes the same lock, neither moves again and the whole server stops answering (seen: a
+    worker's server wedged, and a test process that never exited, its executor thread waiting in
+    `_send_response` and the polling thread in `HealthServicer._on_close_callback`). Queued here,
+    the servicer never waits under its lock."""
+    responses: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def run() -> None:
+        while (response := responses.get()) is not None:
+            send_response(response)
+        send_response(None)
+
+    threading.Thread(target=run, daemon=True, name="health-watch").start()
+    return responses.put
+
+
 def _health_handler(servicer: health.HealthServicer,
                     max_watches: int = MAX_HEALTH_WATCHES) -> grpc.GenericRpcHandler:
     """The standard health service (Check, Watch), parsing requests itself. Watch is served
@@ -207,7 +227,11 @@ def _health_handler(servicer: health.HealthServicer,
         if not context.add_callback(slots.release):  # the call has ended already
             slots.release()
             return
-        servicer.Watch(message, context, send_response_callback)
+        send = _sent_apart(send_response_callback)
+        if not context.add_callback(lambda: send(None)):
+            send(None)
+            return
+        servicer.Watch(message, context, send)
 
     # grpc's server passes a send callback instead of taking a thread to drain an iterator
     setattr(watch, "experimental_non_blocking", True)  # noqa: B010 (a function attribute)
