@@ -53,8 +53,15 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
     frames = sys._current_frames()
     joined = set(getattr(executor_threads, "_threads_queues", {}))  # joined at exit, daemons too
+
+
+    def idle(t: threading.Thread) -> bool:  # an executor's thread waiting for work ends at exit
+        frame = frames.get(t.ident or -1)
+        return frame is not None and frame.f_code.co_name == "_worker" and \
+            frame.f_code.co_filename == executor_threads.__file__
+
     threads = [t for t in threading.enumerate() if t is not threading.main_thread()
-               and t.is_alive() and (not t.daemon or t in joined)]
+               and t.is_alive() and (not t.daemon or t in joined) and not idle(t)]
     children = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
