@@ -54,7 +54,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     frames = sys._current_frames()
     joined = set(getattr(executor_threads, "_threads_queues", {}))  # joined at exit, daemons too
 
-
     def idle(t: threading.Thread) -> bool:  # an executor's thread waiting for work ends at exit
         frame = frames.get(t.ident or -1)
         return frame is not None and frame.f_code.co_name == "_worker" and \

@@ -211,8 +211,8 @@ def _health_handler(servicer: health.HealthServicer,
                     max_watches: int = MAX_HEALTH_WATCHES) -> grpc.GenericRpcHandler:
     """The standard health service (Check, Watch), parsing requests itself. Watch is served
     non-blocking, as grpcio-health-checking's servicer is written for: a held stream occupies no
-    thread of the server's (those carry training's frames), only a callback, and at most
-    `max_watches` are held at once."""
+    thread of the server's (those carry training's frames), only a sending thread of its own,
+    idle between status changes (`_sent_apart`), and at most `max_watches` are held at once."""
     slots = threading.BoundedSemaphore(max_watches)
 
     def check(request: bytes, context: grpc.ServicerContext) -> Any:
