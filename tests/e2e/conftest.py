@@ -7,7 +7,7 @@ names a node folder for hostPath volumes that every node mounts. Unset: the tier
 cluster of one control-plane and two worker nodes here, offline (scripts/kind-cluster up --offline:
 a node image built here, dockerd through scripts/runc-bounded), builds the images in the local
 Docker Engine (our image by tests/project_image.py, the same build as the image tier's) and puts
-them on the workers with `kind load`, and deletes the cluster when the tier is done.
+them on the workers (scripts/kind-cluster load), and deletes the cluster when the tier is done.
 
 Nothing here skips: a missing tool or a cluster that does not come up fails with the reason.
 """
