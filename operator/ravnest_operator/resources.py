@@ -340,6 +340,10 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
         "image": provider.image or job.spec.image or image,
         "command": ["ravnest"],
         "args": ["worker", "--metadata", f"{METADATA_DIR}/node.json"],
+        # A worker that fails writes why (`ravnest worker`); one that dies without a word (a
+        # segfault, the OOM killer) leaves its log's last lines: the operator says either when it
+        # replaces the pod, whose log goes with it.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "env": [{"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {
                     "name": token_secret_name(owner.name), "key": "token"}}},
                 {"name": TORCH_THREADS_ENV, "value": str(max(1, round(provider.compute)))},

@@ -43,6 +43,9 @@ class NodeState:
     """Which recovery of its cluster in this attempt created the pod (0: none)."""
     cluster: int = 0
     deleting: bool = False
+    said: str = ""
+    """What a terminated container said of its end: its termination message's last line (a
+    failed worker's error, or its log's last line when it died without one)."""
 
     def to_status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"pod": self.pod, "phase": self.phase}
@@ -76,16 +79,27 @@ class Observation:
 
     def failure_message(self) -> str:
         parts = [f"pod {n.pod} failed with exit code {n.exit_code}"
-                 + (f" ({n.reason})" if n.reason else "") for n in self.failed]
+                 + (f" ({n.reason})" if n.reason else "") + (f": {n.said}" if n.said else "")
+                 for n in self.failed]
         return "; ".join(parts)
 
 
-def _terminated(pod: dict[str, Any]) -> tuple[int | None, str | None]:
+SAID_SHOWN = 300
+"""Characters of a failed pod's termination message that a status or event repeats."""
+
+
+def _terminated(pod: dict[str, Any]) -> tuple[int | None, str | None, str]:
+    """A pod's first terminated container: its exit code, its reason, and the last line of its
+    termination message (at most `SAID_SHOWN` characters of it)."""
     for cs in pod.get("status", {}).get("containerStatuses") or []:
         term = (cs.get("state") or {}).get("terminated")
         if term:
-            return term.get("exitCode"), term.get("reason") or term.get("message")
-    return None, None
+            lines = [ln.strip() for ln in str(term.get("message") or "").splitlines()]
+            said = next((ln for ln in reversed(lines) if ln), "")
+            if len(said) > SAID_SHOWN:
+                said = said[:SAID_SHOWN - 3] + "..."
+            return term.get("exitCode"), term.get("reason"), said
+    return None, None, ""
 
 
 def _int(value: Any) -> int:
@@ -107,13 +121,14 @@ def observe(job: str, plan: Plan, pods: list[dict[str, Any]]) -> Observation:
             obs.nodes[node.name] = NodeState(pod=name, phase="Missing", cluster=node.cluster)
             continue
         status = p.get("status") or {}
-        code, reason = _terminated(p)
+        code, reason, said = _terminated(p)
         annotations = p["metadata"].get("annotations") or {}
         obs.nodes[node.name] = NodeState(
             pod=name, phase=status.get("phase") or "Pending", exit_code=code, reason=reason,
             ip=status.get("podIP"), attempt=_int(annotations.get(ATTEMPT_ANNOTATION)),
             recovery=_int(annotations.get(RECOVERY_ANNOTATION)), cluster=node.cluster,
-            deleting=bool(p["metadata"].get("deletionTimestamp")))
+            deleting=bool(p["metadata"].get("deletionTimestamp")),
+            said=said if status.get("phase") == "Failed" else "")
     return obs
 
 

@@ -573,6 +573,25 @@ def test_a_job_whose_pods_all_succeeded_has_every_cluster_back(digits):
     assert d.status["phase"] == "Succeeded" and d.status["clusters"] == "2/2"
 
 
+def test_a_failed_pod_s_own_words_are_in_the_recovery_it_causes(digits):
+    """A worker that fails says why in its termination message (or, dead without a word, its
+    log's tail does): the operator repeats its last line, since the pod and its log go."""
+    _, _, plan = digits
+    pods = _pods(plan, "Running")
+    said = ("RavnestError: node_5: node_2 was past round 40 (at 43) when asked to take this node "
+            "in again; its cluster must be restarted again")
+    pods[5] = _pod(plan, 5, "Failed", code=1, message=f"Traceback (most recent call last):\n"
+                   f"  File \"x.py\", line 1, in <module>\n{said}\n\n")
+    d = decide(_observed(digits, _running(), pods), NOW, SETTINGS)
+    cond = _conditions(d)["Recovering"]
+    assert cond["message"].startswith(
+        f"pod {pods[5]['metadata']['name']} failed with exit code 1 (Error): {said}; cluster 0 "
+        f"restarted alone"), cond["message"]
+    pods[5] = _pod(plan, 5, "Failed", code=1, message="x" * 5000)  # (a log's tail: one long line)
+    cond = _conditions(decide(_observed(digits, _running(), pods), NOW, SETTINGS))["Recovering"]
+    assert f"(Error): {'x' * 297}...; cluster 0" in cond["message"]
+
+
 def test_once_its_pods_run_the_cluster_is_back_and_recovering_ends(digits):
     _, _, plan = digits
     running = _running(recoveries=1, clusterRecoveries=[1], rejoining=[0])

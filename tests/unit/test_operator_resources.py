@@ -107,6 +107,7 @@ def test_worker_pod(job_and_plan):
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert c["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "digits-token", "key": "token"}
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"  # (why it failed, if it does)
     assert {"name": "node-metadata", "configMap": {"name": "digits-node-1"}} in spec["volumes"]
     assert "RAVNEST_FINAL_SCRAPE_SECONDS" not in {e["name"] for e in c["env"]}
     watched = resources.pod(OWNER, job, plan, node, "ravnest:test", final_scrape_seconds=30)
@@ -132,6 +133,11 @@ def test_observe_names_the_failing_pod_and_exit_code(job_and_plan):
     assert not obs.all_running and not obs.all_succeeded
     obs = statuses.observe("digits", plan, pods[:3])
     assert obs.missing == plan.names()[3:]
+    pods[2]["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = "OOM\n"
+    obs = statuses.observe("digits", plan, pods)
+    assert obs.failure_message() == "pod digits-node-2 failed with exit code 137 (Error): OOM"
+    pods[2]["status"]["phase"] = "Running"  # (a message of a container that did not fail: none)
+    assert statuses.observe("digits", plan, pods).failure_message() == ""
 
 
 def test_conditions_keep_transition_time_until_status_changes():

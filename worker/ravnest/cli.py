@@ -232,7 +232,7 @@ def _grow(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     import torch
 
-    from ravnest.run.worker import Worker, exit_with_runner
+    from ravnest.run.worker import Worker, exit_with_runner, termination_message
     from ravnest.train import heap
 
     exit_with_runner(os.environ)
@@ -250,15 +250,19 @@ def _worker(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, terminate)
     heap.tune(os.environ)
-    meta = NodeMetadata.load(args.metadata)
-    if args.spare:
-        from ravnest.run.worker import hold_as_spare
+    try:
+        meta = NodeMetadata.load(args.metadata)
+        if args.spare:
+            from ravnest.run.worker import hold_as_spare
 
-        taken = hold_as_spare(meta, sys.stdin if args.orders == "-" else None)
-        if taken is None:
-            return 0
-        meta = taken
-    Worker(meta, token, pvc_root=os.environ.get(PVC_ROOT_ENV, PVC_ROOT)).run()
+            taken = hold_as_spare(meta, sys.stdin if args.orders == "-" else None)
+            if taken is None:
+                return 0
+            meta = taken
+        Worker(meta, token, pvc_root=os.environ.get(PVC_ROOT_ENV, PVC_ROOT)).run()
+    except Exception as e:  # say why where the operator reads it; the traceback goes to the log
+        termination_message(f"{type(e).__name__}: {e}")
+        raise
     return 0
 
 

@@ -331,7 +331,7 @@ class Worker:
                     "round": rt.leave_after, "updates": rt.updates, "samples": rt.samples})
             except OSError as e:  # (the termination message says it too)
                 log.warning("could not acknowledge the drain in %s: %s", self.drain_dir, e)
-        _termination_message(result)
+        termination_message(json.dumps(result, separators=(",", ":")))
 
     def _write_outputs(self) -> None:
         """This node's stage, and a root's figures, in the job's output location; the figures
@@ -355,13 +355,22 @@ class Worker:
             finishing.write_cluster(where, self.me.cluster, {
                 **result, "resumed_from": self.resumed_from,
                 "seconds": round(time.monotonic() - self.started, 3), "curve": rt.curve.rows})
-        _termination_message(result)
+        termination_message(json.dumps(result, separators=(",", ":")))
 
 
-def _termination_message(result: dict[str, Any]) -> None:
-    """Leave the final figures where Kubernetes reads a container's termination message."""
-    path = Path(os.environ.get(TERMINATION_LOG_ENV, "/dev/termination-log"))
+TERMINATION_LOG = Path("/dev/termination-log")
+"""Where the kubelet reads a container's termination message (its default
+terminationMessagePath), made by the kubelet: a worker writes it only where it exists."""
+
+
+def termination_message(text: str) -> None:
+    """Leave `text` where Kubernetes reads a container's termination message (the final figures
+    of a worker that finished, or why it failed), if there is such a place: the kubelet's file,
+    or the one `TERMINATION_LOG_ENV` names; outside a pod, none (nothing is made in /dev)."""
+    path = Path(os.environ.get(TERMINATION_LOG_ENV) or TERMINATION_LOG)
+    if TERMINATION_LOG_ENV not in os.environ and not path.exists():
+        return
     try:
-        path.write_text(json.dumps(result, separators=(",", ":"))[:4000])
+        path.write_text(text[:4000])
     except OSError:
         log.debug("no termination log at %s", path)
