@@ -46,6 +46,9 @@ def test_the_join_round_is_the_margin_ahead_and_the_final_one_past_the_end():
     assert join_round(10, 0.5, last=100, margin=5.0) == 20
     assert join_round(10, 60.0, last=100, margin=5.0) == 12  # at least two rounds ahead
     assert join_round(10, 0.0, last=None, margin=1.0) == 1010  # unknown pace: 1 ms a round
+    # an answer that took 7 s to come is 7 s old: the round is that much further ahead
+    assert join_round(10, 0.5, last=100, margin=5.0, waited=7.0) == 34
+    assert join_round(10, 0.5, last=30, margin=5.0, waited=7.0) is None  # past the end: final
     assert join_round(95, 0.5, last=100, margin=5.0) is None  # past the last round: final
 
 

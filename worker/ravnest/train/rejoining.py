@@ -9,7 +9,8 @@ no pickle):
 1. the restarted root asks a member of one of its rings where training is (`where`; the answer,
    `here`, gives the member's last round and the seconds a round takes there) and picks the
    *join round* R: the first round at least `JOIN_MARGIN_SECONDS` ahead, so that every node of the
-   cluster can ask before the others get there (past the last round: the final one);
+   cluster can ask before the others get there, and as many seconds more as the answer took to
+   come (it is that old; past the last round: the final one);
 2. it sends `rejoin` (R, and where its data resumes) down its pipeline, and every node of the
    cluster passes it on and sends `join` (R) to the other members of each of its rings: from
    round R + 1 they take it in again (`RingMembership.admit`), and one member of each ring, the
@@ -140,11 +141,17 @@ class RoundClock:
 
 
 def join_round(last_round: int, seconds_per_round: float, last: int | None,
-               margin: float = JOIN_MARGIN_SECONDS) -> int | None:
+               margin: float = JOIN_MARGIN_SECONDS, waited: float = 0.0) -> int | None:
     """The join round of a restarted cluster whose ring peer completed `last_round`, a round
     taking `seconds_per_round` there: the first at least `margin` seconds ahead; None when that
-    is past `last`, the job's last round by updates (the cluster then takes the final state)."""
-    ahead = max(2, math.ceil(margin / max(seconds_per_round, 1e-3)))
+    is past `last`, the job's last round by updates (the cluster then takes the final state).
+
+    `waited`: the seconds the peer's answer took to come, which it is older by, so many seconds
+    more ahead. A peer's link to a restarted node is one it had to the node's lost pod, and it
+    may take seconds to connect again (gRPC's reconnect backoff, DNS that still names the old
+    address); the others meanwhile trained on, and a join round picked from a stale answer was
+    past when the cluster's nodes asked (`late`), so the cluster was restarted once more."""
+    ahead = max(2, math.ceil((margin + max(waited, 0.0)) / max(seconds_per_round, 1e-3)))
     round_ = last_round + ahead
     return None if last is not None and round_ > last else round_
 

@@ -561,12 +561,18 @@ class NodeRuntime:
         if asked is None:
             raise RavnestError(f"{self.name}: cannot rejoin: no member of its rings in another "
                                f"cluster is there to take the state from")
+        asked_at = time.monotonic()
         self._answer(asked, {"op": Op.WHERE, "node": self.name, **self._intro()})
         here = self._await_controls((Op.HERE,), self.s.peer_timeout, (asked,))
+        waited = time.monotonic() - asked_at
         last = self._last_round_of_job()
         rf = self.s.reduce_factor
         round_ = join_round(int(here["round"]), float(here.get("seconds_per_round") or 1.0),
-                            last)
+                            last, waited=waited)
+        log.info("%s: %s was at round %s (%.3f s a round), its answer took %.2f s: the cluster "
+                 "joins after round %s", self.name, asked, here["round"],
+                 float(here.get("seconds_per_round") or 0.0), waited,
+                 "final" if round_ is None else round_)
         if round_ is None:
             return {"op": Op.REJOIN, "round": None, "final": True, "updates": last * rf,
                     "epoch": self.s.epochs, "next_batch": 0, "asked": asked}
