@@ -311,6 +311,12 @@ def _resources(provider: Provider) -> dict[str, Any]:
             "limits": {"memory": memory}}
 
 
+WORKER_TERMINATION_MESSAGE = "FallbackToLogsOnError"
+"""A worker that fails writes why as its termination message (`ravnest worker`); one that dies
+without a word (a segfault, the OOM killer) leaves its log's last lines there instead. The
+operator repeats either when it replaces the pod, whose log goes with it."""
+
+
 def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
         attempt: int = 0, final_scrape_seconds: float = 0, recovery: int = 0,
         provider_index: int | None = None, gone: Sequence[str] = (),
@@ -340,10 +346,7 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
         "image": provider.image or job.spec.image or image,
         "command": ["ravnest"],
         "args": ["worker", "--metadata", f"{METADATA_DIR}/node.json"],
-        # A worker that fails writes why (`ravnest worker`); one that dies without a word (a
-        # segfault, the OOM killer) leaves its log's last lines: the operator says either when it
-        # replaces the pod, whose log goes with it.
-        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "terminationMessagePolicy": WORKER_TERMINATION_MESSAGE,
         "env": [{"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {
                     "name": token_secret_name(owner.name), "key": "token"}}},
                 {"name": TORCH_THREADS_ENV, "value": str(max(1, round(provider.compute)))},
