@@ -127,8 +127,7 @@ def observe(job: str, plan: Plan, pods: list[dict[str, Any]]) -> Observation:
             pod=name, phase=status.get("phase") or "Pending", exit_code=code, reason=reason,
             ip=status.get("podIP"), attempt=_int(annotations.get(ATTEMPT_ANNOTATION)),
             recovery=_int(annotations.get(RECOVERY_ANNOTATION)), cluster=node.cluster,
-            deleting=bool(p["metadata"].get("deletionTimestamp")),
-            said=said if status.get("phase") == "Failed" else "")
+            deleting=bool(p["metadata"].get("deletionTimestamp")), said=said)
     return obs
 
 

@@ -367,8 +367,9 @@ def termination_message(text: str) -> None:
     """Leave `text` where Kubernetes reads a container's termination message (the final figures
     of a worker that finished, or why it failed), if there is such a place: the kubelet's file,
     or the one `TERMINATION_LOG_ENV` names; outside a pod, none (nothing is made in /dev)."""
-    path = Path(os.environ.get(TERMINATION_LOG_ENV) or TERMINATION_LOG)
-    if TERMINATION_LOG_ENV not in os.environ and not path.exists():
+    named = os.environ.get(TERMINATION_LOG_ENV)
+    path = Path(named) if named else TERMINATION_LOG
+    if not named and not path.exists():
         return
     try:
         path.write_text(text[:4000])

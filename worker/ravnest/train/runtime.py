@@ -567,11 +567,10 @@ class NodeRuntime:
         waited = time.monotonic() - asked_at
         last = self._last_round_of_job()
         rf = self.s.reduce_factor
-        round_ = join_round(int(here["round"]), float(here.get("seconds_per_round") or 1.0),
-                            last, waited=waited)
+        pace = float(here.get("seconds_per_round") or 1.0)
+        round_ = join_round(int(here["round"]), pace, last, waited=waited)
         log.info("%s: %s was at round %s (%.3f s a round), its answer took %.2f s: the cluster "
-                 "joins after round %s", self.name, asked, here["round"],
-                 float(here.get("seconds_per_round") or 0.0), waited,
+                 "joins after round %s", self.name, asked, here["round"], pace, waited,
                  "final" if round_ is None else round_)
         if round_ is None:
             return {"op": Op.REJOIN, "round": None, "final": True, "updates": last * rf,
