@@ -537,21 +537,23 @@ def _ended_without(run: _Pass, job: Job, plan: Plan, obs: Observation,
                    rejoining: set[int]) -> set[int]:
     """The clusters the job ends without (status.abandoned): with runPolicy.recovery cluster, once
     every other cluster has finished, those that failed or were lost, or were restarted alone and
-    not yet running again (there is nobody left to take the state from). The final round averaged
-    the others, whose model is the job's. Their pods are deleted, and the job finishes."""
+    not yet running again, or running but too late for the others' final round (there is nobody
+    left to take the state from). The final round averaged the others, whose model is the job's.
+    Their pods are deleted, and the job finishes."""
     before = {int(c) for c in run.status.get("abandoned") or []}
     done = {c.id for c in plan.clusters if c.id not in run.drained and all(
         obs.nodes[n].phase == "Succeeded" for n in c.nodes)}
-    unable = before | rejoining | {s.cluster for s in obs.nodes.values()
-                                   if s.deleting or s.phase in ("Failed", "Missing")}
+    unable = before | rejoining | _missed_final(run, plan, obs, done) | {
+        s.cluster for s in obs.nodes.values() if s.deleting or s.phase in ("Failed", "Missing")}
     rest = elastic.ended_without(job.spec.run_policy, plan, done, unable, run.drained)
     if not rest:
         return before
     new = rest - before
     if new:
         ids = ", ".join(map(str, sorted(new)))
-        text = (f"cluster(s) {ids} could not rejoin before the others finished (failed, lost or "
-                f"restarting): the job ends without them, with the model of cluster(s) "
+        text = (f"cluster(s) {ids} could not rejoin before the others finished (failed, lost, "
+                f"or restarted and not back in time for their final round): the job ends "
+                f"without them, with the model of cluster(s) "
                 f"{', '.join(map(str, sorted(done)))}, which the final round averaged")
         conditions = set_condition(run.status.get("conditions") or [], "Recovering", False,
                                    "Abandoned", text, run.at)
@@ -568,6 +570,17 @@ def _active(run: _Pass, plan: Plan, away: set[int]) -> str:
     """status.clusters: the clusters training / planned (`away`: those rejoining or left out;
     those drained are away too)."""
     return f"{len(plan.clusters) - len(set(away) | run.drained)}/{len(plan.clusters)}"
+
+
+def _missed_final(run: _Pass, plan: Plan, obs: Observation, done: set[int]) -> set[int]:
+    """The clusters restarted alone (or added to the job) whose pods run, but that the final
+    round of the finished clusters' nodes neither held nor sent its state to (their termination
+    messages say): they would wait for those nodes until their peer timeout."""
+    joining = {c for c, n in _cluster_recoveries(run.status, plan).items() if n} | {
+        c.id for c in plan.clusters if plan.grown(c.id)}
+    pods = {p["metadata"]["name"]: p for p in run.observed.pods}
+    said = [_said(pods.get(s.pod, {})) or {} for s in obs.nodes.values() if s.cluster in done]
+    return elastic.missed_final(joining - done - run.drained, said)
 
 
 def _cluster_recoveries(status: Mapping[str, Any], plan: Plan) -> dict[int, int]:

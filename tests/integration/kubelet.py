@@ -59,6 +59,8 @@ class FakeKubelet(threading.Thread):
         self._halt = threading.Event()
         self._jobs: dict[str, int] = {}
         self.errors: list[str] = []
+        self.held: set[str] = set()
+        """Pods whose next container is slow to come up (`hold`)."""
 
     # ------------------------------------------------------------------ addresses ("DNS")
     def ip(self, job: str, node: str) -> str:
@@ -69,6 +71,11 @@ class FakeKubelet(threading.Thread):
         """Kill a worker process (a crashed container)."""
         r = self.running[pod]
         os.killpg(r.proc.pid, sig)
+
+    def hold(self, *pods: str) -> None:
+        """The next container of each of `pods` runs, but its process is stopped as soon as it
+        starts (SIGSTOP), as a container still importing from a big image seems to its peers."""
+        self.held.update(pods)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
@@ -170,6 +177,9 @@ class FakeKubelet(threading.Thread):
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True)
         log.close()
+        if p.metadata.name in self.held:
+            self.held.discard(p.metadata.name)
+            os.killpg(proc.pid, signal.SIGSTOP)
         self.running[p.metadata.name] = _Running(p.metadata.name, p.metadata.namespace,
                                                  p.metadata.uid, proc,
                                                  pod_dir / "termination-log", downward)

@@ -10,6 +10,7 @@ printed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -124,7 +125,11 @@ def test_a_killed_node_costs_only_its_cluster_which_rejoins_live(tmp_path, undis
     moved = sum(int(j[3]) for j in joins.values() if j)
     assert moved > 0
 
-    # every cluster finished every update and ends with the same weights
+    # every cluster finished every update, all of them in the final round (the workers'
+    # termination messages say), and ends with the same weights
+    said = [json.loads((out / "logs" / f"{n}.termination").read_text())
+            for n in got["survivors"]]
+    assert {s["updates"] for s in said} == {TOTAL} and _final_rounds(said) == {(0, 1, 2)}, said
     summary = json.loads((out / "summary.json").read_text())
     assert summary["clusters"] == 3 and summary["updates"] == TOTAL
     assert str(got["cluster"]) in summary["rejoined"]
@@ -140,6 +145,12 @@ def test_a_killed_node_costs_only_its_cluster_which_rejoins_live(tmp_path, undis
           f", {moved} bytes of state moved; survivors' steps during it "
           f"{ {n: (v[0], v[-1]) for n, v in rises.items()} }; accuracy {accuracy:.4f} "
           f"(undisturbed {reference:.4f}); partial rounds {summary['rounds_partial']}")
+
+
+def _final_rounds(said: list[dict[str, Any]]) -> set[tuple[int, ...]]:
+    """The clusters in the final round of each node of `said` (termination messages) that
+    had one (a node sharing no parameters is in no ring)."""
+    return {tuple(s["final_clusters"]) for s in said if "final_clusters" in s}
 
 
 def _drain(out: Path, *providers: int) -> subprocess.CompletedProcess[str]:
@@ -212,6 +223,52 @@ def test_a_drained_cluster_leaves_at_a_round_boundary_and_the_others_train_on(tm
     print(f"\ncluster 2 drained after round {leave} (update {2 * leave} of {TOTAL}); accuracy "
           f"{accuracy:.4f} (undisturbed {reference:.4f}); partial rounds "
           f"{summary['rounds_partial']}")
+
+
+def test_a_cluster_back_too_late_for_the_final_round_is_left_out_when_the_others_finish(
+        tmp_path):
+    """A worker of cluster 2 is killed; the runner restarts that cluster, whose new workers are
+    slow to come up (stopped as soon as they start, as on a loaded machine) until clusters 0 and 1
+    have finished. Their nodes' termination messages say their final round held clusters 0 and 1
+    only, so the run ends without cluster 2 as soon as they exit, with their model: not when the
+    new workers' wait for the finished ones runs out (their peer timeout, 5 minutes)."""
+    out = tmp_path / "out"
+    stopped: dict[str, int] = {}
+    try:
+        with local_run(elastic_job(tmp_path, 12, {"everySteps": 0}), out) as run:
+            plan, leaving, survivors = _at_step(run, out, 30)
+            files = {n: out / "nodes" / f"{n}.json" for n in leaving}
+            old = {n: worker_pid(f) for n, f in files.items()}
+            victim = next(n["name"] for n in plan["nodes"]
+                          if n["cluster"] == 2 and n["role"] == "leaf")
+            os.kill(old[victim] or 0, signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while set(stopped) != leaving:
+                assert run.poll() is None and time.monotonic() < deadline, \
+                    f"cluster 2 not restarted: {sorted(stopped)}"
+                for n in leaving - set(stopped):
+                    pid = worker_pid(files[n])
+                    if pid is not None and pid != old[n]:
+                        os.kill(pid, signal.SIGSTOP)
+                        stopped[n] = pid
+                time.sleep(0.02)
+            _, err = run.communicate(timeout=300)
+    finally:
+        for pid in stopped.values():  # (the runner kills them; a failed test must too)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert run.returncode == 0, err[-3000:]
+    status = json.loads((out / "status.json").read_text())
+    assert status["phase"] == "Succeeded" and status["restarts"] == 0, status
+    assert status["recoveries"] == 1 and status["abandoned"] == [2], status
+    assert "cluster(s) 2 could not rejoin before the others finished (restarted, and running " \
+           "again only after the others' final round): the run ends without them, with the " \
+           "model of cluster(s) 0, 1" in err, err[-3000:]
+    said = [json.loads((out / "logs" / f"{n}.termination").read_text()) for n in survivors]
+    assert {s["updates"] for s in said} == {12 * PER_EPOCH}
+    assert _final_rounds(said) == {(0, 1)}, said
+    summary = _same_model_of_clusters_0_and_1(out)
+    assert summary["updates"] == 12 * PER_EPOCH
 
 
 def _at_step(run: subprocess.Popen[str], out: Path, step: int

@@ -305,6 +305,41 @@ def test_a_killed_worker_costs_only_its_cluster_which_rejoins_live(cluster, tmp_
     print(f"\nelastic: kubectl get rj while cluster 1 rejoined:\n{shown}")
 
 
+def test_a_cluster_back_too_late_for_the_final_round_is_left_out_when_the_others_finish(
+        cluster, tmp_path):
+    """A worker of cluster 1 is killed; the new pods of cluster 1 run, but their workers are slow
+    to come up (stopped at once, as a container still importing from a big image seems) until
+    cluster 0 has finished. Cluster 0's nodes say their final round held only cluster 0, so the
+    job ends without cluster 1 as soon as cluster 0's pods succeed, with cluster 0's model:
+    not when the new workers' wait for the finished ones runs out (peer timeout, 5 minutes)."""
+    kube, kubelet, operator = cluster
+    assert apply(kube, job_doc("late", epochs=20), tmp_path).returncode == 0  # 440 updates
+    _step_at_least(kube, operator, "late", 20)
+    kubelet.hold(*(f"late-node-{n}" for n in (1, 2, 3, 4)))
+    kubelet.kill("late-node-3")
+
+    def status() -> dict[str, Any]:
+        return (get(kube, "rj", "late") or {}).get("status", {})
+
+    wait_for("cluster 1 running again", lambda: status().get("recoveries") == 1 and status().get(
+        "rejoining") == [], 60, kube, operator)
+    phases = {n: get(kube, "pod", f"late-node-{n}")["status"]["phase"] for n in (0, 5)}
+    assert phases == {0: "Running", 5: "Running"}, f"cluster 0 finished first: {phases}"
+    wait_for("late to succeed", lambda: status().get("phase") == "Succeeded", 200, kube,
+             operator)
+    st = status()
+    assert st["abandoned"] == [1] and st["recoveries"] == 1 and st.get("restarts", 0) == 0
+    recovering = {c["type"]: c for c in st["conditions"]}["Recovering"]
+    assert recovering["reason"] == "Abandoned"
+    assert "not back in time for their final round" in recovering["message"]
+    assert st["result"]["updates"] == 440 and st["result"]["final_clusters"] == [0]
+    assert st["progress"]["validationMetric"] >= 0.95
+    for n in (1, 2, 3, 4):  # deleted, never having said a word
+        assert kubelet.log_of(f"late-node-{n}").count("rejoined") == 0
+        assert (get(kube, "pod", f"late-node-{n}") or {}).get("metadata", {}).get(
+            "deletionTimestamp") or get(kube, "pod", f"late-node-{n}") is None
+
+
 def test_a_hot_spare_takes_over_a_killed_workers_stage_on_its_own_machine(cluster, tmp_path):
     """spec.plan.spares on Kubernetes: the spare provider runs a spare pod (its machine held, the
     job's model built, no token); when a worker of cluster 1 is killed, its new pod is placed as

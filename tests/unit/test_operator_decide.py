@@ -697,6 +697,33 @@ def test_a_cluster_that_cannot_rejoin_before_the_others_finish_is_left_out(digit
         assert d.status["phase"] == "Restarting" and "abandoned" not in d.status
 
 
+@pytest.mark.parametrize("final", [[0], [0, 1], None])
+def test_a_restarted_cluster_running_again_too_late_for_the_final_round_is_left_out(digits, final):
+    """Cluster 1, restarted alone, runs again (its pods Running) once cluster 0 has finished; if
+    cluster 0's nodes say their final round neither held it nor sent it the state, its workers can
+    only wait for nodes that are gone (until their peer timeout): the job ends without it at once.
+    If they say they did (it rejoined, at the final round), or say nothing (an older worker), it
+    is waited for."""
+    _, _, plan = digits
+    result = {"updates": 66, "train_loss": 0.1, "val_loss": 0.2, "val_metric": 0.97}
+    said = {} if final is None else {"final_clusters": final}
+    pods = [_pod(plan, i, "Succeeded", code=0, message=json.dumps(
+        {**said, **(result if i == 0 else {"updates": 66})})) for i in CLUSTER_0]
+    pods += [_pod(plan, i, "Running", recovery=1) for i in CLUSTER_1]
+    status = _running(recoveries=1, clusterRecoveries=[0, 1], rejoining=[])
+    d = decide(_observed(digits, status, pods), NOW, SETTINGS)
+    deleted = [a.name for a in d.actions if isinstance(a, DeletePod)]
+    if final != [0]:
+        assert "abandoned" not in d.status and "phase" not in d.status and not deleted
+        return
+    assert d.status["abandoned"] == [1] and d.status["phase"] == "Succeeded"
+    assert d.status["result"] == {**said, **result}
+    cond = _conditions(d)["Recovering"]
+    assert (cond["status"], cond["reason"]) == ("False", "Abandoned")
+    assert "not back in time for their final round" in cond["message"]
+    assert sorted(deleted) == sorted(pods[i]["metadata"]["name"] for i in range(2, 6))
+
+
 def test_a_cluster_running_late_is_waited_for_not_left_out(digits):
     _, _, plan = digits
     pods = _pods(plan, "Succeeded", code=0)

@@ -145,6 +145,16 @@ def test_a_job_ends_without_a_cluster_only_once_the_others_finished(plans):
     assert elastic.ended_without(RunPolicy(recovery="job"), plan, {0}, {1}) == set()
 
 
+def test_a_joining_cluster_in_no_finished_node_s_final_round_can_no_longer_join():
+    said = [{"final_clusters": [0]}, {"final_clusters": [0]}, {"updates": 3}]
+    assert elastic.missed_final({1}, said) == {1}
+    assert elastic.missed_final({1}, [*said, {"final_clusters": [0, 1]}]) == set()  # sent it
+    assert elastic.missed_final({1, 2}, [{"final_clusters": [0, 2]}]) == {1}
+    assert elastic.missed_final(set(), said) == set()  # nobody joining
+    # no finished node says (none shares a ring, or an older worker wrote the message): no rule
+    assert elastic.missed_final({1}, [{}, {"updates": 3}, {"final_clusters": "0"}]) == set()
+
+
 def test_removed_providers_drain_their_clusters_and_one_cluster_at_least_stays(plans):
     _, plan, _ = plans[0]
     runs_on = {n.name: n.provider for n in plan.nodes}

@@ -47,6 +47,19 @@ def ended_without(policy: RunPolicy, plan: Plan, finished: Collection[int],
     return rest
 
 
+def missed_final(joining: Collection[int], said: Iterable[Mapping[str, Any]]) -> set[int]:
+    """Of the clusters `joining` (restarted alone, or added to the running job: each must join
+    the others to train on), those that can no longer: no finished node's final round held one of
+    their nodes, nor sent one the final state (`said`: the finished nodes' results, whose
+    `final_clusters` says which clusters theirs did). Their pods may run, but whom they would
+    take the state from is gone; waiting for them would only wait for their peer timeout. Empty
+    where no finished node says (none shares a ring)."""
+    held = [c for s in said if isinstance(c := s.get("final_clusters"), list)]
+    if not held:
+        return set()
+    return set(joining) - {c for cs in held for c in cs if isinstance(c, int)}
+
+
 def spare_for(plan: Plan, node: str, free: Iterable[SparePlan]) -> SparePlan | None:
     """The hot spare that takes over the stage of `node`, whose provider was lost: among the
     `free` spares, the smallest whose RAM holds the stage's training memory (ties: the lowest

@@ -71,6 +71,7 @@ from ravnest.run.metadata import (
     GONE_ENV,
     REJOIN_ENV,
     RUNNER_PID_ENV,
+    TERMINATION_LOG_ENV,
     TOKEN_ENV,
     TORCH_THREADS_ENV,
     NodeMetadata,
@@ -88,6 +89,9 @@ SPEC_ERROR_EXIT = 2
 """A worker's exit code for a spec error (`ravnest.cli`)."""
 PRIVATE_UMASK = 0o077
 """The umask of a run and its workers: its folders 0700, its files 0600."""
+SAID_SUFFIX = ".termination"
+"""A worker's termination message, beside its log (`logs/<node>.termination`): what a pod's
+says, its final figures as JSON, or why it failed."""
 
 
 class Terminated(BaseException):
@@ -272,8 +276,8 @@ class LocalRun:
                     self.launch(self._runs_on(m.node),
                                 [sys.executable, "-m", "ravnest", "worker", "--metadata",
                                  str(self.out / "nodes" / f"{m.node}.json")]),
-                    stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                    start_new_session=True, umask=PRIVATE_UMASK)
+                    stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    env=_saying(env, logfile), start_new_session=True, umask=PRIVATE_UMASK)
             self.procs.append(_Proc(m.node, popen, logfile, m.metrics_port, host_of(m.listen)))
 
     def host(self, provider: int) -> str:
@@ -301,8 +305,8 @@ class LocalRun:
                 self.launch(spare.provider,
                             [sys.executable, "-m", "ravnest", "worker", "--spare", "--orders", "-",
                              "--metadata", str(path)]),
-                stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.PIPE, env=self._env,
-                start_new_session=True, umask=PRIVATE_UMASK)
+                stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
+                env=_saying(self._env, logfile), start_new_session=True, umask=PRIVATE_UMASK)
         self.spare_procs[spare.name] = _Proc(spare.name, popen, logfile, 0)
 
     def _take_over(self, meta: NodeMetadata, cluster: int) -> str | None:
@@ -387,6 +391,8 @@ class LocalRun:
                     if self._abandon(dead):
                         continue
                     return dead
+                if self._abandon_late():
+                    continue
                 if all(c == 0 for c in codes.values()):
                     return None
                 if deadline and time.monotonic() - self._started > deadline:
@@ -552,20 +558,49 @@ class LocalRun:
         in time, or failed after they finished: the others' outputs are the job's (the final
         round averaged them). False: the failure must be acted on."""
         assert self.plan is not None
-        plan = self.plan
-        cluster = plan.node(dead.node).cluster
-        finished = {c.id for c in plan.clusters if c.id not in self.drained and all(
-            p.popen.poll() == 0 for p in self.procs if p.node in c.nodes)}
-        if not elastic.ended_without(self.job.spec.run_policy, plan, finished, {cluster},
-                                      self.drained):
+        return self._end_without({self.plan.node(dead.node).cluster}, (
+            f"worker {dead.node} exited with code {dead.popen.returncode} after every other "
+            f"cluster finished"))
+
+    def _abandon_late(self) -> bool:
+        """End the run without the clusters restarted alone (or added) whose workers run, but
+        too late: every other cluster finished, and no node of theirs had them in its final
+        round or sent them its state (`elastic.missed_final`, from the workers' termination
+        messages). Their workers would wait for the finished ones until their peer timeout."""
+        assert self.plan is not None
+        plan, done = self.plan, self._finished()
+        joining = ({r["cluster"] for r in self.recoveries} | {
+            c.id for c in plan.clusters if plan.grown(c.id)}) - done - self.abandoned - set(
+            self.drained)
+        if not done or not joining:
             return False
-        others = [p for p in self.procs if plan.node(p.node).cluster != cluster]
-        mine = [p for p in self.procs if p not in others]
+        said = [_said(p.log) for p in self.procs if plan.node(p.node).cluster in done]
+        late = elastic.missed_final(joining, said)
+        return bool(late) and self._end_without(late, "restarted, and running again only after "
+                                                      "the others' final round")
+
+    def _finished(self) -> set[int]:
+        """The clusters all of whose workers exited 0 (not drained, nor left out)."""
+        assert self.plan is not None
+        return {c.id for c in self.plan.clusters if c.id not in {*self.drained, *self.abandoned}
+                and all(p.popen.poll() == 0 for p in self.procs if p.node in c.nodes)}
+
+    def _end_without(self, clusters: set[int], why: str) -> bool:
+        """Stop the workers of `clusters` and end the run without them (`abandoned`), if every
+        other cluster finished (`elastic.ended_without`); False, doing nothing, if not."""
+        assert self.plan is not None
+        plan, done = self.plan, self._finished()
+        if not elastic.ended_without(self.job.spec.run_policy, plan, done,
+                                     clusters | self.abandoned, self.drained):
+            return False
+        mine = [p for p in self.procs if plan.node(p.node).cluster in clusters]
         self.stop(mine)
-        self.procs = others
-        self.abandoned.add(cluster)
-        log.warning("worker %s exited with code %s after every other cluster finished: the run "
-                    "ends without cluster %d", dead.node, dead.popen.returncode, cluster)
+        self.procs = [p for p in self.procs if p not in mine]
+        self.abandoned |= clusters
+        self._say("Recovering", "False", "Abandoned", (
+            f"cluster(s) {', '.join(map(str, sorted(clusters)))} could not rejoin before the "
+            f"others finished ({why}): the run ends without them, with the model of cluster(s) "
+            f"{', '.join(map(str, sorted(done)))}, which the final round averaged"))
         return True
 
     def _recover(self, dead: _Proc, metas: list[NodeMetadata], failure: str) -> bool:
@@ -624,6 +659,7 @@ class LocalRun:
                 **({"spares": [sp.name for sp in self.spares]} if self.spares else {}),
                 **({"takeovers": self.takeovers} if self.takeovers else {}),
                 **({"drained": list(self.drained.values())} if self.drained else {}),
+                **({"abandoned": sorted(self.abandoned)} if self.abandoned else {}),
                 **({"grown": self.grown} if self.grown else {}),
                 **({"joined": list(self.joined.values())} if self.joined else {}),
                 **({"clusters": f"{len(self.plan.clusters) - len(self.drained) - len(joining)}/"
@@ -731,6 +767,23 @@ def _failure_of(proc: _Proc) -> tuple[int, str] | None:
     if code is None or code <= 0 or not lines:
         return None
     return code, _STAMP.sub("", lines[-1])
+
+
+def _saying(env: Mapping[str, str], log: Path) -> dict[str, str]:
+    """`env` for a worker that logs to `log`, with its termination message next to it (as a
+    pod's: its final figures, or why it failed), none left from before."""
+    log.with_suffix(SAID_SUFFIX).unlink(missing_ok=True)
+    return {**env, TERMINATION_LOG_ENV: str(log.with_suffix(SAID_SUFFIX).resolve())}
+
+
+def _said(log: Path) -> dict[str, Any]:
+    """The termination message of the worker that logs to `log`, as the JSON object it wrote
+    (empty without one)."""
+    try:
+        said = json.loads(log.with_suffix(SAID_SUFFIX).read_text())
+    except (OSError, ValueError):
+        return {}
+    return said if isinstance(said, dict) else {}
 
 
 def _tail(path: Path, lines: int = 25) -> str:

@@ -344,6 +344,8 @@ class Worker:
                                   "rounds_partial": rt.rounds_partial}
         if rt.rejoined is not None:
             result["rejoined"] = rt.rejoined
+        if rt.final_clusters is not None:
+            result["final_clusters"] = sorted(rt.final_clusters)
         if self.me.is_root:
             train_losses = [r["train_loss"] for r in rt.curve.rows if "train_loss" in r]
             result.update({"cluster": self.me.cluster, "samples": rt.samples,

@@ -96,6 +96,10 @@ class NodeRuntime:
     members of its rings (`NEWCOMER`: its node plan, addresses and rings)."""
     welcome: Callable[[str, str, str | None], None] | None
     """Link to a newcomer (name, address, ring data plane address), and watch it."""
+    final_clusters: set[int] | None
+    """The clusters whose nodes this node's final round held, or that it sent the final state
+    to (a restarted cluster that asked in time); None: it had no final round (no rings). A
+    cluster in no finished node's is past rejoining (`run.elastic.missed_final`)."""
 
     def __init__(self, name: str, plan: Plan, stage: Stage, settings: Settings,
                  optimizer: torch.optim.Optimizer | None, scheduler: Any,
@@ -137,6 +141,7 @@ class NodeRuntime:
         self.membership = membership
         self.rounds_skipped = self.rounds_partial = 0
         self.rounds, self.rejoined = RoundClock(), None
+        self.final_clusters = None
         self.drain_asked = self.leave_after = self.introduction = self.welcome = None
         self._joins: list[tuple[str, str, int | None]] = []  # (node, ring, round) to serve
         self._deferred: deque[Frame] = deque()  # frames that came while rejoining
@@ -300,12 +305,14 @@ class NodeRuntime:
         self.metrics.reduce_skipped.inc(rounds.skipped)
         self.metrics.reduce_partial.inc(rounds.partial)
         self.metrics.ring_missing.set(rounds.missing)
-        self.metrics.clusters_active.set(
-            len({self.plan.node(m).cluster for r, _ in self.reducers for m in r.members}))
+        present = {self.plan.node(m).cluster for r, _ in self.reducers for m in r.members}
+        self.metrics.clusters_active.set(len(present))
         self.rounds_skipped += rounds.skipped
         self.rounds_partial += rounds.partial
         if round_ != FINAL_ROUND:
             self.rounds.done(round_, time.monotonic())
+        else:
+            self.final_clusters = present
         self._serve_joins(round_)
 
     @torch.no_grad()
@@ -500,6 +507,8 @@ class NodeRuntime:
                                "updates": self.updates, "final": final, **extra}, tensors)
             log.info("%s: sent %s ring %s's state after round %s (%d tensors)", self.name, who,
                      ring_id, "final" if final else round_, len(tensors))
+            if final and self.final_clusters is not None:
+                self.final_clusters.add(self.plan.node(who).cluster)
 
     def _await_controls(self, ops: tuple[Op, ...], timeout: float,
                         from_: Collection[str] = ()) -> dict[str, Any]:
