@@ -13,11 +13,13 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import s3fs
 import torch
+from gated_loss import GATE_ENV
 from operator_harness import apply, get, job_doc, kctl, operator_cluster, phase_of, wait_for
 from scoring import digits_accuracy
 
@@ -260,15 +262,49 @@ def test_a_job_on_a_claim_keeps_its_checkpoints_and_model_there(cluster, tmp_pat
         worker["volumes"]
 
 
-def test_a_killed_worker_costs_only_its_cluster_which_rejoins_live(cluster, tmp_path):
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The gate of `gated_loss` (closed while this file exists) for the workers of the jobs
+    this test starts, which import that module from here."""
+    here = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv(GATE_ENV, str(tmp_path / "gate"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get(
+        "PYTHONPATH")])))
+    return tmp_path / "gate"
+
+
+GATED = {"name": "gated_loss:criterion"}
+"""spec.training.criterion of a job whose leaves stop while the `gate` is closed."""
+
+
+def _kill_behind_gate(kube, kubelet, operator, job: str, pod: str, gate: Path,
+                      rejoining: tuple[int, ...]) -> None:
+    """Close the gate at step 30 (the leaves stop at their next micro-batch), kill `pod`, and
+    open it once the root of its restarted cluster (node_1) picked its join round with node_0
+    and every new worker of that cluster (`rejoining`) asked its ring members (or, sharing no
+    parameters, rejoined at once): cluster 0 then trains on to that round and sends the state.
+    The new workers may be as slow to start as the machine makes them; cluster 0 cannot finish
+    meanwhile."""
+    _step_at_least(kube, operator, job, 30)
+    gate.touch()
+    kubelet.kill(pod)
+    wait_for(f"{job}'s node_1 to pick its join round", lambda: "node_1 rejoins ring" in
+             kubelet.log_of(f"{job}-node-0"), 180, kube, operator)
+    wait_for(f"{job}'s cluster to ask its ring members", lambda: all(
+        "answered within" in (said := kubelet.log_of(f"{job}-node-{n}")) or "rejoined" in said
+        for n in rejoining), 120, kube, operator)
+    gate.unlink()
+
+
+def test_a_killed_worker_costs_only_its_cluster_which_rejoins_live(cluster, tmp_path, gate):
     """Elastic training on Kubernetes (runPolicy.recovery: cluster, the default): a worker of
     cluster 1 is killed; the operator recreates only cluster 1's pods, which take their state from
     cluster 0 and rejoin it, while cluster 0's pods run on untouched (no restart, no checkpoint:
     its emptyDirs would have lost them)."""
     kube, kubelet, operator = cluster
-    doc = job_doc("elastic", epochs=60)  # 1320 updates: cluster 0 still trains when 1 is back
+    doc = job_doc("elastic", epochs=30, training__criterion=GATED)  # 660 updates
     assert apply(kube, doc, tmp_path).returncode == 0
-    _kill_when(kube, kubelet, operator, "elastic", "elastic-node-3", 30)
+    _kill_behind_gate(kube, kubelet, operator, "elastic", "elastic-node-3", gate, (1, 2, 3, 4))
     uids = {}
 
     def recovering() -> bool:
@@ -299,7 +335,8 @@ def test_a_killed_worker_costs_only_its_cluster_which_rejoins_live(cluster, tmp_
         assert kubelet.started.count(f"elastic-node-{n}") == 2
         assert "rejoined after round" in kubelet.log_of(f"elastic-node-{n}")
     assert "resumed from checkpoint" not in kubelet.log_of("elastic-node-0")
-    assert status["result"]["updates"] == 1320
+    assert status["result"]["updates"] == 660
+    assert status["result"]["final_clusters"] == [0, 1]  # cluster 1 was back for the final round
     assert status["progress"]["validationMetric"] >= 0.95
     assert "CLUSTERS" in shown  # kubectl get rj shows the clusters active / planned
     print(f"\nelastic: kubectl get rj while cluster 1 rejoined:\n{shown}")
@@ -340,13 +377,14 @@ def test_a_cluster_back_too_late_for_the_final_round_is_left_out_when_the_others
             "deletionTimestamp") or get(kube, "pod", f"late-node-{n}") is None
 
 
-def test_a_hot_spare_takes_over_a_killed_workers_stage_on_its_own_machine(cluster, tmp_path):
+def test_a_hot_spare_takes_over_a_killed_workers_stage_on_its_own_machine(cluster, tmp_path,
+                                                                           gate):
     """spec.plan.spares on Kubernetes: the spare provider runs a spare pod (its machine held, the
     job's model built, no token); when a worker of cluster 1 is killed, its new pod is placed as
     the spare provider (nodeSelector, annotation), the spare pod goes, the lost provider gets a
     spare pod, and cluster 1 rejoins live; spare pods are let go when the job succeeds."""
     kube, kubelet, operator = cluster
-    doc = job_doc("spared", epochs=60, plan__spares=1)
+    doc = job_doc("spared", epochs=30, plan__spares=1, training__criterion=GATED)
     for i, p in enumerate(doc["spec"]["providers"]):
         p["nodeSelector"] = {"ravnest.test/machine": f"m{i}"}
     assert apply(kube, doc, tmp_path).returncode == 0
@@ -359,9 +397,8 @@ def test_a_hot_spare_takes_over_a_killed_workers_stage_on_its_own_machine(cluste
     assert spare["spec"]["nodeSelector"] == {"ravnest.test/machine": f"m{k}"}
     wait_for("the spare ready", lambda: "hot spare ready" in kubelet.log_of(f"spared-spare-{k}"),
              120, kube, operator)
-    _kill_when(kube, kubelet, operator, "spared", "spared-node-3", 30)
-    wait_for("node_3 taken over", lambda: (get(kube, "rj", "spared") or {}).get(
-        "status", {}).get("takeovers") == {"node_3": k}, 60, kube, operator)
+    _kill_behind_gate(kube, kubelet, operator, "spared", "spared-node-3", gate, (1, 2, 3))
+    assert (get(kube, "rj", "spared") or {}).get("status", {}).get("takeovers") == {"node_3": k}
     wait_for("node_3 on the spare's machine", lambda: (get(kube, "pod", "spared-node-3") or {})
              .get("metadata", {}).get("annotations", {}).get("ravnest.io/provider") == str(k),
              60, kube, operator)
@@ -377,7 +414,7 @@ def test_a_hot_spare_takes_over_a_killed_workers_stage_on_its_own_machine(cluste
     assert status.get("restarts", 0) == 0 and status["recoveries"] == 1
     assert "spare_3" in status["spares"]  # the lost provider is the spare now
     assert "rejoined after round" in kubelet.log_of("spared-node-3")
-    assert status["result"]["updates"] == 1320
+    assert status["result"]["updates"] == 660 and status["result"]["final_clusters"] == [0, 1]
     assert status["progress"]["validationMetric"] >= 0.95
     wait_for("spare pods let go", lambda: all(
         p["status"].get("phase") != "Running" or p["metadata"].get("deletionTimestamp")

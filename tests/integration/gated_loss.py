@@ -1,0 +1,24 @@
+"""A cross-entropy loss that waits while a gate file exists (`GATE_ENV` names it): a job whose
+spec.training.criterion names it (`gated_loss:criterion`) has its leaves stop at their next
+micro-batch, and so their clusters at a round, until a test opens the gate. The roots still
+answer controls meanwhile (they wait for the leaves' gradients while handling frames), so a
+restarted cluster asks where training is, and picks its join round, as it would; the clusters
+stopped at the gate cannot finish before it is back: what was a race with the machine's speed
+is an order the test sets (tests/integration/test_operator.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch.nn import functional
+
+GATE_ENV = "RAVNEST_TEST_GATE"
+
+
+def criterion(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    gate = os.environ.get(GATE_ENV)
+    while gate and os.path.exists(gate):
+        time.sleep(0.05)
+    return functional.cross_entropy(output, target)
