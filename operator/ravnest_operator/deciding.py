@@ -543,7 +543,7 @@ def _ended_without(run: _Pass, job: Job, plan: Plan, obs: Observation,
     before = {int(c) for c in run.status.get("abandoned") or []}
     done = {c.id for c in plan.clusters if c.id not in run.drained and all(
         obs.nodes[n].phase == "Succeeded" for n in c.nodes)}
-    unable = before | rejoining | _missed_final(run, plan, obs, done) | {
+    unable = before | rejoining | _missed_final(run, plan, obs, done, before) | {
         s.cluster for s in obs.nodes.values() if s.deleting or s.phase in ("Failed", "Missing")}
     rest = elastic.ended_without(job.spec.run_policy, plan, done, unable, run.drained)
     if not rest:
@@ -572,15 +572,18 @@ def _active(run: _Pass, plan: Plan, away: set[int]) -> str:
     return f"{len(plan.clusters) - len(set(away) | run.drained)}/{len(plan.clusters)}"
 
 
-def _missed_final(run: _Pass, plan: Plan, obs: Observation, done: set[int]) -> set[int]:
+def _missed_final(run: _Pass, plan: Plan, obs: Observation, done: set[int],
+                  left_out: set[int]) -> set[int]:
     """The clusters restarted alone (or added to the job) whose pods run, but that the final
-    round of the finished clusters' nodes neither held nor sent its state to (their termination
-    messages say): they would wait for those nodes until their peer timeout."""
-    joining = {c for c, n in _cluster_recoveries(run.status, plan).items() if n} | {
-        c.id for c in plan.clusters if plan.grown(c.id)}
+    round of the finished clusters' (`done`) nodes neither held nor sent its state to (their
+    termination messages say): they would wait for those nodes until their peer timeout."""
+    recovered = [c for c, n in _cluster_recoveries(run.status, plan).items() if n]
+    joining = elastic.joining(plan, recovered, done | left_out | run.drained)
+    if not done or not joining:
+        return set()
     pods = {p["metadata"]["name"]: p for p in run.observed.pods}
     said = [_said(pods.get(s.pod, {})) or {} for s in obs.nodes.values() if s.cluster in done]
-    return elastic.missed_final(joining - done - run.drained, said)
+    return elastic.missed_final(joining, said)
 
 
 def _cluster_recoveries(status: Mapping[str, Any], plan: Plan) -> dict[int, int]:

@@ -155,6 +155,15 @@ def test_a_joining_cluster_in_no_finished_node_s_final_round_can_no_longer_join(
     assert elastic.missed_final({1}, [{}, {"updates": 3}, {"final_clusters": "0"}]) == set()
 
 
+def test_the_clusters_that_must_join_are_the_restarted_and_the_added_ones_not_away(plans):
+    _, plan, _ = plans[0]
+    assert elastic.joining(plan, [1, 1], set()) == {1}
+    assert elastic.joining(plan, [1], {1}) == set()  # finished, drained or left out
+    assert elastic.joining(plan, [], set()) == set()
+    grown = dataclasses.replace(plan, planned_clusters=1)  # cluster 1 added to the running job
+    assert elastic.joining(grown, [], set()) == {1} and elastic.joining(grown, [], {1}) == set()
+
+
 def test_removed_providers_drain_their_clusters_and_one_cluster_at_least_stays(plans):
     _, plan, _ = plans[0]
     runs_on = {n.name: n.provider for n in plan.nodes}

@@ -47,6 +47,12 @@ def ended_without(policy: RunPolicy, plan: Plan, finished: Collection[int],
     return rest
 
 
+def joining(plan: Plan, recovered: Iterable[int], away: Collection[int]) -> set[int]:
+    """The clusters that must join the others to train on: those restarted alone (`recovered`)
+    and those added to the running job, less those `away` (finished, drained or left out)."""
+    return ({*recovered} | {c.id for c in plan.clusters if plan.grown(c.id)}) - set(away)
+
+
 def missed_final(joining: Collection[int], said: Iterable[Mapping[str, Any]]) -> set[int]:
     """Of the clusters `joining` (restarted alone, or added to the running job: each must join
     the others to train on), those that can no longer: no finished node's final round held one of

@@ -569,9 +569,8 @@ class LocalRun:
         messages). Their workers would wait for the finished ones until their peer timeout."""
         assert self.plan is not None
         plan, done = self.plan, self._finished()
-        joining = ({r["cluster"] for r in self.recoveries} | {
-            c.id for c in plan.clusters if plan.grown(c.id)}) - done - self.abandoned - set(
-            self.drained)
+        joining = elastic.joining(plan, (r["cluster"] for r in self.recoveries),
+                                  {*done, *self.abandoned, *self.drained})
         if not done or not joining:
             return False
         said = [_said(p.log) for p in self.procs if plan.node(p.node).cluster in done]
