@@ -18,8 +18,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ravnest.comm.framing import Frame
 from ravnest.comm.transport import Credentials, Peer
@@ -268,3 +270,22 @@ def test_closing_a_peer_whose_server_was_killed_does_not_hang(child: Child) -> N
         f"peer {child.peer.address}: the link was closed before the frame was delivered"]
     with pytest.raises(TransportError, match="the link was closed before the frame"):
         child.peer.flush(timeout=BOUND)
+
+
+def test_a_watch_channel_without_calls_keeps_its_connection(child: Child) -> None:
+    """A watch's channel pings every second, with or without a call open on it (between the
+    Checks of a peer it asks instead of watching, or while a peer that answers again is asked
+    whether it restarted). The peer's server must take those pings: one that counted them as
+    abuse dropped the connection ("too_many_pings") 3 s into such a pause, and whatever was asked
+    on it next had to connect again."""
+    channel = child.peer.watch_channel
+    stub = health_pb2_grpc.HealthStub(channel)
+    assert stub.Check(health_pb2.HealthCheckRequest(), timeout=BOUND).status == \
+        health_pb2.HealthCheckResponse.SERVING
+    states: list[grpc.ChannelConnectivity] = []
+    channel.subscribe(states.append)
+    try:
+        time.sleep(6.0)  # six pings, no call
+    finally:
+        channel.unsubscribe(states.append)
+    assert states and set(states) == {grpc.ChannelConnectivity.READY}, states

@@ -92,13 +92,18 @@ end a stream whose peer was frozen). HTTP/2 pings are answered by gRPC's core, n
 a peer busy computing still answers them; and no frame of training's shares the connection, so
 none delays an answer."""
 _SERVER_OPTIONS = [*_GRPC_OPTIONS, ("grpc.so_reuseport", 0),
-                   ("grpc.http2.min_ping_interval_without_data_ms", WATCH_KEEPALIVE_MS // 2)]
+                   ("grpc.http2.min_ping_interval_without_data_ms", WATCH_KEEPALIVE_MS // 2),
+                   ("grpc.keepalive_permit_without_calls", 1)]
 """gRPC servers set SO_REUSEPORT by default, so a second server on a port in use would share it
 silently (and take half of its neighbours' connections); without it the bind fails. A call that
 stays open without data (a health Watch, a frame whose delivery waits) has the client ping every
 keepalive_time (20 s, a watch's channel every second); a server takes pings that come closer than
 5 min by default as abuse and drops the whole connection after the third ("too_many_pings"), so
-it allows one per half second."""
+it allows one per half second. A watch's channel also pings while no call is open on it (between
+the Checks of a peer it asks instead of watching, or while a peer that answers again is asked
+whether it restarted): a server that does not permit pings without calls takes each such ping as
+abuse too, and dropped that connection 3 s into such a pause (seen on kind, and measured: an idle
+watch channel went from READY to IDLE 3 s after its last Check)."""
 SERVICE = "ravnest.v1.Peer"
 ONE_MESSAGE_BYTES = CHUNK_BYTES
 """Frames up to this payload (one chunk's worth) go as one message, header and payload together
