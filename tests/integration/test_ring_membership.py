@@ -8,10 +8,13 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Collection
 
+import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2
 
 from ravnest.comm.dataplane import RingLink, RingServer
 from ravnest.comm.inboxes import Inbox
@@ -352,3 +355,78 @@ def test_a_restarted_node_waits_for_a_ring_member_that_answers_late(
     assert wiring.membership.absent(0) == set(ports) - answered
     for m in set(ports) - answered:
         assert f"ring member {m} does not answer" in caplog.text
+
+
+class _Moved(Peer):
+    """A Peer to a node whose process was lost and started again elsewhere, seen from a node whose
+    training channel still goes to the lost process's address (on Kubernetes the restarted pod
+    has a new address behind the same DNS name, and that channel took seconds to connect to it),
+    while its watch channel is connected to the new process already."""
+
+    def __init__(self, address: str, stale: str) -> None:
+        super().__init__(address, CREDS)
+        self._stale = grpc.insecure_channel(stale)
+
+    @property
+    def channel(self) -> grpc.Channel:
+        return self._stale
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stale.close()
+        super().close(timeout)
+
+
+@pytest.mark.parametrize("restarted", [True, False])
+def test_a_member_that_answers_again_is_kept_out_until_it_rejoins_only_if_restarted(
+        restarted: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """x0 watches the other members of its ring. x1's server stops (x1 is lost), and a server
+    answers at its address again: a restarted node still rejoining (its REJOIN_SERVICE serving)
+    stays out of x0's rounds until it asks to come back in, and its ring link is not used, even
+    though x0's training channel to it cannot connect yet; one that never restarted (no such
+    service: a network cut healed) is taken in again at once."""
+    plan = _three_clusters_of_one_stage()
+    inbox = Inbox()
+    mine = Server("127.0.0.1:0", CREDS, inbox.deliver)
+    old = Server("127.0.0.1:0", CREDS, Inbox().deliver)
+    other = Server("127.0.0.1:0", CREDS, Inbox().deliver)
+    with socket.socket() as s:  # the lost process's address: nothing listens there any more
+        s.bind(("127.0.0.1", 0))
+        stale = f"127.0.0.1:{s.getsockname()[1]}"
+    peers = {"x1": _Moved(f"127.0.0.1:{old.port}", stale),
+             "x2": Peer(f"127.0.0.1:{other.port}", CREDS)}
+    wiring = Wiring(inbox, mine, peers, None, {})
+    caplog.set_level(logging.INFO)
+    new: Server | None = None
+    try:
+        for server in (mine, old, other):
+            server.start()
+        wiring.wait_ready(30.0)
+        wiring.watch_rings(plan, "x0")
+        old.stop(grace=0.5)
+        _wait_until(lambda: wiring.membership.absent(0) == {"x1"}, "x1 to be lost")
+        new = Server(f"127.0.0.1:{old.port}", CREDS, Inbox().deliver)
+        if restarted:
+            new.health.set(assembling.REJOIN_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        new.start()
+        _wait_until(lambda: "peer x1 is back" in caplog.text, "x1 to answer again")
+        _wait_until(lambda: "was restarted" in caplog.text or not wiring.membership.absent(0),
+                    "x0 to decide whether x1 restarted")
+    finally:
+        wiring.stop_watching()
+        for p in peers.values():
+            p.close()
+        for server in (mine, other, *([new] if new else [])):
+            server.stop()
+    if restarted:
+        assert wiring.membership.absent(10**6) == {"x1"}  # until it rejoins (`admit`)
+        assert "ring member x1 was restarted: it comes back in when it rejoins" in caplog.text
+    else:
+        assert wiring.membership.absent(0) == set()
+        assert "was restarted" not in caplog.text
+
+
+def _wait_until(done: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + HANG_GUARD
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)

@@ -56,6 +56,10 @@ REJOIN_SERVICE = "ravnest.rejoin"
 """The health service a restarted node's server says SERVING for until it rejoined: a ring
 member that sees it answer again keeps it out of the rounds until it asks to come back in,
 instead of taking it in at once as a member back from a network cut."""
+REJOIN_CHECKS = 3
+REJOIN_CHECK_SECONDS = 5.0
+"""How often, and for how long each time, a peer that answers again is asked whether it restarted
+(`_rejoining`)."""
 
 
 def peer_names(plan: Plan, node: str) -> list[str]:
@@ -302,13 +306,32 @@ class Wiring:
 
 
 def _rejoining(peer: Peer) -> bool:
-    """Whether a peer that answers again is a restarted node still rejoining."""
-    try:
-        answer = health_pb2_grpc.HealthStub(peer.channel).Check(
-            health_pb2.HealthCheckRequest(service=REJOIN_SERVICE), timeout=5.0)
-    except (grpc.RpcError, ValueError):
-        return False  # NOT_FOUND: a server that never restarted
-    return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
+    """Whether a peer that answers again is a restarted node still rejoining (`REJOIN_SERVICE`
+    serving); NOT_FOUND is a server that never restarted (a network cut healed).
+
+    Asked on the peer's watch channel, the connection its watch was just answered on. Its
+    training channel may still be connecting to the lost process: on Kubernetes the restarted
+    pod has a new address behind the same DNS name, and a Check there failed at once. The node was
+    then taken for one back from a cut, and every ring round waited reduceTimeoutSeconds for a
+    node that was not in it yet. A Check that fails otherwise than NOT_FOUND is asked again, up to
+    `REJOIN_CHECKS` times; after that the peer is taken for back (the round then finds out)."""
+    stub = health_pb2_grpc.HealthStub(peer.watch_channel)
+    request = health_pb2.HealthCheckRequest(service=REJOIN_SERVICE)
+    failure = ""
+    for _ in range(REJOIN_CHECKS):
+        try:
+            answer = stub.Check(request, timeout=REJOIN_CHECK_SECONDS, wait_for_ready=True)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                return False
+            failure = f"{e.code()}: {e.details()}"
+            continue
+        except ValueError:  # the channel is closed: the peer is being closed
+            return False
+        return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
+    log.warning("could not ask %s whether it was restarted (%s): taken for back", peer.address,
+                failure)
+    return False
 
 
 def connect(meta: NodeMetadata, token: str, metrics: WorkerMetrics, *, tls: bool,
