@@ -61,10 +61,13 @@ _GRPC_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+PEER_CONNECT_TIMEOUT_MS = 5_000
+"""How long a peer's channel tries one address before it looks the name up again (below)."""
 _PEER_OPTIONS = [
     *_GRPC_OPTIONS,
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 2_000),
+    ("grpc.min_reconnect_backoff_ms", PEER_CONNECT_TIMEOUT_MS),
     ("grpc.dns_min_time_between_resolutions_ms", 2_000),
 ]
 """A peer's channel: a peer that is restarted (its cluster recovered, on a new pod and address)
@@ -72,7 +75,13 @@ is connected to again within about 2 s of answering, not after gRPC's backoff of
 or its 30 s between DNS lookups. Measured once (a server down for 20 s, a `Peer.wait_ready`
 waiting): answered 6.5 s after the server was back with gRPC's defaults, 2.1 s with the backoff
 bound to 5 s and 2 s between lookups. The answer to a restarted cluster's `where` comes over such
-a link (`rejoining.join_round`)."""
+a link (`rejoining.join_round`).
+
+gRPC gives a connection attempt at least its min_reconnect_backoff_ms (its MIN_CONNECT_TIMEOUT, 20
+s by default). On Kubernetes a restarted pod has a new address, and an attempt to the lost pod's
+address gets no answer at all (no refusal): the channel stayed on it for up to 20 s before it
+looked the name up again, so that on kind the answer to `where` took 8.5-10 s to reach the
+restarted node, and its ring state 10 s after it was sent. PEER_CONNECT_TIMEOUT_MS bounds that."""
 WATCH_KEEPALIVE_MS = 1_000
 WATCH_KEEPALIVE_TIMEOUT_MS = 2_000
 _WATCH_OPTIONS = [
