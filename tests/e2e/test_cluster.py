@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import json
+import re
 import secrets
 import time
 from pathlib import Path
@@ -258,16 +259,24 @@ def test_deleted_worker_pod_costs_only_its_cluster_which_rejoins_live(cluster: C
                          lambda: status_of(cluster, name).get("recoveries", 0) >= 1, 180)
         cluster.wait_for("the elastic job to succeed", lambda: succeeded(cluster, name), 900)
         st = status_of(cluster, name)
-        assert st.get("restarts", 0) == 0 and st["recoveries"] == 1, st
+        logs = {p: cluster.kubectl("logs", "-n", JOBS_NS, p).stdout for p in first + lost}
+        story = rejoin_story(cluster, name, logs)
+        assert st.get("restarts", 0) == 0 and st["recoveries"] == 1, story
         conds = {c["type"]: c for c in st["conditions"]}
-        assert conds["Recovering"]["reason"] == "Rejoined", conds["Recovering"]
+        assert conds["Recovering"]["reason"] == "Rejoined", story
         assert f"pod {lost[-1]} was deleted" in conds["Recovering"]["message"]
         for p in first:  # cluster 0 ran on in its first pods
             assert cluster.get("pod", p)["metadata"]["uid"] == uids[p], p
         for p in lost:  # cluster 1's pods were made again, and took the others' state
             assert cluster.get("pod", p)["metadata"]["uid"] != uids[p], p
-            log = cluster.kubectl("logs", "-n", JOBS_NS, p).stdout
-            assert "rejoined after round" in log, log[-3000:]
+            assert "rejoined after round" in logs[p], logs[p][-3000:]
+        # cluster 0 took cluster 1's new pods into its rings at the join round, not as soon as
+        # they answered (a ring round then waited reduceTimeoutSeconds for a node not in it yet)
+        (joined,) = re.findall(r"the cluster joins after round (\w+)",
+                               "".join(logs[p] for p in lost))  # (its root's)
+        back = [int(r) for p in first
+                for r in re.findall(r"ring \S+ from round (\d+) on: .*\(all back\)", logs[p])]
+        assert back == ([] if joined == "final" else [int(joined) + 1] * len(back)), story
         assert st["result"]["updates"] == 60 * 22, st["result"]
         assert st["progress"]["validationMetric"] >= 0.95, st["progress"]
     except BaseException:
@@ -276,6 +285,26 @@ def test_deleted_worker_pod_costs_only_its_cluster_which_rejoins_live(cluster: C
     finally:
         cluster.kubectl("delete", "rj", "-n", JOBS_NS, name, "--ignore-not-found", "--wait=true",
                         timeout=180, check=False)
+
+
+STORY = re.compile(r"rejoin|restarted|is back|all back|was lost|skipped|late|past round|Error|"
+                   r"ERROR|Traceback|failed")
+"""The log lines that tell how a cluster's restart and rejoin went."""
+
+
+def rejoin_story(cluster: Cluster, name: str, logs: dict[str, str]) -> str:
+    """What a failed assertion on an elastic job prints first (the job report printed after it
+    may be cut): the job's events and, from each pod's log, the lines about losses, restarts and
+    rejoins."""
+    events = cluster.kubectl("get", "events", "-n", JOBS_NS, "--sort-by=.lastTimestamp",
+                             "--field-selector", f"involvedObject.name={name}", "-o",
+                             "custom-columns=REASON:.reason,MESSAGE:.message",
+                             check=False).stdout
+    lines = [f"events of {name}:", *events.splitlines()[-12:]]
+    for pod, log in logs.items():
+        lines += [f"--- {pod}", *(line[:300] for line in log.splitlines()
+                                   if STORY.search(line))][:40]
+    return "\n".join(lines)
 
 
 def test_a_provider_removed_from_the_spec_drains_its_cluster(cluster: Cluster, release: str):
