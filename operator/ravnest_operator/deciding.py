@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ravnest import storing
+from ravnest import storing, termination
 from ravnest.errors import PlanError, RavnestError, SpecError
 from ravnest.plan import growth
 from ravnest.plan.handoff import decode
@@ -48,8 +48,6 @@ from .settings import Settings
 from .statuses import NodeState, Observation, observe, parse_time, set_condition, timestamp
 
 FINISHED = ("Succeeded", "Failed")
-SPEC_ERROR_EXIT = 2
-"""A worker's exit code for a spec error (`ravnest.cli`): no restart cures it."""
 NOT_DURABLE = ("checkpoints are on the pods' emptyDir volumes: a restart or a suspend starts over "
                "from step 0; to keep them, set spec.checkpoint.path to an object store "
                "(s3://bucket/prefix) or a claim (pvc://claim/path), or mount "
@@ -261,7 +259,7 @@ def _drains(run: _Pass, job: Job, plan: Plan) -> str | None:
     root = {c.id: resources.pod_name(run.observed.name, c.nodes[0]) for c in plan.clusters}
     for d in list(ordered):  # a root that drained said so as it ended
         ended = pods.get(root[int(d["cluster"])], {})
-        said = (_said(ended) or {}).get("drained")
+        said = termination.figures_of_pod(ended).get("drained")
         if isinstance(said, dict):
             ordered.remove(d)
             drained.append({**d, "round": said.get("round"), "updates": said.get("updates")})
@@ -303,7 +301,7 @@ def _joined(plan: Plan, pods: Mapping[str, Mapping[str, Any]], root: Mapping[int
     it took the final state only)."""
     joined = []
     for c in plan.clusters[plan.planned:]:
-        said = (_said(pods.get(root[c.id], {})) or {}).get("rejoined")
+        said = termination.figures_of_pod(pods.get(root[c.id], {})).get("rejoined")
         if isinstance(said, dict) and (said.get("round") is None or isinstance(said["round"], int)):
             joined.append({"cluster": c.id, "round": said.get("round")})  # (None: the final)
     return joined
@@ -582,7 +580,8 @@ def _missed_final(run: _Pass, plan: Plan, obs: Observation, done: set[int],
     if not done or not joining:
         return set()
     pods = {p["metadata"]["name"]: p for p in run.observed.pods}
-    said = [_said(pods.get(s.pod, {})) or {} for s in obs.nodes.values() if s.cluster in done]
+    said = [termination.figures_of_pod(pods.get(s.pod, {})) for s in obs.nodes.values()
+            if s.cluster in done]
     return elastic.missed_final(joining, said)
 
 
@@ -610,7 +609,7 @@ def _recover(run: _Pass, job: Job, plan: Plan, obs: Observation, down: list[Node
                      for n in c.nodes)]
     total = int(run.status.get("recoveries", 0))
     if not elastic.restart_alone(plan, policy, clusters, whole, total,
-                                 any(s.exit_code == SPEC_ERROR_EXIT for s in down)):
+                                 any(s.exit_code == termination.SPEC_ERROR_EXIT for s in down)):
         return False
     cluster = clusters.pop()
     recoveries = {**recoveries, cluster: recoveries[cluster] + 1}
@@ -917,7 +916,7 @@ def _result(observed: Observed, plan: Plan, status: Mapping[str, Any],
     roots = [resources.pod_name(observed.name, c.nodes[0]) for c in plan.clusters
              if c.id not in gone]
     pods = {p["metadata"]["name"]: p for p in observed.pods}
-    return (_said(pods.get(roots[0], {})) or {}) if roots else {}
+    return termination.figures_of_pod(pods.get(roots[0], {})) if roots else {}
 
 
 def _final_rate(observed: Observed, plan: Plan, started: str | None) -> float | None:
@@ -931,37 +930,14 @@ def _final_rate(observed: Observed, plan: Plan, started: str | None) -> float | 
     samples, ends = 0.0, []
     for c in plan.clusters:
         pod = pods.get(resources.pod_name(observed.name, c.nodes[0]), {})
-        said = _said(pod) or {}
-        ended = (_terminated(pod) or {}).get("finishedAt")  # (of the container that said it)
-        if not isinstance(said.get("samples"), int | float) or not ended:
+        ended = termination.of_pod(pod)
+        said = ended.figures if ended else {}
+        if not isinstance(said.get("samples"), int | float) or not ended or not ended.finished_at:
             return None
         samples += said["samples"]
-        ends.append(parse_time(ended))
+        ends.append(parse_time(ended.finished_at))
     seconds = (max(ends) - parse_time(started)).total_seconds()
     return round(samples / seconds, 2) if seconds > 0 and samples else None
-
-
-def _terminated(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The terminated state of a pod's first container that left a termination message (the
-    worker's, before any sidecar a template adds); None without one."""
-    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-        state = (cs.get("state") or {}).get("terminated") or {}
-        if state.get("message"):
-            return dict(state)
-    return None
-
-
-def _said(pod: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A terminated pod's termination message (`_terminated`), as the JSON object its worker
-    wrote; None without one. (`PlannerPod.message` is the last container's, or the pod's own.)"""
-    state = _terminated(pod)
-    if state is None:
-        return None
-    try:
-        said = json.loads(state["message"])
-    except ValueError:
-        return None
-    return dict(said) if isinstance(said, dict) else None
 
 
 def _watch(run: _Pass, plan: Plan, obs: Observation, phase: str,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ravnest import termination
+
 WAITING_SHOWN = 200
 """Characters of a waiting container's message shown in the job's condition."""
 
@@ -25,14 +27,10 @@ class PlannerPod:
     @classmethod
     def of(cls, pod: dict[str, Any]) -> PlannerPod:
         status = pod.get("status") or {}
-        code, reason, message, waiting = None, None, "", ""
+        ended = termination.of_pod(pod) or termination.Ending(None)
+        code, reason, message, waiting = ended.exit_code, ended.reason, ended.message, ""
         for cs in status.get("containerStatuses") or []:
-            state = cs.get("state") or {}
-            term = state.get("terminated")
-            if term:
-                code, reason = term.get("exitCode"), term.get("reason")
-                message = term.get("message") or ""
-            wait = state.get("waiting")
+            wait = (cs.get("state") or {}).get("waiting")
             if wait:
                 reason = wait.get("reason")
                 waiting = f"{wait.get('reason')}: {wait.get('message') or ''}".strip(": ")

@@ -6,6 +6,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any
 
+from ravnest import termination
 from ravnest.plan.plans import Plan
 from ravnest.run.progress import progress as job_progress
 
@@ -84,24 +85,6 @@ class Observation:
         return "; ".join(parts)
 
 
-SAID_SHOWN = 300
-"""Characters of a failed pod's termination message that a status or event repeats."""
-
-
-def _terminated(pod: dict[str, Any]) -> tuple[int | None, str | None, str]:
-    """A pod's first terminated container: its exit code, its reason, and the last line of its
-    termination message (at most `SAID_SHOWN` characters of it)."""
-    for cs in pod.get("status", {}).get("containerStatuses") or []:
-        term = (cs.get("state") or {}).get("terminated")
-        if term:
-            lines = [ln.strip() for ln in str(term.get("message") or "").splitlines()]
-            said = next((ln for ln in reversed(lines) if ln), "")
-            if len(said) > SAID_SHOWN:
-                said = said[:SAID_SHOWN - 3] + "..."
-            return term.get("exitCode"), term.get("reason"), said
-    return None, None, ""
-
-
 def _int(value: Any) -> int:
     """An annotation's integer (anything else, or none: 0)."""
     try:
@@ -121,13 +104,14 @@ def observe(job: str, plan: Plan, pods: list[dict[str, Any]]) -> Observation:
             obs.nodes[node.name] = NodeState(pod=name, phase="Missing", cluster=node.cluster)
             continue
         status = p.get("status") or {}
-        code, reason, said = _terminated(p)
+        ended = termination.of_pod(p) or termination.Ending(None)
         annotations = p["metadata"].get("annotations") or {}
         obs.nodes[node.name] = NodeState(
-            pod=name, phase=status.get("phase") or "Pending", exit_code=code, reason=reason,
+            pod=name, phase=status.get("phase") or "Pending", exit_code=ended.exit_code,
+            reason=ended.reason,
             ip=status.get("podIP"), attempt=_int(annotations.get(ATTEMPT_ANNOTATION)),
             recovery=_int(annotations.get(RECOVERY_ANNOTATION)), cluster=node.cluster,
-            deleting=bool(p["metadata"].get("deletionTimestamp")), said=said)
+            deleting=bool(p["metadata"].get("deletionTimestamp")), said=ended.said)
     return obs
 
 

@@ -29,8 +29,9 @@ from typing import Any
 import kubernetes
 from kubernetes.client.rest import ApiException
 
-from ravnest.run.metadata import TERMINATION_LOG_ENV, NodeMetadata
+from ravnest.run.metadata import NodeMetadata
 from ravnest.storing import PVC_ROOT_ENV
+from ravnest.termination import TERMINATION_LOG_ENV
 from ravnest_operator.resources import JOB_FILE, METADATA_DIR, dns_label
 
 MAX_PLANNERS = 2

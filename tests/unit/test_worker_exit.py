@@ -1,5 +1,6 @@
 """A worker that fails says why where Kubernetes keeps it (its container's termination message),
-since the operator replaces the pod and its log goes with it; outside a pod it leaves nothing."""
+since the operator replaces the pod and its log goes with it (where the message goes and how it is
+read: tests/unit/test_termination.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from ravnest.run import worker
-from ravnest.run.metadata import TERMINATION_LOG_ENV
+from ravnest.termination import TERMINATION_LOG_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,13 +32,3 @@ def test_a_failing_worker_leaves_why_as_its_termination_message(tmp_path: Path) 
     assert said.startswith("SpecError: ") and f"{metadata}: kind: expected" in said, said
     assert f"{metadata}: kind: expected" in out.stderr  # (and the log says it as before)
 
-
-def test_only_where_the_kubelet_made_its_file_is_a_termination_message_left(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(TERMINATION_LOG_ENV, raising=False)
-    monkeypatch.setattr(worker, "TERMINATION_LOG", tmp_path / "termination-log")
-    worker.termination_message("RavnestError: lost")  # outside a pod (or run as root there)
-    assert not (tmp_path / "termination-log").exists()
-    (tmp_path / "termination-log").touch()  # the kubelet's, in a pod
-    worker.termination_message("RavnestError: " + "x" * 5000)
-    assert (tmp_path / "termination-log").read_text() == ("RavnestError: " + "x" * 5000)[:4000]

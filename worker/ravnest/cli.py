@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ravnest import termination
 from ravnest._version import __version__
 from ravnest.errors import RavnestError, SpecError
-from ravnest.run.metadata import TERMINATION_LOG_ENV, TOKEN_ENV, TORCH_THREADS_ENV, NodeMetadata
+from ravnest.run.metadata import TOKEN_ENV, TORCH_THREADS_ENV, NodeMetadata
 from ravnest.storing import PVC_ROOT, PVC_ROOT_ENV
 
 
@@ -78,20 +79,19 @@ def _plan_pod(job_file: str) -> int:
     from ravnest.plan.handoff import encode
     from ravnest.spec import load_job
 
-    message = Path(os.environ.get(TERMINATION_LOG_ENV, "/dev/termination-log"))
     try:
         job = load_job(job_file)
         plan, _, _ = preflight(job)
         probe_storage(job.spec, os.environ.get(PVC_ROOT_ENV, PVC_ROOT))
-        message.write_text(encode(plan))
+        termination.write(encode(plan), in_pod=True)
     except SpecError as e:
-        message.write_text("invalid job: " + "; ".join(e.problems)[:4000])
+        termination.write("invalid job: " + "; ".join(e.problems), in_pod=True)
         raise
     except Exception as e:  # the job's own code failed: say what, then the traceback in the log
-        message.write_text(f"{type(e).__name__}: {e}"[:4000])
+        termination.write_error(e, in_pod=True)
         raise
     print(plan.table())
-    print(f"plan {plan.fingerprint} handed back in {message}")
+    print(f"plan {plan.fingerprint} handed back in {termination.destination(in_pod=True)}")
     return 0
 
 
@@ -232,7 +232,7 @@ def _grow(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     import torch
 
-    from ravnest.run.worker import Worker, exit_with_runner, termination_message
+    from ravnest.run.worker import Worker, exit_with_runner
     from ravnest.train import heap
 
     exit_with_runner(os.environ)
@@ -261,7 +261,7 @@ def _worker(args: argparse.Namespace) -> int:
             meta = taken
         Worker(meta, token, pvc_root=os.environ.get(PVC_ROOT_ENV, PVC_ROOT)).run()
     except Exception as e:  # say why where the operator reads it; the traceback goes to the log
-        termination_message(f"{type(e).__name__}: {e}")
+        termination.write_error(e)
         raise
     return 0
 
@@ -272,7 +272,6 @@ def _finish(args: argparse.Namespace) -> int:
     where they are and the fused model's figures, or what went wrong."""
     from ravnest.run import finishing
 
-    message = Path(os.environ.get(TERMINATION_LOG_ENV, "/dev/termination-log"))
     try:
         meta = NodeMetadata.load(args.metadata)
         if meta.job is None:
@@ -281,12 +280,12 @@ def _finish(args: argparse.Namespace) -> int:
                                           os.environ.get(PVC_ROOT_ENV, PVC_ROOT))
         summary = finishing.finish(meta.job, meta.plan, where)
     except Exception as e:  # the job's code or the storage failed: say what; traceback in the log
-        message.write_text(f"{type(e).__name__}: {e}"[:4000])
+        termination.write_error(e, in_pod=True)
         raise
     handed = {"outputs": finishing.outputs(where, summary),
               **{k: summary[k] for k in ("fused_val_loss", "fused_val_metric", "samples_per_second",
                                          "seconds", "resumed_from_step")}}
-    message.write_text(json.dumps(handed, separators=(",", ":"))[:4000])
+    termination.write_figures(handed, in_pod=True)
     print(json.dumps(summary, indent=1))
     return 0
 
@@ -306,7 +305,8 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--termination-log", action="store_true",
                     help="as a planner pod: hand the plan (or the error) back as the container's "
-                         f"termination message (${TERMINATION_LOG_ENV} or /dev/termination-log)")
+                         f"termination message (${termination.TERMINATION_LOG_ENV} or "
+                         f"{termination.KUBELET_PATH})")
     pl.set_defaults(func=_plan)
     v = sub.add_parser("validate", help="check a job file")
     v.add_argument("job")
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except SpecError as e:
         print("error: invalid job:\n  " + "\n  ".join(e.problems), file=sys.stderr)
-        return 2
+        return termination.SPEC_ERROR_EXIT
     except RavnestError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

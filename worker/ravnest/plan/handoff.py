@@ -21,13 +21,13 @@ from typing import Any
 
 import pydantic
 
+from ravnest import termination
 from ravnest.errors import PlanError
 from ravnest.plan.plans import Plan, fingerprint
 from ravnest.spec import JobSpec
 
 HEADER = "ravnest-plan/v1"
-MESSAGE_LIMIT = 4096
-"""Bytes of a container's termination message the kubelet keeps."""
+MESSAGE_LIMIT = termination.LIMIT
 PLAN_LIMIT = 512 << 10
 """Bytes of plan JSON the operator takes at most: it is stored in the plan ConfigMap (1 MiB with
 its table) and every node's."""

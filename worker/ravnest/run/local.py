@@ -60,6 +60,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ravnest import termination
 from ravnest.comm.tls import identity, issue, make_authority
 from ravnest.errors import PlanError, SpecError, WorkerFailed
 from ravnest.plan import building
@@ -71,7 +72,6 @@ from ravnest.run.metadata import (
     GONE_ENV,
     REJOIN_ENV,
     RUNNER_PID_ENV,
-    TERMINATION_LOG_ENV,
     TOKEN_ENV,
     TORCH_THREADS_ENV,
     NodeMetadata,
@@ -85,13 +85,8 @@ from ravnest.train import checkpointing
 
 log = logging.getLogger(__name__)
 
-SPEC_ERROR_EXIT = 2
-"""A worker's exit code for a spec error (`ravnest.cli`)."""
 PRIVATE_UMASK = 0o077
 """The umask of a run and its workers: its folders 0700, its files 0600."""
-SAID_SUFFIX = ".termination"
-"""A worker's termination message, beside its log (`logs/<node>.termination`): what a pod's
-says, its final figures as JSON, or why it failed."""
 
 
 class Terminated(BaseException):
@@ -277,7 +272,8 @@ class LocalRun:
                                 [sys.executable, "-m", "ravnest", "worker", "--metadata",
                                  str(self.out / "nodes" / f"{m.node}.json")]),
                     stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env=_saying(env, logfile), start_new_session=True, umask=PRIVATE_UMASK)
+                    env=termination.local_env(env, logfile), start_new_session=True,
+                    umask=PRIVATE_UMASK)
             self.procs.append(_Proc(m.node, popen, logfile, m.metrics_port, host_of(m.listen)))
 
     def host(self, provider: int) -> str:
@@ -306,7 +302,8 @@ class LocalRun:
                             [sys.executable, "-m", "ravnest", "worker", "--spare", "--orders", "-",
                              "--metadata", str(path)]),
                 stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
-                env=_saying(self._env, logfile), start_new_session=True, umask=PRIVATE_UMASK)
+                env=termination.local_env(self._env, logfile), start_new_session=True,
+                umask=PRIVATE_UMASK)
         self.spare_procs[spare.name] = _Proc(spare.name, popen, logfile, 0)
 
     def _take_over(self, meta: NodeMetadata, cluster: int) -> str | None:
@@ -573,7 +570,8 @@ class LocalRun:
                                   {*done, *self.abandoned, *self.drained})
         if not done or not joining:
             return False
-        said = [_said(p.log) for p in self.procs if plan.node(p.node).cluster in done]
+        said = [termination.of_local(p.log, p.popen.poll()).figures for p in self.procs
+                if plan.node(p.node).cluster in done]
         late = elastic.missed_final(joining, said)
         return bool(late) and self._end_without(late, "restarted, and running again only after "
                                                       "the others' final round")
@@ -615,7 +613,7 @@ class LocalRun:
             p.popen.poll() is None for p in self.procs if p.node in c.nodes)]
         seen, now = self._cluster_failures.get(cluster), _failure_of(dead)
         if not elastic.restart_alone(plan, policy, {cluster}, whole, len(self.recoveries),
-                                     dead.popen.returncode == SPEC_ERROR_EXIT) or (
+                                     dead.popen.returncode == termination.SPEC_ERROR_EXIT) or (
                 now is not None and seen == now):
             return False
         self._cluster_failures[cluster] = now
@@ -766,23 +764,6 @@ def _failure_of(proc: _Proc) -> tuple[int, str] | None:
     if code is None or code <= 0 or not lines:
         return None
     return code, _STAMP.sub("", lines[-1])
-
-
-def _saying(env: Mapping[str, str], log: Path) -> dict[str, str]:
-    """`env` for a worker that logs to `log`, with its termination message next to it (as a
-    pod's: its final figures, or why it failed), none left from before."""
-    log.with_suffix(SAID_SUFFIX).unlink(missing_ok=True)
-    return {**env, TERMINATION_LOG_ENV: str(log.with_suffix(SAID_SUFFIX).resolve())}
-
-
-def _said(log: Path) -> dict[str, Any]:
-    """The termination message of the worker that logs to `log`, as the JSON object it wrote
-    (empty without one)."""
-    try:
-        said = json.loads(log.with_suffix(SAID_SUFFIX).read_text())
-    except (OSError, ValueError):
-        return {}
-    return said if isinstance(said, dict) else {}
 
 
 def _tail(path: Path, lines: int = 25) -> str:

@@ -23,6 +23,7 @@ from typing import IO, Any
 import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
+from ravnest import termination
 from ravnest.comm.dataplane import RingLink, RingServer
 from ravnest.comm.transport import Peer, Server
 from ravnest.errors import PlanError, RavnestError, SpecError
@@ -37,7 +38,6 @@ from ravnest.run.metadata import (
     GONE_ENV,
     REJOIN_ENV,
     RUNNER_PID_ENV,
-    TERMINATION_LOG_ENV,
     TOKEN_ENV,
     NodeMetadata,
     host_of,
@@ -331,7 +331,7 @@ class Worker:
                     "round": rt.leave_after, "updates": rt.updates, "samples": rt.samples})
             except OSError as e:  # (the termination message says it too)
                 log.warning("could not acknowledge the drain in %s: %s", self.drain_dir, e)
-        termination_message(json.dumps(result, separators=(",", ":")))
+        termination.write_figures(result)
 
     def _write_outputs(self) -> None:
         """This node's stage, and a root's figures, in the job's output location; the figures
@@ -357,23 +357,5 @@ class Worker:
             finishing.write_cluster(where, self.me.cluster, {
                 **result, "resumed_from": self.resumed_from,
                 "seconds": round(time.monotonic() - self.started, 3), "curve": rt.curve.rows})
-        termination_message(json.dumps(result, separators=(",", ":")))
+        termination.write_figures(result)
 
-
-TERMINATION_LOG = Path("/dev/termination-log")
-"""Where the kubelet reads a container's termination message (its default
-terminationMessagePath), made by the kubelet: a worker writes it only where it exists."""
-
-
-def termination_message(text: str) -> None:
-    """Leave `text` where Kubernetes reads a container's termination message (the final figures
-    of a worker that finished, or why it failed), if there is such a place: the kubelet's file,
-    or the one `TERMINATION_LOG_ENV` names; outside a pod, none (nothing is made in /dev)."""
-    named = os.environ.get(TERMINATION_LOG_ENV)
-    path = Path(named) if named else TERMINATION_LOG
-    if not named and not path.exists():
-        return
-    try:
-        path.write_text(text[:4000])
-    except OSError:
-        log.debug("no termination log at %s", path)
