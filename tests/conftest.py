@@ -41,6 +41,41 @@ def s3_server() -> Iterator[S3Server]:
         yield server
 
 
+_TIERS: dict[str, list[float]] = {}
+"""Tier (tests/<tier>/...) -> [tests, seconds] of this session, setup and teardown included."""
+_MODULES: dict[str, float] = {}
+"""Test module -> seconds of this session, setup and teardown included."""
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add each phase of each test to its tier's and its module's time."""
+    module = report.nodeid.split("::", 1)[0]
+    parts = module.split("/")
+    tier = parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
+    spent = _TIERS.setdefault(tier, [0, 0.0])
+    spent[1] += report.duration
+    if report.when == "setup":
+        spent[0] += 1
+    _MODULES[module] = _MODULES.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Where this session's minutes went: each tier's tests and wall time, and the slowest
+    modules, so that the next person sees what a new test costs CI."""
+    if not _TIERS:
+        return
+    total = sum(seconds for _, seconds in _TIERS.values()) or 1.0
+    write = terminalreporter.write_line
+    terminalreporter.section("time by tier")
+    write(f"{'tier':<14}{'tests':>7}{'seconds':>10}{'share':>8}")
+    for tier, (tests, seconds) in sorted(_TIERS.items(), key=lambda kv: -kv[1][1]):
+        write(f"{tier:<14}{int(tests):>7}{seconds:>10.1f}{seconds / total:>8.0%}")
+    write(f"{'all':<14}{sum(int(t) for t, _ in _TIERS.values()):>7}{total:>10.1f}")
+    write("slowest modules:")
+    for module, seconds in sorted(_MODULES.items(), key=lambda kv: -kv[1])[:12]:
+        write(f"  {seconds:>8.1f} s  {module}")
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Say what would keep this process from exiting once the tests are done: threads that are not
     daemons and executors' threads (the interpreter joins both at exit), and child processes

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ravnest.plan.plans import Plan
+from ravnest.run.jobstatus import check_patch
 from ravnest.spec import Job
 
 
@@ -129,6 +130,9 @@ class Decision:
     steps: list[Action] = field(default_factory=list)
 
     def set(self, fields: Mapping[str, Any]) -> None:
+        """Patch these status fields; StatusError (a bug of the operator's) for one the job's
+        status schema (`JobStatus`, the CRD's) would not keep."""
+        check_patch(fields)
         self.steps.append(SetStatus(dict(fields)))
 
     def do(self, *actions: Action) -> None:

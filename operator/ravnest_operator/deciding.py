@@ -23,6 +23,7 @@ from ravnest.plan import growth
 from ravnest.plan.handoff import decode
 from ravnest.plan.plans import Plan, ProviderInfo, SparePlan, spare_name
 from ravnest.run import elastic
+from ravnest.run.jobstatus import FINISHED, Phase
 from ravnest.spec import Job, parse_job
 
 from . import resources
@@ -47,7 +48,6 @@ from .planning import PlannerPod
 from .settings import Settings
 from .statuses import NodeState, Observation, observe, parse_time, set_condition, timestamp
 
-FINISHED = ("Succeeded", "Failed")
 NOT_DURABLE = ("checkpoints are on the pods' emptyDir volumes: a restart or a suspend starts over "
                "from step 0; to keep them, set spec.checkpoint.path to an object store "
                "(s3://bucket/prefix) or a claim (pvc://claim/path), or mount "
@@ -67,6 +67,8 @@ class Observed:
     """The job's .status as the API holds it."""
     created: str | None = None
     """metadata.creationTimestamp."""
+    generation: int | None = None
+    """metadata.generation: which version of its spec this pass sees."""
     job: Job | None = None
     """The validated job; None when finished or invalid."""
     problems: tuple[str, ...] = ()
@@ -113,10 +115,10 @@ class _Pass:
         """Phase Failed, with a Warning Event."""
         conds = set_condition(self.status.get("conditions") or [], "Failed", True, reason,
                               message, self.at)
-        self.out.set({"phase": "Failed", "completionTime": self.at,
+        self.out.set({"phase": Phase.FAILED, "completionTime": self.at,
                       "conditions": set_condition(conds, "Running", False, reason, "", self.at)})
         self.out.do(Event(reason, message, warning=True),
-                    CountFinished(self.status.get("phase"), "Failed",
+                    CountFinished(self.status.get("phase"), Phase.FAILED,
                                   self.status.get("startTime")))
 
     def clean(self, policy: str) -> None:
@@ -130,7 +132,31 @@ class _Pass:
 
 
 def decide(observed: Observed, now: dt.datetime, settings: Settings) -> Decision:
-    """Move one job one step towards its goal: the status fields and actions, in order."""
+    """Move one job one step towards its goal: the status fields and actions, in order. The
+    status says which generation of the spec the pass acted on (status.observedGeneration), and
+    each condition it set or changed, which generation that was (its observedGeneration)."""
+    out = _decide(observed, now, settings)
+    generation = observed.generation
+    if generation is None:
+        return out
+    conditions = out.status.get("conditions")
+    if conditions:
+        before = {c.get("type"): _unstamped(c) for c in observed.status.get("conditions") or []
+                  if isinstance(c, Mapping)}
+        stamped = [c if before.get(c["type"]) == _unstamped(c) else
+                   {**c, "observedGeneration": generation} for c in conditions]
+        if stamped != conditions:
+            out.set({"conditions": stamped})
+    if observed.status.get("observedGeneration") != generation:
+        out.set({"observedGeneration": generation})
+    return out
+
+
+def _unstamped(condition: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in condition.items() if k != "observedGeneration"}
+
+
+def _decide(observed: Observed, now: dt.datetime, settings: Settings) -> Decision:
     run = _Pass(observed, now, settings, dict(observed.status))
     phase = run.status.get("phase")
     if phase in FINISHED:
@@ -140,7 +166,7 @@ def decide(observed: Observed, now: dt.datetime, settings: Settings) -> Decision
         run.fail("InvalidSpec", "; ".join(observed.problems))
         return run.out
     if not run.status.get("conditions"):
-        phase = "Created"
+        phase = Phase.CREATED
         run.status["conditions"] = set_condition([], "Created", True, "Accepted",
                                                  "spec is valid", run.at)
         run.out.set({"phase": phase, "conditions": run.status["conditions"]})
@@ -154,7 +180,7 @@ def decide(observed: Observed, now: dt.datetime, settings: Settings) -> Decision
     if observed.plan is not None and left is not None and not _going(left):
         # an operator that stopped between creating the objects and deleting the planner
         run.out.do(DeletePod(resources.planner_name(observed.name)))
-    if phase in (None, "Created", "Planning"):
+    if phase in (None, Phase.CREATED, Phase.PLANNING):
         _planned(run, observed.job, plan)
         return run.out
     refused = _drains(run, observed.job, plan)
@@ -380,7 +406,7 @@ def _planned(run: _Pass, job: Job, plan: Plan) -> None:
     conds = set_condition(conds, "DurableCheckpoints", durable, _durability(job),
                           f"checkpoints go to {job.spec.checkpoint.path}" if durable
                           else NOT_DURABLE, run.at)
-    run.out.set({"phase": "Planned", "plan": _plan_status(plan), "conditions": conds})
+    run.out.set({"phase": Phase.PLANNED, "plan": _plan_status(plan), "conditions": conds})
     if not durable:
         run.out.do(Event("NoDurableCheckpoints", NOT_DURABLE, warning=True))
 
@@ -449,11 +475,11 @@ def _planning(run: _Pass, message: str) -> None:
     """Phase Planning, its condition saying where the planner pod is (and a job created
     suspended, resumed)."""
     conditions = run.status.get("conditions") or []
-    if run.status.get("phase") == "Suspended":
+    if run.status.get("phase") == Phase.SUSPENDED:
         conditions = set_condition(conditions, "Suspended", False, "Resumed", "", run.at)
     run.status["conditions"] = set_condition(conditions, "Planned", False, "Planning", message,
                                              run.at)
-    run.out.set({"phase": "Planning", "conditions": run.status["conditions"]})
+    run.out.set({"phase": Phase.PLANNING, "conditions": run.status["conditions"]})
 
 
 def _plan_status(plan: Plan) -> dict[str, Any]:
@@ -471,7 +497,7 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     if run.run_policy.get("suspend"):
         _suspend(run, phase, conditions, f"pods deleted; {_resumes(job)}")
         return
-    if phase == "Suspended":
+    if phase == Phase.SUSPENDED:
         conditions = set_condition(conditions, "Suspended", False, "Resumed", "", run.at)
         run.out.set({"conditions": conditions})
     restarts = int(run.status.get("restarts", 0))
@@ -498,14 +524,14 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     # an eviction or a node drain, is lost like a failed one: its peers would wait for it forever.
     # (The pods of a cluster restarted alone are missing until created again: not lost.)
     lost = [s for s in obs.nodes.values() if s.deleting or (
-        s.phase == "Missing" and s.cluster not in rejoining)] if phase == "Running" else []
+        s.phase == "Missing" and s.cluster not in rejoining)] if phase == Phase.RUNNING else []
     if obs.failed or lost:
         message = "; ".join(filter(None, [obs.failure_message(),
                                           *(f"pod {s.pod} was deleted" for s in lost)]))
         down = [*obs.failed, *lost]
         if not _recover(run, job, plan, obs, down, recoveries, rejoining, conditions, message):
             _failed(run, job, obs, restarts, conditions, message)
-        if run.out.status.get("phase") != "Failed":  # (a failed job is not decided again)
+        if run.out.status.get("phase") != Phase.FAILED:  # (a failed job is not decided again)
             pods = {s.pod for s in down}
             spares.take_over(run, plan, [n for n, st in obs.nodes.items() if st.pod in pods])
         return
@@ -548,11 +574,8 @@ def _ended_without(run: _Pass, job: Job, plan: Plan, obs: Observation,
         return before
     new = rest - before
     if new:
-        ids = ", ".join(map(str, sorted(new)))
-        text = (f"cluster(s) {ids} could not rejoin before the others finished (failed, lost, "
-                f"or restarted and not back in time for their final round): the job ends "
-                f"without them, with the model of cluster(s) "
-                f"{', '.join(map(str, sorted(done)))}, which the final round averaged")
+        text = elastic.abandoned(new, done, "failed, lost, or restarted and not back in time "
+                                            "for their final round")
         conditions = set_condition(run.status.get("conditions") or [], "Recovering", False,
                                    "Abandoned", text, run.at)
         run.status.update(conditions=conditions, abandoned=sorted(rest))
@@ -615,9 +638,7 @@ def _recover(run: _Pass, job: Job, plan: Plan, obs: Observation, down: list[Node
     recoveries = {**recoveries, cluster: recoveries[cluster] + 1}
     run.out.do(*(DeletePod(s.pod) for s in obs.nodes.values()
                  if s.cluster == cluster and s.phase != "Missing" and not s.deleting))
-    text = (f"{message}; cluster {cluster} restarted alone (recovery {total + 1}/"
-            f"{policy.recovery_limit}): it takes its state from cluster(s) "
-            f"{', '.join(map(str, whole))} and rejoins at a round boundary, while they train on")
+    text = elastic.restarted_alone(message, cluster, total + 1, policy.recovery_limit, whole)
     rejoining = rejoining | {cluster}
     run.out.set({"recoveries": total + 1,
                  "clusterRecoveries": [recoveries.get(i, 0)
@@ -784,8 +805,8 @@ def _suspend(run: _Pass, phase: str | None, conditions: list[dict[str, Any]],
     """No pods while suspended (a planner pod neither: a job created suspended is planned when
     resumed)."""
     run.out.do(*(DeletePod(p["metadata"]["name"]) for p in run.observed.pods if not _going(p)))
-    if phase != "Suspended":
-        run.out.set({"phase": "Suspended",
+    if phase != Phase.SUSPENDED:
+        run.out.set({"phase": Phase.SUSPENDED,
                      "conditions": set_condition(conditions, "Suspended", True, "Suspended",
                                                  message, run.at)})
         run.out.do(Event("Suspended", message))
@@ -797,7 +818,7 @@ def _failed(run: _Pass, job: Job, obs: Observation, restarts: int,
     if restarts < int(run.run_policy.get("backoffLimit", 3)):
         run.out.do(*(DeletePod(s.pod) for s in obs.nodes.values()
                      if s.phase != "Missing" and not s.deleting))
-        run.out.set({"restarts": restarts + 1, "phase": "Restarting", "rejoining": [],
+        run.out.set({"restarts": restarts + 1, "phase": Phase.RESTARTING, "rejoining": [],
                      "clusterRecoveries": [],
                      "conditions": set_condition(
                          conditions, "Restarting", True, "WorkerFailed",
@@ -858,7 +879,7 @@ def _finish(run: _Pass, job: Job, plan: Plan, phase: str,
 
 
 def _finishing(run: _Pass, conditions: list[dict[str, Any]], message: str) -> None:
-    run.out.set({"phase": "Finishing", "conditions": set_condition(
+    run.out.set({"phase": Phase.FINISHING, "conditions": set_condition(
         conditions, "OutputsWritten", False, "Finishing", message, run.at)})
 
 
@@ -901,10 +922,10 @@ def _succeeded(run: _Pass, plan: Plan, phase: str, conditions: list[dict[str, An
             "; no spec.output.uri, so the trained model was not kept")
     conds = set_condition(conditions, "Succeeded", True, "Completed",
                           f"validation metric {result.get('val_metric')}{kept}", run.at)
-    run.out.set({"phase": "Succeeded", "completionTime": run.at, "progress": final,
+    run.out.set({"phase": Phase.SUCCEEDED, "completionTime": run.at, "progress": final,
                  "conditions": set_condition(conds, "Running", False, "Completed", "", run.at)})
     run.out.do(Event("Succeeded", json.dumps(result)),
-               CountFinished(phase, "Succeeded", run.status.get("startTime")))
+               CountFinished(phase, Phase.SUCCEEDED, run.status.get("startTime")))
     run.clean("All" if run.run_policy.get("cleanPodPolicy") == "All" else "None")
 
 
@@ -945,14 +966,14 @@ def _watch(run: _Pass, plan: Plan, obs: Observation, phase: str,
     """Running once every pod runs, progress from the roots' metrics, and the deadline."""
     started = run.status.get("startTime")
     if obs.all_running:
-        if phase != "Running":
+        if phase != Phase.RUNNING:
             conds = set_condition(conditions, "Running", True, "PodsRunning",
                                   f"{len(obs.nodes)} worker pods running", run.at)
             restarting = next((c for c in conds if c["type"] == "Restarting"), None)
             if restarting and restarting["status"] == "True":  # keep what it recovered from
                 conds = set_condition(conds, "Restarting", False, "Recovered",
                                       f"running again after: {restarting['message']}", run.at)
-            run.out.set({"phase": "Running", "conditions": conds})
+            run.out.set({"phase": Phase.RUNNING, "conditions": conds})
             if not started:
                 started = run.at
                 run.out.set({"startTime": started})

@@ -202,8 +202,10 @@ def _observe(body: dict[str, Any], spec: dict[str, Any], status: dict[str, Any],
             namespace: str, uid: str) -> Observed:
     """What a pass needs to know of a job: nothing more for a finished one, the reasons for an
     invalid one, else its plan ConfigMap's plan and its pods."""
+    generation = body["metadata"].get("generation")
     seen = Observed(name, namespace, uid, dict(spec), dict(status or {}),
-                    created=body["metadata"].get("creationTimestamp"))
+                    created=body["metadata"].get("creationTimestamp"),
+                    generation=generation if isinstance(generation, int) else None)
     if seen.status.get("phase") in FINISHED:
         return seen
     try:

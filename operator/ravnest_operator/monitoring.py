@@ -11,6 +11,8 @@ from contextlib import contextmanager
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from ravnest.run.jobstatus import FINISHED
+
 from .statuses import PHASES, parse_time
 
 JOBS = Gauge("ravnest_operator_jobs", "RavnestJobs by phase.", ["phase"])
@@ -42,7 +44,7 @@ def serve(port: int) -> None:
         JOBS.labels(phase=phase).set(0)
     # Exported at 0 before the first job ends: a series that appears already at 1 is not an
     # increase to Prometheus, and the dashboards' rates of finished jobs would show nothing.
-    for phase in ("Succeeded", "Failed"):
+    for phase in FINISHED:
         DURATION.labels(phase=phase)
 
 
@@ -69,7 +71,7 @@ def forget(namespace: str, name: str) -> None:
 
 
 def _publish() -> None:
-    counts = dict.fromkeys(PHASES, 0)
+    counts: dict[str, int] = dict.fromkeys(PHASES, 0)
     for phase in _phases.values():
         counts[phase] = counts.get(phase, 0) + 1
     for phase, n in counts.items():
@@ -82,7 +84,7 @@ def running(created: str | None) -> None:
 
 
 def finished(previous: str | None, phase: str, started: str | None) -> None:
-    if previous in ("Succeeded", "Failed"):
+    if previous in FINISHED:
         return
     if started:
         DURATION.labels(phase=phase).observe(

@@ -8,12 +8,13 @@ from typing import Any
 
 from ravnest import termination
 from ravnest.plan.plans import Plan
+from ravnest.run.jobstatus import Phase
 from ravnest.run.progress import progress as job_progress
 
 from .resources import ATTEMPT_ANNOTATION, RECOVERY_ANNOTATION, pod_name
 
-PHASES = ("Created", "Planning", "Planned", "Running", "Restarting", "Succeeded", "Failed",
-          "Suspended")
+PHASES = tuple(Phase)
+"""Every phase of a job, as the operator's gauge of jobs by phase exports them."""
 
 
 def now() -> str:

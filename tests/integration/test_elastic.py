@@ -262,7 +262,7 @@ def test_a_cluster_back_too_late_for_the_final_round_is_left_out_when_the_others
     assert status["phase"] == "Succeeded" and status["restarts"] == 0, status
     assert status["recoveries"] == 1 and status["abandoned"] == [2], status
     assert "cluster(s) 2 could not rejoin before the others finished (restarted, and running " \
-           "again only after the others' final round): the run ends without them, with the " \
+           "again only after the others' final round): the job ends without them, with the " \
            "model of cluster(s) 0, 1" in err, err[-3000:]
     said = [json.loads((out / "logs" / f"{n}.termination").read_text()) for n in survivors]
     assert {s["updates"] for s in said} == {12 * PER_EPOCH}

@@ -94,6 +94,59 @@ def test_a_pass_writes_its_status_before_the_next_pass_reads_it(kube, tmp_path):
     assert after["phase"] == "Planning" and _pods(kube, "fresh") == ["fresh-planner"], after
     conditions = {c["type"]: c for c in after["conditions"]}
     assert conditions["Created"]["status"] == "True"
+    # which generation of the spec the pass acted on, and each condition was set from
+    assert after["observedGeneration"] == job["metadata"]["generation"] == 1
+    assert {c["observedGeneration"] for c in after["conditions"]} == {1}
+
+
+FULL = {
+    "observedGeneration": 4, "phase": "Running",
+    "conditions": [{"type": "Running", "status": "True", "reason": "PodsRunning",
+                    "message": "6 worker pods running", "lastTransitionTime": "2026-11-28T04:00:00Z",
+                    "observedGeneration": 4}],
+    "plan": {"fingerprint": "ab12", "summary": "2x2/4", "clusters": [{"id": 0, "nodes": ["node_0"]}],
+             "stages": {"node_0": "conv1..fc"}, "spares": ["spare_6"]},
+    "clusters": "2/2", "nodes": {"node_0": {"pod": "full-node-0", "phase": "Failed", "exitCode": 1,
+                                            "reason": "Error"}},
+    "spares": {"spare_6": "Running"}, "takeovers": {"node_3": 6},
+    "progress": {"epoch": 2, "step": 30, "totalSteps": 66, "display": "30/66", "loss": 0.25,
+                 "validationLoss": 0.5, "validationMetric": 0.9, "samplesPerSecond": 812.5,
+                 "etaSeconds": 12},
+    "startTime": "2026-11-28T04:00:00Z", "completionTime": "2026-11-28T04:01:00Z", "restarts": 1,
+    "recoveries": 2, "clusterRecoveries": [0, 2], "rejoining": [1], "abandoned": [2],
+    "draining": [{"cluster": 1, "providers": [3, 4], "orderedAt": "2026-11-28T04:00:30Z"}],
+    "drained": [{"cluster": 2, "providers": [5], "orderedAt": "2026-11-28T04:00:10Z", "round": 7,
+                 "updates": 14}],
+    "notDrained": [{"cluster": 0, "providers": [0], "orderedAt": "2026-11-28T04:00:50Z"}],
+    "joined": [{"cluster": 3, "round": 9}, {"cluster": 4, "round": None}],
+    "grown": [{"providers": [7], "clusters": [3], "at": "2026-11-28T04:00:20Z"}],
+    "membership": {"plan": "ab12", "versions": [{"version": 1, "fromRound": 1, "clusters": [0, 1]},
+                                                {"version": 2, "fromRound": 8, "clusters": [0]}]},
+    "outputs": {"uri": "s3://out/full", "model": "s3://out/full/model.pt"},
+    "result": {"node": "node_0", "updates": 66, "val_metric": 0.97, "final_clusters": [0, 1],
+               "rejoined": {"round": 9}},
+}
+
+
+def test_the_apiserver_keeps_every_field_of_the_typed_status_and_no_other(kube, tmp_path):
+    """The CRD's status schema is generated from JobStatus: a status with every field the model
+    has comes back as written; a field it lacks is pruned by the apiserver (so an operator that
+    wrote one would lose it silently: Decision.set refuses it instead)."""
+    from ravnest.run.jobstatus import JobStatus
+
+    full = JobStatus.model_validate(FULL).model_dump(mode="json", exclude_none=True)
+    assert set(full) == set(JobStatus.model_fields)  # (every field, so every one is checked)
+    assert apply(kube, job_doc("full"), tmp_path).returncode == 0
+    kubernetes.client.CustomObjectsApi().patch_namespaced_custom_object_status(
+        "ravnest.io", "v1alpha1", "default", "ravnestjobs", "full",
+        {"status": {**FULL, "unknownField": 1, "progress": {**FULL["progress"], "other": 2}}},
+        _content_type="application/merge-patch+json")
+    kept = get(kube, "rj", "full")["status"]
+    full["joined"][1] = {"cluster": 4}  # (a null inside a list item is pruned like any null)
+    assert kept == full
+    bad = kctl(kube, "patch", "rj", "full", "--subresource=status", "--type=merge", "-p",
+               '{"status": {"phase": "Runing"}}', check=False)
+    assert bad.returncode != 0 and "Unsupported value" in bad.stderr, bad.stderr
 
 
 def test_a_pass_on_a_job_deleted_meanwhile_does_nothing(kube, tmp_path):

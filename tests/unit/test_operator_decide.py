@@ -194,6 +194,34 @@ def test_a_new_job_is_accepted_and_planned_in_a_pod_of_its_own_image(digits):
     assert d.steps[0] == SetStatus({"phase": "Created", "conditions": [conds["Created"]]})
 
 
+def test_the_status_says_which_generation_of_the_spec_each_condition_was_set_from(digits):
+    new = dataclasses.replace(_observed(digits, {}, plan=False), generation=1)
+    d = decide(new, NOW, SETTINGS)
+    assert d.status["observedGeneration"] == 1
+    assert {c["type"]: c.get("observedGeneration") for c in d.status["conditions"]} == {
+        "Created": 1, "Planned": 1}
+    # the spec edited (generation 3) while it runs: the pass sees it; the conditions it leaves as
+    # they were keep the generation they were set from, the one it changes gets the new one
+    running = {**_running(), "observedGeneration": 1, "conditions": [
+        {**_cond("Created"), "observedGeneration": 1}, {**_cond("Planned"), "observedGeneration": 1},
+        {**_cond("Running"), "observedGeneration": 1}]}
+    _, _, plan = digits
+    d = decide(dataclasses.replace(_observed(digits, running, _pods(plan, "Running")),
+                                   generation=3), NOW, SETTINGS)
+    assert d.status["observedGeneration"] == 3
+    assert "conditions" not in d.status
+    d = decide(dataclasses.replace(_observed(digits, running, [
+        _pod(plan, 0, "Failed", 1), *(_pod(plan, i, "Running") for i in range(1, len(plan.nodes)))
+    ]), generation=3), NOW, SETTINGS)
+    stamps = {c["type"]: c.get("observedGeneration") for c in d.status["conditions"]}
+    assert stamps["Created"] == 1 and stamps["Planned"] == 1
+    assert 3 in [v for k, v in stamps.items() if k != "Created" and k != "Planned"], stamps
+    # a pass that sees the generation it already acted on writes no observedGeneration again
+    assert "observedGeneration" not in decide(dataclasses.replace(
+        _observed(digits, {**running, "observedGeneration": 3}, _pods(plan, "Running")),
+        generation=3), NOW, SETTINGS).status
+
+
 def test_the_planner_pod_runs_the_job_image_with_no_token_and_hardened(digits):
     doc, job, _ = digits
     owner = resources.Owner("digits", "team-a", "uid-1")

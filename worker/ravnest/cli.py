@@ -171,6 +171,7 @@ def _drain_lines(status: dict[str, Any]) -> list[str]:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from ravnest.run.jobstatus import FINISHED, Phase
     from ravnest.run.progress import render
 
     while True:
@@ -180,7 +181,7 @@ def _status(args: argparse.Namespace) -> int:
             print("\r" + line, end="", flush=True)
         else:
             print(line, flush=True)
-        if not args.watch or status.get("phase") in ("Succeeded", "Failed"):
+        if not args.watch or status.get("phase") in FINISHED:
             break
         time.sleep(args.interval)
     if args.watch and sys.stdout.isatty():
@@ -197,7 +198,7 @@ def _status(args: argparse.Namespace) -> int:
             print(f"  {cond['type']}: {cond['message']}")
     for key, where in (status.get("outputs") or {}).items():
         print(f"  {'outputs' if key == 'uri' else key}: {where}")
-    return 1 if status.get("phase") == "Failed" else 0
+    return 1 if status.get("phase") == Phase.FAILED else 0
 
 
 def _drain(args: argparse.Namespace) -> int:

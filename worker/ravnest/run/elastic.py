@@ -160,3 +160,24 @@ def membership(plan: Plan, drained: Iterable[Mapping[str, Any]],
             versions.append({"version": len(versions) + 1, "fromRound": start,
                              "clusters": list(clusters)})
     return {"plan": plan.fingerprint, "versions": versions}
+
+
+def _ids(clusters: Iterable[int]) -> str:
+    return ", ".join(map(str, sorted(clusters)))
+
+
+def restarted_alone(failure: str, cluster: int, recovery: int, limit: int, whole: Iterable[int],
+                    taken: str = "") -> str:
+    """What both supervisors say when they restart cluster `cluster` alone after `failure` (its
+    `recovery`-th recovery of `limit`; `taken`: which spare took over a lost stage)."""
+    return (f"{failure}; cluster {cluster} restarted alone (recovery {recovery}/{limit}){taken}: "
+            f"it takes its state from cluster(s) {_ids(whole)} and rejoins at a round boundary, "
+            f"while they train on")
+
+
+def abandoned(clusters: Iterable[int], done: Iterable[int], why: str) -> str:
+    """What both supervisors say when a job ends without `clusters` (`ended_without`), which
+    could not rejoin (`why`) before the clusters `done` finished."""
+    return (f"cluster(s) {_ids(clusters)} could not rejoin before the others finished ({why}): "
+            f"the job ends without them, with the model of cluster(s) {_ids(done)}, which the "
+            f"final round averaged")

@@ -66,6 +66,7 @@ from ravnest.errors import PlanError, SpecError, WorkerFailed
 from ravnest.plan import building
 from ravnest.plan.plans import Plan, SparePlan, spare_name
 from ravnest.run import draining, elastic, finishing, growing
+from ravnest.run.jobstatus import Phase
 from ravnest.run.locking import lock_folder, refuse_if_locked
 from ravnest.run.metadata import (
     DRAIN_DIR_ENV,
@@ -397,7 +398,7 @@ class LocalRun:
                 now = bar.update(roots, self._started)
                 if now:
                     self._recovered()
-                    self.write_status("Running", now)
+                    self.write_status(Phase.RUNNING, now)
                 time.sleep(0.5)
         finally:
             bar.close()
@@ -415,7 +416,7 @@ class LocalRun:
                 self.drained[c.id] = {"cluster": c.id, **said}
                 log.warning("cluster %d drained after round %s (update %s): the job goes on "
                             "without it", c.id, said.get("round"), said.get("updates"))
-                self.write_status("Running", {})
+                self.write_status(Phase.RUNNING, {})
 
     def _grow(self) -> dict[int, _Proc]:
         """Act on the new grow orders (`ravnest grow`): start the workers of the clusters they
@@ -531,11 +532,11 @@ class LocalRun:
             where = f"checkpoint at step {step}" if step is not None else "the start"
             self._say("Restarting", "True", "WorkerFailed",
                       f"{failure}; restart {self.restarts}/{limit} resumes from {where}",
-                      phase="Restarting")
+                      phase=Phase.RESTARTING)
             self.start(metas)
 
     def _say(self, type_: str, status: str, reason: str, message: str,
-             level: int = logging.WARNING, phase: str = "Running") -> None:
+             level: int = logging.WARNING, phase: Phase = Phase.RUNNING) -> None:
         """Log `message`, make it the run's one condition, and write the status."""
         log.log(level, "%s", message)
         self.conditions = [{"type": type_, "status": status, "reason": reason,
@@ -594,10 +595,7 @@ class LocalRun:
         self.stop(mine)
         self.procs = [p for p in self.procs if p not in mine]
         self.abandoned |= clusters
-        self._say("Recovering", "False", "Abandoned", (
-            f"cluster(s) {', '.join(map(str, sorted(clusters)))} could not rejoin before the "
-            f"others finished ({why}): the run ends without them, with the model of cluster(s) "
-            f"{', '.join(map(str, sorted(done)))}, which the final round averaged"))
+        self._say("Recovering", "False", "Abandoned", elastic.abandoned(clusters, done, why))
         return True
 
     def _recover(self, dead: _Proc, metas: list[NodeMetadata], failure: str) -> bool:
@@ -625,10 +623,8 @@ class LocalRun:
                                 "exitCode": dead.popen.returncode, "at": round(time.time(), 3)})
         spare = self._take_over(next(m for m in metas if m.node == dead.node), cluster)
         taken = (f"; spare {spare} took over the stage of {dead.node}" if spare else "")
-        message = (f"{failure}; cluster {cluster} restarted alone (recovery "
-                   f"{len(self.recoveries)}/{policy.recovery_limit}){taken}: it takes its state "
-                   f"from cluster(s) {', '.join(map(str, whole))} and rejoins at a round "
-                   f"boundary, while they train on")
+        message = elastic.restarted_alone(failure, cluster, len(self.recoveries),
+                                          policy.recovery_limit, whole, taken)
         self._say("Recovering", "True", "WorkerFailed", message)
         self.start([m for m in metas if m.node in mine and (spare is None or m.node != dead.node)],
                    rejoin=True)
@@ -646,7 +642,7 @@ class LocalRun:
         spec = self.job.spec
         return open_location(spec.checkpoint.path, spec.storage.options(), base=self.out.resolve())
 
-    def write_status(self, phase: str, now: dict[str, Any], **extra: Any) -> None:
+    def write_status(self, phase: Phase, now: dict[str, Any], **extra: Any) -> None:
         """`status.json`: what `ravnest status <job>` shows for a local run."""
         joining = [c for c in self.plan.clusters[self.plan.planned:]
                    if c.id not in self.joined] if self.plan else []
@@ -697,17 +693,17 @@ class LocalRun:
             self.checkpoint_dir(), [m.node for m in metas], set_aside=False) or 0
         started = time.time()
         self._started = time.monotonic()
-        self.write_status("Created", {})
+        self.write_status(Phase.CREATED, {})
         try:
             self.supervise(metas)
         except BaseException as e:
-            self.write_status("Failed", {}, reason=type(e).__name__,
+            self.write_status(Phase.FAILED, {}, reason=type(e).__name__,
                               message=str(e).splitlines()[0] if str(e) else "")
             raise
         finally:
             self.stop()
         summary = self.finish(time.time() - started)
-        self.write_status("Succeeded", {
+        self.write_status(Phase.SUCCEEDED, {
             "step": summary["updates"], "totalSteps": summary["updates"],
             "display": f"{summary['updates']}/{summary['updates']}",
             "loss": summary["train_loss"], "validationLoss": summary["val_loss"],

@@ -1,0 +1,189 @@
+"""A RavnestJob's status, typed: what its supervisor (the operator) writes and `ravnest status`,
+`kubectl get rj` and the dashboards read.
+
+`JobStatus` is the one definition: the CRD's `.status` schema is generated from it
+(`ravnest_operator.crds`), so the apiserver keeps exactly these fields, and every status patch the
+operator decides is checked against it before it is written (`check_patch`), so a field the schema
+lacks is a failing test here, not a field the apiserver silently prunes. Field names are the API's
+(camelCase). Only what workers report about their own training (`result`) is a free-form map.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class Phase(StrEnum):
+    """Where the job stands: Created, Planning, Planned, Running, Restarting, Finishing (its
+    outputs being written), Succeeded, Failed or Suspended."""
+
+    CREATED = "Created"
+    PLANNING = "Planning"
+    PLANNED = "Planned"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    FINISHING = "Finishing"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    SUSPENDED = "Suspended"
+
+    @property
+    def finished(self) -> bool:
+        return self in FINISHED
+
+
+FINISHED = frozenset({Phase.SUCCEEDED, Phase.FAILED})
+"""The phases a job never leaves."""
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Condition(_Part):
+    """One condition, as Kubernetes' conventions have it."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    lastTransitionTime: str | None = None
+    observedGeneration: int | None = Field(None, ge=0)
+    """The job's metadata.generation that the condition was set from."""
+
+
+class PlanCluster(_Part):
+    id: int = Field(ge=0)
+    nodes: list[str]
+
+
+class PlanStatus(_Part):
+    """The plan in brief: its fingerprint, its summary (`clusters x stages`), each cluster's
+    nodes and each node's layers (`first..last`), and the hot spares."""
+
+    fingerprint: str
+    summary: str
+    clusters: list[PlanCluster] = []
+    stages: dict[str, str] = {}
+    spares: list[str] | None = None
+
+
+class NodeStatus(_Part):
+    """A worker node's pod: its name, phase (Missing: no pod), and how it ended."""
+
+    pod: str
+    phase: str
+    exitCode: int | None = None
+    reason: str | None = None
+
+
+class Progress(_Part):
+    """Training progress from the cluster roots' metrics (`ravnest.run.progress`)."""
+
+    epoch: int | None = None
+    step: int | None = None
+    totalSteps: int | None = None
+    display: str | None = None
+    """`step/totalSteps`, for `kubectl get`."""
+    loss: float | None = None
+    validationLoss: float | None = None
+    validationMetric: float | None = None
+    samplesPerSecond: float | None = None
+    etaSeconds: int | None = None
+
+
+class Drain(_Part):
+    """A cluster told to drain (providers removed from spec.providers): when, for which
+    providers, and, once drained, after which round and update."""
+
+    cluster: int = Field(ge=0)
+    providers: list[int] = []
+    orderedAt: str | None = None
+    round: int | None = None
+    updates: int | None = None
+
+
+class Joined(_Part):
+    """A cluster added to the running job, and after which round it joined (None: the final)."""
+
+    cluster: int = Field(ge=0)
+    round: int | None = None
+
+
+class Grown(_Part):
+    """Providers added to the running job, the clusters they make, and when."""
+
+    providers: list[int]
+    clusters: list[int]
+    at: str
+
+
+class MembershipVersion(_Part):
+    version: int = Field(ge=1)
+    fromRound: int = Field(ge=1)
+    clusters: list[int]
+
+
+class Membership(_Part):
+    """Which clusters take part in the rounds, versioned (`ravnest.run.elastic.membership`)."""
+
+    plan: str
+    versions: list[MembershipVersion]
+
+
+class JobStatus(_Part):
+    """A RavnestJob's `.status`."""
+
+    observedGeneration: int | None = Field(None, ge=0)
+    """The job's metadata.generation the operator last acted on."""
+    phase: Phase | None = None
+    conditions: list[Condition] | None = None
+    plan: PlanStatus | None = None
+    clusters: str | None = None
+    """Clusters training / planned."""
+    nodes: dict[str, NodeStatus] | None = None
+    spares: dict[str, str] | None = None
+    """Each hot spare's pod phase, by spare name."""
+    takeovers: dict[str, int] | None = None
+    """Node -> the spare provider that took over its stage."""
+    progress: Progress | None = None
+    startTime: str | None = None
+    completionTime: str | None = None
+    restarts: int | None = Field(None, ge=0)
+    """Whole-job restarts from the last checkpoint."""
+    recoveries: int | None = Field(None, ge=0)
+    """Clusters restarted alone (elastic), in all."""
+    clusterRecoveries: list[int] | None = None
+    """Recoveries in this attempt, by cluster id."""
+    rejoining: list[int] | None = None
+    abandoned: list[int] | None = None
+    """Clusters the job ended without (they could not rejoin in time)."""
+    draining: list[Drain] | None = None
+    drained: list[Drain] | None = None
+    notDrained: list[Drain] | None = None
+    joined: list[Joined] | None = None
+    grown: list[Grown] | None = None
+    membership: Membership | None = None
+    outputs: dict[str, str] | None = None
+    """Where the trained model, its curve and summary went."""
+    result: dict[str, Any] | None = None
+    """The final figures the first cluster's root reported (and the fused model's)."""
+
+
+class StatusError(ValueError):
+    """A status the schema does not take: each problem with its field path."""
+
+
+def check_patch(fields: Mapping[str, Any]) -> JobStatus:
+    """`fields` (a status patch: some top-level fields, None to remove one) as a `JobStatus`;
+    StatusError naming each field the schema does not take."""
+    try:
+        return JobStatus.model_validate(dict(fields))
+    except ValidationError as e:
+        problems = ["status." + ".".join(str(p) for p in err["loc"]) + f": {err['msg']}"
+                    for err in e.errors()]
+        raise StatusError("; ".join(problems)) from None
