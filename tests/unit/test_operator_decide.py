@@ -203,8 +203,7 @@ def test_the_status_says_which_generation_of_the_spec_each_condition_was_set_fro
     # the spec edited (generation 3) while it runs: the pass sees it; the conditions it leaves as
     # they were keep the generation they were set from, the one it changes gets the new one
     running = {**_running(), "observedGeneration": 1, "conditions": [
-        {**_cond("Created"), "observedGeneration": 1}, {**_cond("Planned"), "observedGeneration": 1},
-        {**_cond("Running"), "observedGeneration": 1}]}
+        {**_cond(t), "observedGeneration": 1} for t in ("Created", "Planned", "Running")]}
     _, _, plan = digits
     d = decide(dataclasses.replace(_observed(digits, running, _pods(plan, "Running")),
                                    generation=3), NOW, SETTINGS)
