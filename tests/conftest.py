@@ -47,8 +47,33 @@ _MODULES: dict[str, float] = {}
 """Test module -> seconds of this session, setup and teardown included."""
 
 
+_RSS_SAID = [4.0]
+"""pytest's own resident memory (GB) above which the next 2 GB more are said (`_say_memory`)."""
+
+
+def _say_memory(nodeid: str) -> None:
+    """Say on stderr, at once, when this process's own resident memory passed the next mark
+    after a test: a CI run was once killed by the OOM killer with pytest at 23.7 GB, and its log
+    could not say which test had grown it."""
+    try:
+        line = next(ln for ln in Path("/proc/self/status").read_text().splitlines()
+                    if ln.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return
+    gb = int(line.split()[1]) / 2**20
+    if gb > _RSS_SAID[0]:
+        import sys
+
+        print(f"\npytest's own memory: {gb:.1f} GB resident after {nodeid}", file=sys.stderr,
+              flush=True)
+        _RSS_SAID[0] = gb + 2.0
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Add each phase of each test to its tier's and its module's time."""
+    """Add each phase of each test to its tier's and its module's time (and say when pytest's
+    own memory passed a mark, `_say_memory`)."""
+    if report.when == "teardown":
+        _say_memory(report.nodeid)
     module = report.nodeid.split("::", 1)[0]
     parts = module.split("/")
     tier = parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
