@@ -40,6 +40,9 @@ def test_a_lost_member_stays_out_until_it_rejoins_or_is_back_from_a_cut():
     assert m.absent(11) == {"b"} and m.absent(12) == {"b", "c"} and m.leaving() == {"c"}
     m.back("c")  # its exit, seen by a watch, does not bring it back
     assert m.absent(10**12) == {"b", "c"}
+    # why the watch took a member for lost is kept, for the error of a node that needed it
+    m.lost("b", "no answer from b:50051 for 3.1s since its connection broke")
+    assert m.why({"b", "c"}) == "b: no answer from b:50051 for 3.1s since its connection broke"
 
 
 def test_the_join_round_is_the_margin_ahead_and_the_final_one_past_the_end():

@@ -236,7 +236,7 @@ class Wiring:
             if name in self.membership.leaving():
                 log.info("ring member %s drained and ended", name)
                 return  # the rounds go without it already: none waits for it
-            self.membership.lost(name)
+            self.membership.lost(name, reason)
             interrupt(name, f"{name} was lost: {reason}")
 
         def back(name: str) -> None:

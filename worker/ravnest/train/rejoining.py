@@ -52,7 +52,7 @@ import json
 import math
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -89,10 +89,18 @@ class RingMembership:
         """member -> the first round it takes part in again (inf: not yet known)."""
         self._out_from: dict[str, int] = {}
         """member -> the first round it is out of for good (it drained: `leave`)."""
+        self._why: dict[str, str] = {}
+        """member -> why its watch took it for lost, the last time."""
 
-    def lost(self, name: str) -> None:
+    def lost(self, name: str, why: str = "") -> None:
         with self._lock:
             self._in_from[name] = math.inf
+            self._why[name] = why
+
+    def why(self, names: Iterable[str]) -> str:
+        """Why the watch took each of `names` for lost ("" where it did not say)."""
+        with self._lock:
+            return "; ".join(f"{n}: {self._why[n]}" for n in sorted(names) if self._why.get(n))
 
     def back(self, name: str) -> None:
         with self._lock:

@@ -519,8 +519,9 @@ class NodeRuntime:
         while True:
             gone = self._lost_now() & set(from_)
             if gone:
+                why = self.membership.why(gone) if self.membership is not None else ""
                 raise PeerFailed(", ".join(sorted(gone)), "it was lost while this node was "
-                                 "rejoining", via=self.name)
+                                 "rejoining" + (f" ({why})" if why else ""), via=self.name)
             left = deadline - time.monotonic()
             try:
                 if left <= 0:
