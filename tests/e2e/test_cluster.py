@@ -241,7 +241,12 @@ def test_deleted_worker_pod_costs_only_its_cluster_which_rejoins_live(cluster: C
     from cluster 0 over the job's authenticated links and rejoin it, and cluster 0's pods train on
     untouched. No checkpoint volume: nothing is read back from disk."""
     name = "elastic"
-    doc = digits_doc(name, epochs=60)  # cluster 0 still trains when cluster 1 is back
+    # Cluster 0 must still train when cluster 1 is back: 60 epochs were not enough on a machine
+    # where cluster 0 trained them ~2x faster than where this test was written (it finished and
+    # its nodes shut down while cluster 1's pods were still rejoining: a race of its own, noted in
+    # issue 35's closing note, which made the operator restart the whole job).
+    epochs = 150
+    doc = digits_doc(name, epochs=epochs)
     try:
         cluster.apply(doc)
 
@@ -277,7 +282,7 @@ def test_deleted_worker_pod_costs_only_its_cluster_which_rejoins_live(cluster: C
         back = [int(r) for p in first
                 for r in re.findall(r"ring \S+ from round (\d+) on: .*\(all back\)", logs[p])]
         assert back == ([] if joined == "final" else [int(joined) + 1] * len(back)), story
-        assert st["result"]["updates"] == 60 * 22, st["result"]
+        assert st["result"]["updates"] == epochs * 22, st["result"]
         assert st["progress"]["validationMetric"] >= 0.95, st["progress"]
     except BaseException:
         print(cluster.job_report(name))  # before its pods go
