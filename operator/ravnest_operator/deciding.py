@@ -285,7 +285,7 @@ def _drains(run: _Pass, job: Job, plan: Plan) -> str | None:
     root = {c.id: resources.pod_name(run.observed.name, c.nodes[0]) for c in plan.clusters}
     for d in list(ordered):  # a root that drained said so as it ended
         ended = pods.get(root[int(d["cluster"])], {})
-        said = termination.figures_of_pod(ended).get("drained")
+        said = termination.of_pod(ended).figures.get("drained")
         if isinstance(said, dict):
             ordered.remove(d)
             drained.append({**d, "round": said.get("round"), "updates": said.get("updates")})
@@ -327,7 +327,7 @@ def _joined(plan: Plan, pods: Mapping[str, Mapping[str, Any]], root: Mapping[int
     it took the final state only)."""
     joined = []
     for c in plan.clusters[plan.planned:]:
-        said = termination.figures_of_pod(pods.get(root[c.id], {})).get("rejoined")
+        said = termination.of_pod(pods.get(root[c.id], {})).figures.get("rejoined")
         if isinstance(said, dict) and (said.get("round") is None or isinstance(said["round"], int)):
             joined.append({"cluster": c.id, "round": said.get("round")})  # (None: the final)
     return joined
@@ -603,7 +603,7 @@ def _missed_final(run: _Pass, plan: Plan, obs: Observation, done: set[int],
     if not done or not joining:
         return set()
     pods = {p["metadata"]["name"]: p for p in run.observed.pods}
-    said = [termination.figures_of_pod(pods.get(s.pod, {})) for s in obs.nodes.values()
+    said = [termination.of_pod(pods.get(s.pod, {})).figures for s in obs.nodes.values()
             if s.cluster in done]
     return elastic.missed_final(joining, said)
 
@@ -937,7 +937,7 @@ def _result(observed: Observed, plan: Plan, status: Mapping[str, Any],
     roots = [resources.pod_name(observed.name, c.nodes[0]) for c in plan.clusters
              if c.id not in gone]
     pods = {p["metadata"]["name"]: p for p in observed.pods}
-    return termination.figures_of_pod(pods.get(roots[0], {})) if roots else {}
+    return termination.of_pod(pods.get(roots[0], {})).figures if roots else {}
 
 
 def _final_rate(observed: Observed, plan: Plan, started: str | None) -> float | None:
@@ -952,8 +952,8 @@ def _final_rate(observed: Observed, plan: Plan, started: str | None) -> float | 
     for c in plan.clusters:
         pod = pods.get(resources.pod_name(observed.name, c.nodes[0]), {})
         ended = termination.of_pod(pod)
-        said = ended.figures if ended else {}
-        if not isinstance(said.get("samples"), int | float) or not ended or not ended.finished_at:
+        said = ended.figures
+        if not isinstance(said.get("samples"), int | float) or not ended.finished_at:
             return None
         samples += said["samples"]
         ends.append(parse_time(ended.finished_at))

@@ -11,9 +11,9 @@ from contextlib import contextmanager
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
-from ravnest.run.jobstatus import FINISHED
+from ravnest.run.jobstatus import FINISHED, Phase
 
-from .statuses import PHASES, parse_time
+from .statuses import parse_time
 
 JOBS = Gauge("ravnest_operator_jobs", "RavnestJobs by phase.", ["phase"])
 RECONCILE = Histogram("ravnest_operator_reconcile_duration_seconds",
@@ -40,7 +40,7 @@ _lock = threading.Lock()
 
 def serve(port: int) -> None:
     start_http_server(port)
-    for phase in PHASES:
+    for phase in Phase:
         JOBS.labels(phase=phase).set(0)
     # Exported at 0 before the first job ends: a series that appears already at 1 is not an
     # increase to Prometheus, and the dashboards' rates of finished jobs would show nothing.
@@ -71,7 +71,7 @@ def forget(namespace: str, name: str) -> None:
 
 
 def _publish() -> None:
-    counts: dict[str, int] = dict.fromkeys(PHASES, 0)
+    counts: dict[str, int] = dict.fromkeys(Phase, 0)
     for phase in _phases.values():
         counts[phase] = counts.get(phase, 0) + 1
     for phase, n in counts.items():

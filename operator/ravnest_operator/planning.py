@@ -27,7 +27,7 @@ class PlannerPod:
     @classmethod
     def of(cls, pod: dict[str, Any]) -> PlannerPod:
         status = pod.get("status") or {}
-        ended = termination.of_pod(pod) or termination.Ending(None)
+        ended = termination.of_pod(pod)
         code, reason, message, waiting = ended.exit_code, ended.reason, ended.message, ""
         for cs in status.get("containerStatuses") or []:
             wait = (cs.get("state") or {}).get("waiting")

@@ -8,13 +8,9 @@ from typing import Any
 
 from ravnest import termination
 from ravnest.plan.plans import Plan
-from ravnest.run.jobstatus import Phase
 from ravnest.run.progress import progress as job_progress
 
 from .resources import ATTEMPT_ANNOTATION, RECOVERY_ANNOTATION, pod_name
-
-PHASES = tuple(Phase)
-"""Every phase of a job, as the operator's gauge of jobs by phase exports them."""
 
 
 def now() -> str:
@@ -105,7 +101,7 @@ def observe(job: str, plan: Plan, pods: list[dict[str, Any]]) -> Observation:
             obs.nodes[node.name] = NodeState(pod=name, phase="Missing", cluster=node.cluster)
             continue
         status = p.get("status") or {}
-        ended = termination.of_pod(p) or termination.Ending(None)
+        ended = termination.of_pod(p)
         annotations = p["metadata"].get("annotations") or {}
         obs.nodes[node.name] = NodeState(
             pod=name, phase=status.get("phase") or "Pending", exit_code=ended.exit_code,

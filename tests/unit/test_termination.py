@@ -75,14 +75,15 @@ def test_a_pods_ending_is_its_own_containers_not_a_sidecars() -> None:
     assert ended == Ending(0, "Completed", json.dumps({"samples": 640}), "2026-11-28T04:00:00Z")
     assert ended.figures == {"samples": 640}
     # a container still running has not ended; one under another name is taken when ours is not
-    assert termination.of_pod(_pod({"name": "ravnest", "state": {"running": {}}})) is None
+    assert termination.of_pod(_pod({"name": "ravnest", "state": {"running": {}}})) == Ending(None)
     assert termination.of_pod(_pod(sidecar)) == Ending(1, "Error", "boom")
-    assert termination.of_pod({"status": {}}) is None
+    assert termination.of_pod({"status": {}}) == Ending(None)
 
 
 def test_a_hostile_status_reads_as_data() -> None:
     odd = _pod({"name": "ravnest", "state": {"terminated": {
         "exitCode": "2", "reason": "", "message": ["not", "text"]}}})
     ended = termination.of_pod(odd)
-    assert ended is not None and ended.exit_code is None and ended.reason is None
+    assert ended != termination.NOT_ENDED  # (its terminated state was read, as data)
+    assert ended.exit_code is None and ended.reason is None
     assert ended.figures == {} and not ended.spec_error

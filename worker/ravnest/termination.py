@@ -131,11 +131,15 @@ class Ending:
         return self.exit_code == SPEC_ERROR_EXIT
 
 
-def of_pod(pod: Mapping[str, Any]) -> Ending | None:
+NOT_ENDED = Ending(exit_code=None)
+"""A process that has not ended (or left no trace of how it did)."""
+
+
+def of_pod(pod: Mapping[str, Any]) -> Ending:
     """How a pod's own container ended, from the pod as the API returns it (a dict): the
     container named first in its spec (the one the operator made; a template merges into it, and
     sidecars an admission controller injects come after it), else the first that terminated.
-    None while it has not terminated."""
+    While none has terminated: `NOT_ENDED` (no exit code, no message, no figures)."""
     status = pod.get("status") or {}
     spec = pod.get("spec") or {}
     ours = next((c.get("name") for c in spec.get("containers") or []), None)
@@ -145,17 +149,11 @@ def of_pod(pod: Mapping[str, Any]) -> Ending | None:
     term = next((t for name, t in ended if name == ours), None) or next(
         (t for _, t in ended), None)
     if term is None:
-        return None
+        return NOT_ENDED
     code = term.get("exitCode")
     return Ending(exit_code=code if isinstance(code, int) else None,
                   reason=term.get("reason") or None, message=str(term.get("message") or ""),
                   finished_at=term.get("finishedAt") or None)
-
-
-def figures_of_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
-    """The figures a pod's own container left as it ended (`of_pod`; {} without)."""
-    ended = of_pod(pod)
-    return ended.figures if ended else {}
 
 
 def beside(log_file: Path) -> Path:

@@ -31,10 +31,6 @@ class Phase(StrEnum):
     FAILED = "Failed"
     SUSPENDED = "Suspended"
 
-    @property
-    def finished(self) -> bool:
-        return self in FINISHED
-
 
 FINISHED = frozenset({Phase.SUCCEEDED, Phase.FAILED})
 """The phases a job never leaves."""
