@@ -22,7 +22,7 @@ from ravnest.errors import PlanError, RavnestError, SpecError
 from ravnest.plan import growth
 from ravnest.plan.handoff import decode
 from ravnest.plan.plans import Plan, ProviderInfo, SparePlan, spare_name
-from ravnest.run import elastic
+from ravnest.run import elastic, supervising
 from ravnest.run.jobstatus import FINISHED, Phase
 from ravnest.spec import Job, parse_job
 
@@ -526,13 +526,9 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     lost = [s for s in obs.nodes.values() if s.deleting or (
         s.phase == "Missing" and s.cluster not in rejoining)] if phase == Phase.RUNNING else []
     if obs.failed or lost:
-        message = "; ".join(filter(None, [obs.failure_message(),
-                                          *(f"pod {s.pod} was deleted" for s in lost)]))
-        down = [*obs.failed, *lost]
-        if not _recover(run, job, plan, obs, down, recoveries, rejoining, conditions, message):
-            _failed(run, job, obs, restarts, conditions, message)
-        if run.out.status.get("phase") != Phase.FAILED:  # (a failed job is not decided again)
-            pods = {s.pod for s in down}
+        act = _lost(run, job, plan, obs, lost, recoveries, rejoining, conditions)
+        if act in (supervising.Act.RESTART_CLUSTER, supervising.Act.RESTART_JOB):
+            pods = {s.pod for s in [*obs.failed, *lost]}
             spares.take_over(run, plan, [n for n, st in obs.nodes.items() if st.pod in pods])
         return
     run.out.do(*(DeletePod(name) for name in spares.unwanted()))
@@ -546,6 +542,33 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     _create_missing(run, job, plan, obs, restarts, recoveries, runs_on, spares)
     conditions, rejoining = _rejoined(run, plan, obs, rejoining, conditions)
     _watch(run, plan, obs, phase, conditions, rejoining)
+
+
+def _lost(run: _Pass, job: Job, plan: Plan, obs: Observation, lost: list[NodeState],
+          recoveries: dict[int, int], rejoining: set[int],
+          conditions: list[dict[str, Any]]) -> supervising.Act:
+    """Pods failed (`obs.failed`) or were lost (`lost`: deleted, or gone): do what
+    `supervising.after_loss` says, restart their cluster alone, or every pod, or fail the job, or
+    wait for the clusters finishing (the job then ends without the lost one: `_ended_without`)."""
+    message = "; ".join(filter(None, [obs.failure_message(),
+                                      *(f"pod {s.pod} was deleted" for s in lost)]))
+    down = [*obs.failed, *lost]
+    seen = {n: s.seen(n) for n, s in obs.nodes.items()}
+    by_pod = {s.pod: n for n, s in obs.nodes.items()}
+    after = supervising.after_loss(plan, job.spec.run_policy, seen,
+                                   [seen[by_pod[s.pod]] for s in down], message,
+                                   _memory(run.status), rejoining=rejoining, drained=run.drained)
+    if after.act == supervising.Act.RESTART_CLUSTER:
+        _recover(run, plan, obs, after, recoveries, rejoining, conditions)
+    elif after.act == supervising.Act.RESTART_JOB:
+        _restart(run, job, obs, after, conditions)
+    elif after.act == supervising.Act.WAIT:
+        run.out.set({"conditions": set_condition(conditions, "Recovering", True,
+                                                 "OthersFinishing", after.said(), run.at)})
+    else:
+        run.fail(after.reason, after.said())
+        run.clean(run.run_policy.get("cleanPodPolicy", "Running"))
+    return after.act
 
 
 def _still_rejoining(run: _Pass, plan: Plan, obs: Observation,
@@ -616,39 +639,50 @@ def _cluster_recoveries(status: Mapping[str, Any], plan: Plan) -> dict[int, int]
             for c in plan.clusters}
 
 
-def _recover(run: _Pass, job: Job, plan: Plan, obs: Observation, down: list[NodeState],
-             recoveries: dict[int, int], rejoining: set[int], conditions: list[dict[str, Any]],
-             message: str) -> bool:
-    """Restart only the cluster of the pods `down` (elastic training, runPolicy.recovery:
-    cluster): its pods are deleted and created again, and their workers take their state from
-    the other clusters and rejoin them at a round boundary while those train on. Only when the
-    loss is one cluster's, another cluster runs whole, the lost one shares parameters with the
-    others, it is no spec error (which no restart cures) and recoveryLimit is not reached; False
-    otherwise (the whole job restarts from its last checkpoint)."""
-    policy = job.spec.run_policy
-    clusters = {s.cluster for s in down}
-    whole = [c.id for c in plan.clusters if c.id not in clusters | rejoining | run.drained
-             and all(obs.nodes[n].phase == "Running" and not obs.nodes[n].deleting
-                     for n in c.nodes)]
-    total = int(run.status.get("recoveries", 0))
-    if not elastic.restart_alone(plan, policy, clusters, whole, total,
-                                 any(s.exit_code == termination.SPEC_ERROR_EXIT for s in down)):
-        return False
-    cluster = clusters.pop()
+def _memory(status: Mapping[str, Any]) -> supervising.Memory:
+    """What the operator keeps between passes for `supervising.after_loss`, from the status:
+    restarts, recoveries, and how the last failures read (status.lastFailures)."""
+    failures = status.get("lastFailures")
+    failures = failures if isinstance(failures, dict) else {}
+    clusters = failures.get("clusters")
+    job = failures.get("job")
+    return supervising.Memory(
+        restarts=int(status.get("restarts", 0)), recoveries=int(status.get("recoveries", 0)),
+        failed_as=job if isinstance(job, str) else None,
+        cluster_failed_as={c: f for c, f in enumerate(clusters if isinstance(clusters, list)
+                                                      else []) if isinstance(f, str)})
+
+
+def _remembered(memory: supervising.Memory) -> dict[str, Any]:
+    """status.lastFailures, of `memory` (clusters: a list by cluster id, replaced whole by a
+    merge patch)."""
+    known = memory.cluster_failed_as
+    return {"job": memory.failed_as,
+            "clusters": [known.get(c) for c in range(max(known, default=-1) + 1)]}
+
+
+def _recover(run: _Pass, plan: Plan, obs: Observation, after: supervising.AfterLoss,
+             recoveries: dict[int, int], rejoining: set[int],
+             conditions: list[dict[str, Any]]) -> None:
+    """Restart only the cluster `after` names (elastic training, runPolicy.recovery: cluster):
+    its pods are deleted and created again, and their workers take their state from the other
+    clusters and rejoin them at a round boundary while those train on."""
+    assert after.cluster is not None
+    cluster = after.cluster
     recoveries = {**recoveries, cluster: recoveries[cluster] + 1}
     run.out.do(*(DeletePod(s.pod) for s in obs.nodes.values()
                  if s.cluster == cluster and s.phase != "Missing" and not s.deleting))
-    text = elastic.restarted_alone(message, cluster, total + 1, policy.recovery_limit, whole)
+    text = after.said()
     rejoining = rejoining | {cluster}
-    run.out.set({"recoveries": total + 1,
+    run.out.set({"recoveries": after.memory.recoveries,
+                 "lastFailures": _remembered(after.memory),
                  "clusterRecoveries": [recoveries.get(i, 0)
                                        for i in range(max(recoveries) + 1)],
                  "rejoining": sorted(rejoining),
                  "clusters": _active(run, plan, rejoining),
-                 "conditions": set_condition(conditions, "Recovering", True, "WorkerFailed",
+                 "conditions": set_condition(conditions, "Recovering", True, after.reason,
                                              text, run.at)})
     run.out.do(Event("Recovering", text, warning=True), CountRecovery())
-    return True
 
 
 def _rejoined(run: _Pass, plan: Plan, obs: Observation, rejoining: set[int],
@@ -812,22 +846,17 @@ def _suspend(run: _Pass, phase: str | None, conditions: list[dict[str, Any]],
         run.out.do(Event("Suspended", message))
 
 
-def _failed(run: _Pass, job: Job, obs: Observation, restarts: int,
-            conditions: list[dict[str, Any]], message: str) -> None:
-    """Restart every pod from the last checkpoint, or past backoffLimit fail the job."""
-    if restarts < int(run.run_policy.get("backoffLimit", 3)):
-        run.out.do(*(DeletePod(s.pod) for s in obs.nodes.values()
-                     if s.phase != "Missing" and not s.deleting))
-        run.out.set({"restarts": restarts + 1, "phase": Phase.RESTARTING, "rejoining": [],
-                     "clusterRecoveries": [],
-                     "conditions": set_condition(
-                         conditions, "Restarting", True, "WorkerFailed",
-                         f"{message}; restart {restarts + 1} {_resumes(job)}",
-                         run.at)})
-        run.out.do(Event("Restarting", message, warning=True), CountRestart())
-        return
-    run.fail("BackoffLimitExceeded", message)
-    run.clean(run.run_policy.get("cleanPodPolicy", "Running"))
+def _restart(run: _Pass, job: Job, obs: Observation, after: supervising.AfterLoss,
+             conditions: list[dict[str, Any]]) -> None:
+    """Restart every pod from the last checkpoint (`after`: a whole restart)."""
+    run.out.do(*(DeletePod(s.pod) for s in obs.nodes.values()
+                 if s.phase != "Missing" and not s.deleting))
+    text = after.said(resumes=_resumes(job))
+    run.out.set({"restarts": after.memory.restarts, "phase": Phase.RESTARTING, "rejoining": [],
+                 "clusterRecoveries": [], "lastFailures": _remembered(after.memory),
+                 "conditions": set_condition(conditions, "Restarting", True, after.reason, text,
+                                             run.at)})
+    run.out.do(Event("Restarting", after.failure, warning=True), CountRestart())
 
 
 OUTPUT_KEYS = ("uri", "model", "bestModel", "learningCurve", "learningCurvePng", "summary")

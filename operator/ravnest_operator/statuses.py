@@ -9,6 +9,8 @@ from typing import Any
 from ravnest import termination
 from ravnest.plan.plans import Plan
 from ravnest.run.progress import progress as job_progress
+from ravnest.run.supervising import NodePhase, Seen
+from ravnest.termination import NOT_ENDED, Ending
 
 from .resources import ATTEMPT_ANNOTATION, RECOVERY_ANNOTATION, pod_name
 
@@ -44,6 +46,12 @@ class NodeState:
     said: str = ""
     """What a terminated container said of its end: its termination message's last line (a
     failed worker's error, or its log's last line when it died without one)."""
+    ending: Ending = NOT_ENDED
+    """How its container ended (`termination.of_pod`)."""
+
+    def seen(self, node: str) -> Seen:
+        """The node as the supervisor's rules (`ravnest.run.supervising`) take it."""
+        return Seen(node, self.cluster, NodePhase.of(self.phase), self.ending, self.deleting)
 
     def to_status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"pod": self.pod, "phase": self.phase}
@@ -108,7 +116,8 @@ def observe(job: str, plan: Plan, pods: list[dict[str, Any]]) -> Observation:
             reason=ended.reason,
             ip=status.get("podIP"), attempt=_int(annotations.get(ATTEMPT_ANNOTATION)),
             recovery=_int(annotations.get(RECOVERY_ANNOTATION)), cluster=node.cluster,
-            deleting=bool(p["metadata"].get("deletionTimestamp")), said=ended.said)
+            deleting=bool(p["metadata"].get("deletionTimestamp")), said=ended.said,
+            ending=ended)
     return obs
 
 

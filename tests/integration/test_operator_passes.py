@@ -115,6 +115,7 @@ FULL = {
                  "etaSeconds": 12},
     "startTime": "2026-11-28T04:00:00Z", "completionTime": "2026-11-28T04:01:00Z", "restarts": 1,
     "recoveries": 2, "clusterRecoveries": [0, 2], "rejoining": [1], "abandoned": [2],
+    "lastFailures": {"job": "exit code 1: ValueError: boom", "clusters": [None, "exit code 3: x"]},
     "draining": [{"cluster": 1, "providers": [3, 4], "orderedAt": "2026-11-28T04:00:30Z"}],
     "drained": [{"cluster": 2, "providers": [5], "orderedAt": "2026-11-28T04:00:10Z", "round": 7,
                  "updates": 14}],

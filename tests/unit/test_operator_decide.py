@@ -306,7 +306,7 @@ def test_a_job_says_whether_a_restart_keeps_its_progress(digits):
     d = decide(_observed(digits, _running(), pods, checkpoint=volume, runPolicy=WHOLE), NOW,
                SETTINGS)
     assert _conditions(d)["Restarting"]["message"].endswith(
-        "restart 1 resumes from the last checkpoint")
+        "restart 1/3 resumes from the last checkpoint")
     d = decide(_observed(digits, _running(), _pods(plan, "Running"), checkpoint=volume,
                          runPolicy={"suspend": True}), NOW, SETTINGS)
     assert _conditions(d)["Suspended"]["message"] == \
@@ -516,7 +516,7 @@ def test_a_failed_pod_restarts_the_job_within_backoff_limit(digits):
     message = f"pod {failed} failed with exit code 137 (Error)"
     assert d.status["phase"] == "Restarting" and d.status["restarts"] == 2
     assert _conditions(d)["Restarting"]["message"] == (
-        f"{message}; restart 2 {EMPTY}")
+        f"{message}; restart 2/3 {EMPTY}")
     assert d.status["nodes"][plan.names()[2]] == {"pod": failed, "phase": "Failed",
                                                  "exitCode": 137, "reason": "Error"}
     assert d.actions == [*(DeletePod(p["metadata"]["name"]) for p in pods),
@@ -532,7 +532,7 @@ def test_a_pod_lost_from_a_running_job_restarts_it(digits):
     assert d.status["phase"] == "Restarting"
     deleting = pods[0]["metadata"]["name"]
     assert _conditions(d)["Restarting"]["message"] == (
-        f"pod {deleting} was deleted; pod {gone} was deleted; restart 1 {EMPTY}")
+        f"pod {deleting} was deleted; pod {gone} was deleted; restart 1/3 {EMPTY}")
     assert d.actions[:-2] == [DeletePod(p["metadata"]["name"]) for p in pods[1:]]
 
 
@@ -751,6 +751,30 @@ def test_a_restarted_cluster_running_again_too_late_for_the_final_round_is_left_
     assert sorted(deleted) == sorted(pods[i]["metadata"]["name"] for i in range(2, 6))
 
 
+def test_a_rejoining_cluster_that_fails_while_the_others_finish_waits_for_them(digits):
+    """Cluster 1, restarted alone, fails again while cluster 0 is finishing (its leaf done, its
+    root still shutting down, so that cluster 1's links to it break): nothing is restarted a
+    moment before the end; once cluster 0 has finished, the job ends without cluster 1."""
+    _, _, plan = digits
+    result = {"updates": 66, "train_loss": 0.1, "val_loss": 0.2, "val_metric": 0.97}
+    status = _running(recoveries=1, clusterRecoveries=[0, 1], rejoining=[])
+    pods = [_pod(plan, 0, "Running"), _pod(plan, 5, "Succeeded", code=0)]
+    pods += [_pod(plan, i, "Running", recovery=1) for i in CLUSTER_1]
+    pods[2] = _pod(plan, CLUSTER_1[0], "Failed", code=1, recovery=1,
+                   message="PeerFailed: node_0 began shutting down")
+    d = decide(_observed(digits, status, pods), NOW, SETTINGS)
+    assert "phase" not in d.status and "restarts" not in d.status and "recoveries" not in d.status
+    assert not any(isinstance(a, (Create, DeletePod, Event)) for a in d.actions)
+    cond = _conditions(d)["Recovering"]
+    assert (cond["status"], cond["reason"]) == ("True", "OthersFinishing")
+    assert cond["message"].endswith("cluster(s) 0 finishing: the job ends without the lost "
+                                    "cluster once they have finished")
+    pods[0] = _pod(plan, 0, "Succeeded", code=0, message=json.dumps(result))
+    d = decide(_observed(digits, status, pods), NOW, SETTINGS)
+    assert d.status["abandoned"] == [1] and d.status["phase"] == "Succeeded"
+    assert (_conditions(d)["Recovering"]["reason"]) == "Abandoned"
+
+
 def test_a_cluster_running_late_is_waited_for_not_left_out(digits):
     _, _, plan = digits
     pods = _pods(plan, "Succeeded", code=0)
@@ -788,7 +812,8 @@ def test_beyond_backoff_limit_the_job_fails_naming_pod_and_exit_code(digits):
     pods[5] = _pod(plan, 5, "Succeeded", code=0, attempt=3)
     pods[0] = _pod(plan, 0, "Pending", attempt=3)
     d = decide(_observed(digits, _running(restarts=3, startTime=_ago(10)), pods), NOW, SETTINGS)
-    message = f"pod {pods[3]['metadata']['name']} failed with exit code 3 (Error)"
+    message = (f"pod {pods[3]['metadata']['name']} failed with exit code 3 (Error) after 3 "
+               "restart(s), backoffLimit 3")
     assert d.status["phase"] == "Failed" and d.status["completionTime"] == AT
     conds = _conditions(d)
     assert conds["Failed"]["reason"] == "BackoffLimitExceeded"

@@ -131,6 +131,15 @@ class Membership(_Part):
     versions: list[MembershipVersion]
 
 
+class LastFailures(_Part):
+    """How the last failures read (`ravnest.run.supervising.failed_as`): the one that led to the
+    last whole restart, and, by cluster id, the one each cluster was last restarted alone for
+    (None: none known). A failure that reads the same again is not restarted the same way."""
+
+    job: str | None = None
+    clusters: list[str | None] = []
+
+
 class JobStatus(_Part):
     """A RavnestJob's `.status`."""
 
@@ -155,6 +164,7 @@ class JobStatus(_Part):
     """Clusters restarted alone (elastic), in all."""
     clusterRecoveries: list[int] | None = None
     """Recoveries in this attempt, by cluster id."""
+    lastFailures: LastFailures | None = None
     rejoining: list[int] | None = None
     abandoned: list[int] | None = None
     """Clusters the job ended without (they could not rejoin in time)."""

@@ -21,7 +21,9 @@ SIGTERM or SIGHUP stops the workers and records the run as Failed (`ravnest run`
 the signal's number); if the runner dies outright (SIGKILL), the kernel kills its workers (Linux's
 parent-death signal, see `ravnest.run.worker.exit_with_runner`).
 
-If a worker dies in a job of several clusters (`spec.runPolicy.recovery: cluster`, the default),
+What to do when a worker dies is decided by `supervising.after_loss`, as the operator decides it
+for a job's pods; this runner carries it out with processes. If a worker dies in a job of several
+clusters (`spec.runPolicy.recovery: cluster`, the default),
 only its cluster is stopped and started again: the other clusters train on, their ring rounds
 going without it, and the restarted workers take their stages' state from the nodes that hold the
 same parameters in the other clusters and rejoin at a round boundary (train/rejoining.py says
@@ -30,8 +32,10 @@ each logged and counted in ``status.json``. Otherwise (one cluster, no other clu
 cluster that failed the same way twice, the limit reached, or `recovery: job`) every worker is
 stopped and the whole run restarts from the newest checkpoint complete for all nodes, as the
 operator restarts a job's pods: at most `spec.runPolicy.backoffLimit` times, each restart logged
-and counted in ``status.json``. Past that limit the run fails: no process is left behind, and the
-error names the node, its exit code and the end of its log.
+and counted in ``status.json``. Past that limit, or when it failed the same way as before its last
+restart, the run fails: no process is left behind, and the error names the node, its exit code and
+the end of its log. A cluster lost while another is finishing is not restarted: once the others
+have finished, the run ends without it.
 
 With `spec.plan.spares`, the providers the planner set aside run as hot spares (`ravnest worker
 --spare`: started with the workers, the job's model built, waiting on stdin). When a cluster is
@@ -47,7 +51,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -65,7 +68,7 @@ from ravnest.comm.tls import identity, issue, make_authority
 from ravnest.errors import PlanError, SpecError, WorkerFailed
 from ravnest.plan import building
 from ravnest.plan.plans import Plan, SparePlan, spare_name
-from ravnest.run import draining, elastic, finishing, growing
+from ravnest.run import draining, elastic, finishing, growing, supervising
 from ravnest.run.jobstatus import Phase
 from ravnest.run.locking import lock_folder, refuse_if_locked
 from ravnest.run.metadata import (
@@ -169,10 +172,10 @@ class LocalRun:
         self.worker_threads = worker_threads
         self.procs: list[_Proc] = []
         self.plan: Plan | None = None
-        self.restarts = 0
+        self.memory = supervising.Memory()
+        """What the supervisor keeps between decisions (`supervising.after_loss`)."""
         self.recoveries: list[dict[str, Any]] = []
         """The clusters restarted alone: cluster, the worker that failed, how, and when."""
-        self._cluster_failures: dict[int, tuple[int, str] | None] = {}
         self._token = ""
         self.abandoned: set[int] = set()
         """Clusters that failed once every other one had finished: the run ends without them."""
@@ -506,34 +509,62 @@ class LocalRun:
                             p.popen.returncode, p.log, _tail(p.log, 5))
 
     def supervise(self, metas: list[NodeMetadata]) -> None:
-        """Start the workers and restart them all after a worker died, from the newest complete
-        checkpoint, until they succeed or `backoffLimit` restarts are used up."""
-        limit = self.job.spec.run_policy.backoff_limit
+        """Start the workers and, when one dies, do what `supervising.after_loss` says: restart
+        its cluster alone, or every worker from the newest complete checkpoint (at most
+        `backoffLimit` times), or fail the run (WorkerFailed)."""
         self.metas = list(metas)
         self.start(metas)
-        last: tuple[int, str] | None = None
         while (dead := self.wait()) is not None:
+            assert self.plan is not None  # (the plan as it is now: a grown job's has more nodes)
             failure = f"worker {dead.node} exited with code {dead.popen.returncode}"
-            if self._recover(dead, self.metas, failure):
+            after = supervising.after_loss(self.plan, self.job.spec.run_policy, self._seen(),
+                                           [self._seen_of(dead)], failure, self.memory,
+                                           drained=self.drained)
+            if after.act == supervising.Act.RESTART_CLUSTER:
+                self._recover(dead, self.metas, after)
                 continue
-            seen, last = last, _failure_of(dead)
-            if self.restarts >= limit or (last is not None and seen == last):
-                used = f" after {self.restarts} restart(s), backoffLimit {limit}" if limit else ""
-                again = ("; it failed the same way as before its last restart, so it is not "
-                         "restarted again" if last is not None and seen == last else "")
-                raise WorkerFailed(f"{failure}{used}{again}; last lines of {dead.log}:\n"
+            if after.act == supervising.Act.WAIT:  # (`wait` ends the run without it once done)
+                if self.conditions[-1:] != [waiting := {
+                        "type": "Recovering", "status": "True", "reason": "OthersFinishing",
+                        "message": after.said()}]:
+                    self._say(waiting["type"], waiting["status"], waiting["reason"],
+                              waiting["message"])
+                time.sleep(0.5)
+                continue
+            if after.act == supervising.Act.FAIL:
+                raise WorkerFailed(f"{after.said()}; last lines of {dead.log}:\n"
                                    f"{_tail(dead.log)}")
             self.stop()
             self.procs = []
-            self.restarts += 1
+            self.memory = after.memory
             metas = self._not_drained(self.metas)
             planned = [m for m in metas if not m.plan.grown(m.plan.node(m.node).cluster)]
             step = checkpointing.latest(self.checkpoint_dir(), [m.node for m in planned])
             where = f"checkpoint at step {step}" if step is not None else "the start"
-            self._say("Restarting", "True", "WorkerFailed",
-                      f"{failure}; restart {self.restarts}/{limit} resumes from {where}",
-                      phase=Phase.RESTARTING)
+            self._say("Restarting", "True", after.reason,
+                      after.said(resumes=f"resumes from {where}"), phase=Phase.RESTARTING)
             self.start(metas)
+
+    @property
+    def restarts(self) -> int:
+        """The whole restarts so far."""
+        return self.memory.restarts
+
+    def _seen_of(self, proc: _Proc) -> supervising.Seen:
+        """A worker as its process shows it (how it ended: its termination message, else its
+        log's last lines)."""
+        assert self.plan is not None
+        code = proc.popen.poll()
+        return supervising.seen_in_process(proc.node, self.plan.node(proc.node).cluster, code,
+                                           ending_of(proc.log, code))
+
+    def _seen(self) -> dict[str, supervising.Seen]:
+        """Every node of the plan not drained, as its process shows it (Missing: none runs it)."""
+        assert self.plan is not None
+        procs = {p.node: p for p in self.procs}
+        return {n.name: self._seen_of(procs[n.name]) if n.name in procs else
+                supervising.Seen(n.name, n.cluster, supervising.NodePhase.MISSING)
+                for n in self.plan.nodes if n.cluster not in self.drained}
 
     def _say(self, type_: str, status: str, reason: str, message: str,
              level: int = logging.WARNING, phase: Phase = Phase.RUNNING) -> None:
@@ -598,37 +629,24 @@ class LocalRun:
         self._say("Recovering", "False", "Abandoned", elastic.abandoned(clusters, done, why))
         return True
 
-    def _recover(self, dead: _Proc, metas: list[NodeMetadata], failure: str) -> bool:
-        """Restart only the cluster of `dead`, if elasticity can absorb its loss
-        (`elastic.restart_alone`) and it is not the same failure as that cluster's last; a free
-        hot spare that holds the stage of `dead` takes it over. False: the whole job must
-        restart."""
-        assert self.plan is not None
-        plan, policy = self.plan, self.job.spec.run_policy
-        cluster = plan.node(dead.node).cluster
-        mine = {n.name for n in plan.cluster_nodes(cluster)}
-        whole = [c.id for c in plan.clusters if c.id not in (cluster, *self.drained) and all(
-            p.popen.poll() is None for p in self.procs if p.node in c.nodes)]
-        seen, now = self._cluster_failures.get(cluster), _failure_of(dead)
-        if not elastic.restart_alone(plan, policy, {cluster}, whole, len(self.recoveries),
-                                     dead.popen.returncode == termination.SPEC_ERROR_EXIT) or (
-                now is not None and seen == now):
-            return False
-        self._cluster_failures[cluster] = now
+    def _recover(self, dead: _Proc, metas: list[NodeMetadata],
+                 after: supervising.AfterLoss) -> None:
+        """Restart only the cluster of `dead` (`after`, from `supervising.after_loss`); a free hot
+        spare that holds the stage of `dead` takes it over."""
+        assert self.plan is not None and after.cluster is not None
+        cluster, mine = after.cluster, {n.name for n in self.plan.cluster_nodes(after.cluster)}
         procs = [p for p in self.procs if p.node in mine]
         # killed at once: they have nothing to save, and their ports are wanted back now
         self.stop(procs, grace=0)
         self.procs = [p for p in self.procs if p.node not in mine]
+        self.memory = after.memory
         self.recoveries.append({"cluster": cluster, "node": dead.node,
                                 "exitCode": dead.popen.returncode, "at": round(time.time(), 3)})
         spare = self._take_over(next(m for m in metas if m.node == dead.node), cluster)
         taken = (f"; spare {spare} took over the stage of {dead.node}" if spare else "")
-        message = elastic.restarted_alone(failure, cluster, len(self.recoveries),
-                                          policy.recovery_limit, whole, taken)
-        self._say("Recovering", "True", "WorkerFailed", message)
+        self._say("Recovering", "True", after.reason, after.said(taken))
         self.start([m for m in metas if m.node in mine and (spare is None or m.node != dead.node)],
                    rejoin=True)
-        return True
 
     def _recovered(self) -> None:
         """Running again after a restart: Restarting turns False, as in the operator."""
@@ -747,19 +765,14 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
-_STAMP = re.compile(r"^\[?\d{4}-\d\d-\d\d[ T][\d:,.]+\]?\s*")
-
-
-def _failure_of(proc: _Proc) -> tuple[int, str] | None:
-    """What a worker's failure is known by when the runner decides whether a restart failed the
-    same way: its exit code and last log line without a timestamp (whichever worker reports it:
-    all of them may fail alike). None for a worker killed by a signal (an outside event: a kill,
-    the OOM killer) or one that logged nothing."""
-    code = proc.popen.returncode
-    lines = [line for line in _tail(proc.log, 5).splitlines() if line.strip()]
-    if code is None or code <= 0 or not lines:
-        return None
-    return code, _STAMP.sub("", lines[-1])
+def ending_of(log_file: Path, exit_code: int | None) -> termination.Ending:
+    """How a local worker that logs to `log_file` ended: its exit code and termination message
+    (`termination.of_local`), else, when it left none, its log's last lines (as the kubelet's
+    FallbackToLogsOnError has it for a pod)."""
+    ending = termination.of_local(log_file, exit_code)
+    if exit_code is None or ending.message.strip():
+        return ending
+    return termination.Ending(exit_code, message=_tail(log_file, 5))
 
 
 def _tail(path: Path, lines: int = 25) -> str:

@@ -1,0 +1,191 @@
+"""What a supervisor does about a loss (ravnest.run.supervising.after_loss), decided once for both
+supervisors: each scenario below is observed the operator's way (pods, as the API returns them,
+through `statuses.observe`) and the local runner's way (processes' exit codes and termination
+files, through `local.ending_of`), and both must come to the same decision."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ravnest import parse_job, plan_job, termination
+from ravnest.run import local
+from ravnest.run.supervising import Act, Memory, NodePhase, after_loss, failed_as, seen_in_process
+from ravnest.spec import RunPolicy
+from ravnest_operator import resources, statuses
+
+ROOT = Path(__file__).resolve().parents[2]
+BOOM = "ValueError: boom at step 5"
+"""What a worker that fails the same way each time says."""
+
+
+@pytest.fixture(scope="module")
+def plan():
+    job = parse_job(yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text()))
+    planned, _, _ = plan_job(job)
+    # cluster 0: node_0 (root) and node_5; cluster 1: node_1 .. node_4 (the tests rely on it)
+    assert [sorted(c.nodes) for c in planned.clusters] == [
+        ["node_0", "node_5"], ["node_1", "node_2", "node_3", "node_4"]]
+    return planned
+
+
+# A node's state, as the scenarios name it: running, succeeded, failed with (code, what it said),
+# or killed (by a signal: an outside event, never taken for a repeated failure).
+RUNNING, SUCCEEDED, KILLED = "running", "succeeded", "killed"
+
+
+def failed(code: int = 1, said: str = BOOM) -> tuple[int, str]:
+    return code, said
+
+
+def _pod(node: str, state: Any) -> dict[str, Any]:
+    """The pod of `node` in `state`, as the API returns it (its container's termination)."""
+    pod: dict[str, Any] = {"metadata": {"name": resources.pod_name("digits", node)},
+                           "spec": {"containers": [{"name": "worker"}]}, "status": {}}
+    if state == RUNNING:
+        pod["status"] = {"phase": "Running"}
+        return pod
+    code, message, reason = ((0, "{}", "Completed") if state == SUCCEEDED else
+                             (137, "", "Error") if state == KILLED else (*state, "Error"))
+    pod["status"] = {"phase": "Succeeded" if code == 0 else "Failed", "containerStatuses": [
+        {"name": "worker", "state": {"terminated": {"exitCode": code, "reason": reason,
+                                                    "message": message}}}]}
+    return pod
+
+
+def by_operator(plan, states: dict[str, Any]) -> dict[str, Any]:
+    obs = statuses.observe("digits", plan, [_pod(n, states.get(n, RUNNING)) for n in plan.names()])
+    return {n: s.seen(n) for n, s in obs.nodes.items()}
+
+
+def by_local_runner(plan, states: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    seen = {}
+    for node in plan.names():
+        state = states.get(node, RUNNING)
+        log = tmp / f"{node}.log"
+        env = termination.local_env({}, log)  # (where the worker's message goes)
+        log.write_text("2026-11-28 07:00:00,000 INFO training\n")
+        code: int | None
+        if state == RUNNING:
+            code = None
+        elif state == SUCCEEDED:
+            code = 0
+            termination.write("{}", env)
+        elif state == KILLED:
+            code = -9  # (no message: killed)
+        else:
+            code, said = state
+            termination.write(said, env)
+        seen[node] = seen_in_process(node, plan.node(node).cluster, code,
+                                     local.ending_of(log, code))
+    return seen
+
+
+# (scenario, node states, runPolicy, memory, rejoining) -> (act, cluster restarted alone, reason)
+SCENARIOS: list[tuple[str, dict[str, Any], dict[str, Any], Memory, set[int], Any]] = [
+    ("one cluster's worker killed, the other trains: that cluster alone",
+     {"node_2": KILLED}, {}, Memory(), set(), (Act.RESTART_CLUSTER, 1, "WorkerFailed")),
+    ("recovery job: every worker restarts", {"node_2": KILLED}, {"recovery": "job"}, Memory(),
+     set(), (Act.RESTART_JOB, None, "WorkerFailed")),
+    ("a spec error: no restart alone cures it", {"node_2": failed(2, "invalid job: spec.data")},
+     {}, Memory(), set(), (Act.RESTART_JOB, None, "WorkerFailed")),
+    ("the other cluster is finishing: wait for it, the job then ends without the lost one",
+     {"node_2": KILLED, "node_5": SUCCEEDED}, {}, Memory(), set(),
+     (Act.WAIT, None, "WorkerFailed")),
+    ("the other cluster is finishing, recovery job: every worker restarts",
+     {"node_2": KILLED, "node_5": SUCCEEDED}, {"recovery": "job"}, Memory(), set(),
+     (Act.RESTART_JOB, None, "WorkerFailed")),
+    ("a worker of the finishing cluster is lost too: every worker restarts",
+     {"node_2": KILLED, "node_5": SUCCEEDED, "node_0": KILLED}, {}, Memory(), set(),
+     (Act.RESTART_JOB, None, "WorkerFailed")),
+    ("the other cluster is rejoining: not whole", {"node_2": KILLED}, {}, Memory(), {0},
+     (Act.RESTART_JOB, None, "WorkerFailed")),
+    ("both clusters lost workers", {"node_2": KILLED, "node_5": KILLED}, {}, Memory(), set(),
+     (Act.RESTART_JOB, None, "WorkerFailed")),
+    ("recoveryLimit reached", {"node_2": KILLED}, {"recoveryLimit": 2}, Memory(recoveries=2),
+     set(), (Act.RESTART_JOB, None, "WorkerFailed")),
+    ("the cluster failed as it did before its last restart alone: the whole job restarts",
+     {"node_2": failed()}, {}, Memory(recoveries=1, cluster_failed_as={1: f"exit code 1: {BOOM}"}),
+     set(), (Act.RESTART_JOB, None, "WorkerFailed")),
+    ("another failure of a cluster restarted alone before: alone again",
+     {"node_2": failed(1, "OSError: disk full")}, {},
+     Memory(recoveries=1, cluster_failed_as={1: f"exit code 1: {BOOM}"}), set(),
+     (Act.RESTART_CLUSTER, 1, "WorkerFailed")),
+    ("the job failed as it did before its last whole restart: it fails",
+     {"node_2": failed()}, {"recovery": "job"},
+     Memory(restarts=1, failed_as=f"exit code 1: {BOOM}"), set(),
+     (Act.FAIL, None, "RepeatedFailure")),
+    ("killed again and again: never taken for a repeat", {"node_2": KILLED}, {"recovery": "job"},
+     Memory(restarts=1, failed_as=None), set(), (Act.RESTART_JOB, None, "WorkerFailed")),
+    ("backoffLimit used up", {"node_2": KILLED}, {"recovery": "job"}, Memory(restarts=3), set(),
+     (Act.FAIL, None, "BackoffLimitExceeded")),
+]
+
+
+@pytest.mark.parametrize(("name", "states", "policy", "memory", "rejoining", "expected"),
+                         SCENARIOS, ids=[s[0] for s in SCENARIOS])
+def test_both_supervisors_decide_a_loss_alike(plan, tmp_path, name, states, policy, memory,
+                                              rejoining, expected):
+    run_policy = RunPolicy.model_validate(policy)
+    decided = []
+    for seen in (by_operator(plan, states), by_local_runner(plan, states, tmp_path)):
+        down = [s for s in seen.values() if s.phase == NodePhase.FAILED]
+        decided.append(after_loss(plan, run_policy, seen, down, "lost", memory,
+                                  rejoining=rejoining))
+    operator, runner = decided
+    assert dataclasses.astuple(operator) == dataclasses.astuple(runner), name
+    assert (operator.act, operator.cluster, operator.reason) == expected, name
+
+
+def test_what_each_decision_says_and_remembers(plan, tmp_path):
+    seen = by_local_runner(plan, {"node_2": failed()}, tmp_path)
+    down = [seen["node_2"]]
+    policy = RunPolicy()
+    alone = after_loss(plan, policy, seen, down, "worker node_2 exited with code 1", Memory())
+    assert alone.said(taken="; spare spare_7 took over the stage of node_2") == (
+        "worker node_2 exited with code 1; cluster 1 restarted alone (recovery 1/10); spare "
+        "spare_7 took over the stage of node_2: it takes its state from cluster(s) 0 and rejoins "
+        "at a round boundary, while they train on")
+    assert alone.memory == Memory(recoveries=1, cluster_failed_as={1: f"exit code 1: {BOOM}"})
+    # the same failure again: the whole job restarts, remembering it
+    whole = after_loss(plan, policy, seen, down, "lost", alone.memory)
+    assert whole.said(resumes="resumes from checkpoint at step 40") == (
+        "lost; restart 1/3 resumes from checkpoint at step 40")
+    assert whole.memory == dataclasses.replace(alone.memory, restarts=1,
+                                               failed_as=f"exit code 1: {BOOM}")
+    # and once more: restarting cannot cure it
+    fail = after_loss(plan, policy, seen, down, "lost", whole.memory)
+    assert fail.act == Act.FAIL and fail.memory == whole.memory
+    assert fail.said() == ("lost after 1 restart(s), backoffLimit 3; it failed the same way as "
+                           "before its last restart, so it is not restarted again")
+    assert after_loss(plan, RunPolicy(backoff_limit=0, recovery="job"), seen, down, "lost",
+                      Memory()).said() == "lost"
+    seen = by_local_runner(plan, {"node_2": failed(), "node_5": SUCCEEDED}, tmp_path)
+    wait = after_loss(plan, policy, seen, down, "lost", Memory())
+    assert (wait.act, wait.memory, wait.said()) == (Act.WAIT, Memory(), (
+        "lost; cluster(s) 0 finishing: the job ends without the lost cluster once they have "
+        "finished"))
+
+
+@pytest.mark.parametrize(("code", "message", "known"), [
+    (1, BOOM, f"exit code 1: {BOOM}"),
+    (1, f"Traceback...\n2026-11-28 07:00:01,123 {BOOM}\n", f"exit code 1: {BOOM}"),
+    (137, "", None),  # killed (a pod's container)
+    (-9, "", None),  # killed (a local process)
+    (1, "", None),  # said nothing
+    (None, "", None),  # still running
+])
+def test_a_failure_is_known_by_its_exit_code_and_last_words(code, message, known):
+    assert failed_as(termination.Ending(code, message=message)) == known
+
+
+def test_a_local_worker_that_left_no_message_is_known_by_its_log(tmp_path):
+    log = tmp_path / "node_1.log"
+    termination.local_env({}, log)
+    log.write_text(f"2026-11-28 07:00:00,000 INFO start\n2026-11-28 07:00:01,000 {BOOM}\n")
+    assert failed_as(local.ending_of(log, 1)) == f"exit code 1: {BOOM}"
+    assert local.ending_of(log, None) == termination.Ending(None)

@@ -1,0 +1,203 @@
+"""What a job's supervisor does when workers are lost, decided once for both supervisors: the
+local runner (`ravnest.run.local`, which sees its worker processes) and the operator
+(`ravnest_operator.deciding`, which sees the job's pods).
+
+Each supervisor turns what it sees into the same typed observations (`Seen`: a node's phase, how
+its process ended, parsed once by `ravnest.termination`), keeps the same memory between decisions
+(`Memory`: restarts, recoveries, how the last failures read), and asks `after_loss`, a pure
+function, what to do: restart the lost cluster alone, restart the whole job from its last
+checkpoint, or fail the job. It then carries the answer out its own way (processes and files;
+pods, status and Events) and says the message the answer holds.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from ravnest.plan.plans import Plan
+from ravnest.run import elastic
+from ravnest.spec import RunPolicy
+from ravnest.termination import NOT_ENDED, Ending
+
+
+class NodePhase(StrEnum):
+    """Where a node's process stands (a pod's phase; Missing: it has none)."""
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    MISSING = "Missing"
+
+    @classmethod
+    def of(cls, phase: str | None) -> NodePhase:
+        """A pod's phase as a node's (none yet, or Unknown, whose kubelet is not heard from:
+        Pending)."""
+        try:
+            return cls(phase or "Pending")
+        except ValueError:
+            return cls.PENDING
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A worker node as its supervisor saw it: its cluster, its phase, how its process ended,
+    whether it is being deleted (a pod: lost like a failed one)."""
+
+    node: str
+    cluster: int
+    phase: NodePhase
+    ending: Ending = NOT_ENDED
+    deleting: bool = False
+
+    @property
+    def running(self) -> bool:
+        """It runs, and is not going away."""
+        return self.phase == NodePhase.RUNNING and not self.deleting
+
+
+def seen_in_process(node: str, cluster: int, exit_code: int | None, ending: Ending) -> Seen:
+    """A node as its local process shows it: running (`exit_code` None), succeeded (0) or
+    failed, with how it ended (`termination.of_local`)."""
+    phase = (NodePhase.RUNNING if exit_code is None else
+             NodePhase.SUCCEEDED if exit_code == 0 else NodePhase.FAILED)
+    return Seen(node, cluster, phase, ending)
+
+
+_STAMP = re.compile(r"^\[?\d{4}-\d\d-\d\d[ T][\d:,.]+\]?\s*")
+
+
+def failed_as(ending: Ending) -> str | None:
+    """What a failure is known by when a supervisor decides whether a restart failed the same way
+    as before: its exit code and what the process said last (its termination message's last line,
+    or its log's, without a timestamp). None for a process killed by a signal (an outside event: a
+    kill, the OOM killer, a lost machine) or one that said nothing: such a failure is never taken
+    for a repeated one."""
+    code = ending.exit_code
+    said = _STAMP.sub("", ending.said)
+    if code is None or code <= 0 or code > 128 or not said:
+        return None
+    return f"exit code {code}: {said}"
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What a supervisor keeps between decisions: whole restarts and clusters restarted alone so
+    far, how the failure that led to the last whole restart read (`failed_as`), and each
+    cluster's last failure that it was restarted alone for."""
+
+    restarts: int = 0
+    recoveries: int = 0
+    failed_as: str | None = None
+    cluster_failed_as: Mapping[int, str] = field(default_factory=dict)
+
+
+class Act(StrEnum):
+    RESTART_CLUSTER = "RestartCluster"
+    """Restart the lost cluster alone: it takes its state from the others and rejoins them."""
+    RESTART_JOB = "RestartJob"
+    """Restart every worker from the job's last checkpoint."""
+    FAIL = "Fail"
+    """The job fails."""
+    WAIT = "Wait"
+    """Nothing yet: another cluster is finishing, and the job then ends without the lost one
+    (`elastic.ended_without`), or a loss there is decided anew."""
+
+
+@dataclass(frozen=True)
+class AfterLoss:
+    """What to do about a loss (`act`), why (`said()`, which the supervisor says), and what to
+    remember once it is done (`memory`)."""
+
+    act: Act
+    memory: Memory
+    failure: str
+    """How the loss came about, in the supervisor's words."""
+    cluster: int | None = None
+    """The cluster restarted alone."""
+    whole: tuple[int, ...] = ()
+    """The clusters it takes its state from (waiting: the clusters finishing)."""
+    limit: int = 0
+    """recoveryLimit (a cluster restarted alone) or backoffLimit."""
+    again: bool = False
+    """It failed the same way as before its last restart."""
+
+    @property
+    def reason(self) -> str:
+        """The reason of the condition the supervisor sets."""
+        if self.act != Act.FAIL:
+            return "WorkerFailed"
+        return "RepeatedFailure" if self.again else "BackoffLimitExceeded"
+
+    def said(self, taken: str = "", resumes: str = "resumes from the last checkpoint") -> str:
+        """What the supervisor says (`taken`: which spare took a lost stage over, if one did;
+        `resumes`: what a whole restart resumes from)."""
+        if self.act == Act.WAIT:
+            return (f"{self.failure}; cluster(s) {', '.join(map(str, self.whole))} finishing: the "
+                    f"job ends without the lost cluster once they have finished")
+        if self.act == Act.RESTART_CLUSTER:
+            assert self.cluster is not None
+            return elastic.restarted_alone(self.failure, self.cluster, self.memory.recoveries,
+                                           self.limit, self.whole, taken)
+        if self.act == Act.RESTART_JOB:
+            return f"{self.failure}; restart {self.memory.restarts}/{self.limit} {resumes}"
+        used = (f" after {self.memory.restarts} restart(s), backoffLimit {self.limit}"
+                if self.limit else "")
+        why = ("; it failed the same way as before its last restart, so it is not restarted "
+               "again" if self.again else "")
+        return f"{self.failure}{used}{why}"
+
+
+def after_loss(plan: Plan, policy: RunPolicy, nodes: Mapping[str, Seen], down: Sequence[Seen],
+               failure: str, memory: Memory, *,
+               rejoining: Collection[int] = (), drained: Collection[int] = ()) -> AfterLoss:
+    """What a supervisor does when the nodes `down` failed or were lost (`failure` says how, in
+    the supervisor's words; `nodes`: the plan's nodes as seen, those of drained clusters left
+    out or not; `rejoining`: clusters restarted alone and not running again yet; `drained`:
+    clusters that left the job).
+
+    1. Wait, with runPolicy.recovery: cluster, while another cluster is finishing (some of its
+       workers succeeded, the others still run): the job will end without the lost cluster once
+       they are done, as the others' final round averaged them, instead of restarting everyone
+       a moment before the end.
+    2. Restart their cluster alone (runPolicy.recovery: cluster) when `elastic.restart_alone`
+       allows it (one cluster lost, another whole, no spec error, recoveryLimit not reached) and
+       the cluster did not fail the same way the last time it was restarted alone.
+    3. Else restart the whole job from its last checkpoint, until
+       backoffLimit restarts are used up, unless it failed the same way as before its last whole
+       restart: restarting cannot cure that.
+    4. Else fail the job.
+    """
+    lost = {s.cluster for s in down}
+    known = next((f for s in down if (f := failed_as(s.ending))), None)
+    whole = tuple(sorted(c.id for c in plan.clusters if c.id not in {*lost, *rejoining, *drained}
+                         and all(n in nodes and nodes[n].running for n in c.nodes)))
+    spec_error = any(s.ending.spec_error for s in down)
+    finishing = tuple(c.id for c in plan.clusters if c.id not in {*lost, *drained}
+                      and _finishing([nodes.get(n) for n in c.nodes]))
+    if policy.recovery == "cluster" and finishing:
+        return AfterLoss(Act.WAIT, memory, failure, whole=finishing)
+    if elastic.restart_alone(plan, policy, lost, whole, memory.recoveries, spec_error):
+        (cluster,) = lost
+        if known is None or memory.cluster_failed_as.get(cluster) != known:
+            remembered = {c: f for c, f in memory.cluster_failed_as.items() if c != cluster}
+            if known is not None:
+                remembered[cluster] = known
+            after = Memory(memory.restarts, memory.recoveries + 1, memory.failed_as, remembered)
+            return AfterLoss(Act.RESTART_CLUSTER, after, failure, cluster=cluster, whole=whole,
+                             limit=policy.recovery_limit)
+    limit = policy.backoff_limit
+    again = known is not None and known == memory.failed_as
+    if memory.restarts < limit and not again:
+        after = Memory(memory.restarts + 1, memory.recoveries, known, memory.cluster_failed_as)
+        return AfterLoss(Act.RESTART_JOB, after, failure, limit=limit)
+    return AfterLoss(Act.FAIL, memory, failure, limit=limit, again=again)
+
+
+def _finishing(nodes: Sequence[Seen | None]) -> bool:
+    """A cluster finishing: some of its workers succeeded, the others still run."""
+    return (all(s is not None and (s.phase == NodePhase.SUCCEEDED or s.running) for s in nodes)
+            and any(s is not None and s.phase == NodePhase.SUCCEEDED for s in nodes))
