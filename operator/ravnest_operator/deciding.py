@@ -582,31 +582,27 @@ def _still_rejoining(run: _Pass, plan: Plan, obs: Observation,
 
 def _ended_without(run: _Pass, job: Job, plan: Plan, obs: Observation,
                    rejoining: set[int]) -> set[int]:
-    """The clusters the job ends without (status.abandoned): with runPolicy.recovery cluster, once
-    every other cluster has finished, those that failed or were lost, or were restarted alone and
-    not yet running again, or running but too late for the others' final round (there is nobody
-    left to take the state from). The final round averaged the others, whose model is the job's.
-    Their pods are deleted, and the job finishes."""
+    """The clusters the job ends without (status.abandoned), as `supervising.ends_without`
+    decides. Those new to it: their pods still running are deleted (failed ones are kept), and
+    the job finishes with the others."""
     before = {int(c) for c in run.status.get("abandoned") or []}
-    done = {c.id for c in plan.clusters if c.id not in run.drained and all(
-        obs.nodes[n].phase == "Succeeded" for n in c.nodes)}
-    unable = before | rejoining | _missed_final(run, plan, obs, done, before) | {
-        s.cluster for s in obs.nodes.values() if s.deleting or s.phase in ("Failed", "Missing")}
-    rest = elastic.ended_without(job.spec.run_policy, plan, done, unable, run.drained)
-    if not rest:
+    recovered = [c for c, n in _cluster_recoveries(run.status, plan).items() if n]
+    ends = supervising.ends_without(plan, job.spec.run_policy,
+                                    {n: s.seen(n) for n, s in obs.nodes.items()},
+                                    recovered=recovered, rejoining=rejoining,
+                                    drained=run.drained, abandoned=before)
+    if ends is None:
         return before
-    new = rest - before
-    if new:
-        text = elastic.abandoned(new, done, "failed, lost, or restarted and not back in time "
-                                            "for their final round")
-        conditions = set_condition(run.status.get("conditions") or [], "Recovering", False,
-                                   "Abandoned", text, run.at)
-        run.status.update(conditions=conditions, abandoned=sorted(rest))
-        run.out.set({"abandoned": sorted(rest), "rejoining": sorted(rejoining - rest),
-                     "clusters": _active(run, plan, rest), "conditions": conditions})
-        run.out.do(Event("Abandoned", text, warning=True),
-                   *(DeletePod(s.pod) for s in obs.nodes.values() if s.cluster in new
-                     and s.phase in ("Running", "Pending") and not s.deleting))  # failed: kept
+    text = ends.said()
+    rest = set(ends.clusters)
+    conditions = set_condition(run.status.get("conditions") or [], "Recovering", False,
+                               "Abandoned", text, run.at)
+    run.status.update(conditions=conditions, abandoned=sorted(rest))
+    run.out.set({"abandoned": sorted(rest), "rejoining": sorted(rejoining - rest),
+                 "clusters": _active(run, plan, rest), "conditions": conditions})
+    run.out.do(Event("Abandoned", text, warning=True),
+               *(DeletePod(s.pod) for s in obs.nodes.values() if s.cluster in ends.new
+                 and s.phase in ("Running", "Pending") and not s.deleting))  # failed: kept
     return rest
 
 
@@ -614,21 +610,6 @@ def _active(run: _Pass, plan: Plan, away: set[int]) -> str:
     """status.clusters: the clusters training / planned (`away`: those rejoining or left out;
     those drained are away too)."""
     return f"{len(plan.clusters) - len(set(away) | run.drained)}/{len(plan.clusters)}"
-
-
-def _missed_final(run: _Pass, plan: Plan, obs: Observation, done: set[int],
-                  left_out: set[int]) -> set[int]:
-    """The clusters restarted alone (or added to the job) whose pods run, but that the final
-    round of the finished clusters' (`done`) nodes neither held nor sent its state to (their
-    termination messages say): they would wait for those nodes until their peer timeout."""
-    recovered = [c for c, n in _cluster_recoveries(run.status, plan).items() if n]
-    joining = elastic.joining(plan, recovered, done | left_out | run.drained)
-    if not done or not joining:
-        return set()
-    pods = {p["metadata"]["name"]: p for p in run.observed.pods}
-    said = [termination.of_pod(pods.get(s.pod, {})).figures for s in obs.nodes.values()
-            if s.cluster in done]
-    return elastic.missed_final(joining, said)
 
 
 def _cluster_recoveries(status: Mapping[str, Any], plan: Plan) -> dict[int, int]:
@@ -1001,7 +982,7 @@ def _watch(run: _Pass, plan: Plan, obs: Observation, phase: str,
             restarting = next((c for c in conds if c["type"] == "Restarting"), None)
             if restarting and restarting["status"] == "True":  # keep what it recovered from
                 conds = set_condition(conds, "Restarting", False, "Recovered",
-                                      f"running again after: {restarting['message']}", run.at)
+                                      supervising.recovered(restarting), run.at)
             run.out.set({"phase": Phase.RUNNING, "conditions": conds})
             if not started:
                 started = run.at
@@ -1010,9 +991,10 @@ def _watch(run: _Pass, plan: Plan, obs: Observation, phase: str,
         _progress(run, plan, obs, started, rejoining or set())
     elif rejoining and started:  # the others train on: their progress goes on
         _progress(run, plan, obs, started, rejoining)
-    deadline = run.run_policy.get("activeDeadlineSeconds")
-    if deadline and started and (run.now - parse_time(started)).total_seconds() > deadline:
-        run.fail("DeadlineExceeded", f"job ran longer than activeDeadlineSeconds={deadline}")
+    running = (run.now - parse_time(started)).total_seconds() if started else 0.0
+    past = supervising.past_deadline(run.run_policy.get("activeDeadlineSeconds"), running)
+    if past:
+        run.fail(supervising.DEADLINE_EXCEEDED, past)
         run.clean("All")
 
 

@@ -368,7 +368,7 @@ def test_a_cluster_back_too_late_for_the_final_round_is_left_out_when_the_others
     assert st["abandoned"] == [1] and st["recoveries"] == 1 and st.get("restarts", 0) == 0
     recovering = {c["type"]: c for c in st["conditions"]}["Recovering"]
     assert recovering["reason"] == "Abandoned"
-    assert "not back in time for their final round" in recovering["message"]
+    assert "running again only after the others' final round" in recovering["message"]
     assert st["result"]["updates"] == 440 and st["result"]["final_clusters"] == [0]
     assert st["progress"]["validationMetric"] >= 0.95
     for n in (1, 2, 3, 4):  # deleted, never having said a word

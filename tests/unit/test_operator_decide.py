@@ -747,7 +747,7 @@ def test_a_restarted_cluster_running_again_too_late_for_the_final_round_is_left_
     assert d.status["result"] == {**said, **result}
     cond = _conditions(d)["Recovering"]
     assert (cond["status"], cond["reason"]) == ("False", "Abandoned")
-    assert "not back in time for their final round" in cond["message"]
+    assert "running again only after the others' final round" in cond["message"]
     assert sorted(deleted) == sorted(pods[i]["metadata"]["name"] for i in range(2, 6))
 
 

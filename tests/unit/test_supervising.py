@@ -6,6 +6,7 @@ files, through `local.ending_of`), and both must come to the same decision."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,19 @@ import yaml
 
 from ravnest import parse_job, plan_job, termination
 from ravnest.run import local
-from ravnest.run.supervising import Act, Memory, NodePhase, after_loss, failed_as, seen_in_process
+from ravnest.run.supervising import (
+    FAILED_AFTER,
+    NOT_BACK,
+    TOO_LATE,
+    Act,
+    Memory,
+    NodePhase,
+    after_loss,
+    ends_without,
+    failed_as,
+    past_deadline,
+    seen_in_process,
+)
 from ravnest.spec import RunPolicy
 from ravnest_operator import resources, statuses
 
@@ -42,6 +55,11 @@ def failed(code: int = 1, said: str = BOOM) -> tuple[int, str]:
     return code, said
 
 
+def finished(final: list[int] | None = None) -> tuple[int, str]:
+    """Succeeded, saying which clusters its final round held (`final_clusters`)."""
+    return 0, json.dumps({} if final is None else {"final_clusters": final})
+
+
 def _pod(node: str, state: Any) -> dict[str, Any]:
     """The pod of `node` in `state`, as the API returns it (its container's termination)."""
     pod: dict[str, Any] = {"metadata": {"name": resources.pod_name("digits", node)},
@@ -49,8 +67,8 @@ def _pod(node: str, state: Any) -> dict[str, Any]:
     if state == RUNNING:
         pod["status"] = {"phase": "Running"}
         return pod
-    code, message, reason = ((0, "{}", "Completed") if state == SUCCEEDED else
-                             (137, "", "Error") if state == KILLED else (*state, "Error"))
+    code, message = (0, "{}") if state == SUCCEEDED else (137, "") if state == KILLED else state
+    reason = "Completed" if code == 0 else "Error"
     pod["status"] = {"phase": "Succeeded" if code == 0 else "Failed", "containerStatuses": [
         {"name": "worker", "state": {"terminated": {"exitCode": code, "reason": reason,
                                                     "message": message}}}]}
@@ -80,6 +98,7 @@ def by_local_runner(plan, states: dict[str, Any], tmp: Path) -> dict[str, Any]:
         else:
             code, said = state
             termination.write(said, env)
+            code = code or 0
         seen[node] = seen_in_process(node, plan.node(node).cluster, code,
                                      local.ending_of(log, code))
     return seen
@@ -189,3 +208,54 @@ def test_a_local_worker_that_left_no_message_is_known_by_its_log(tmp_path):
     log.write_text(f"2026-11-28 07:00:00,000 INFO start\n2026-11-28 07:00:01,000 {BOOM}\n")
     assert failed_as(local.ending_of(log, 1)) == f"exit code 1: {BOOM}"
     assert local.ending_of(log, None) == termination.Ending(None)
+
+
+DONE = {"node_0": finished([0]), "node_5": finished([0])}
+"""Cluster 0 finished, its final round held itself alone."""
+# (scenario, node states, runPolicy, clusters restarted alone, rejoining, abandoned before)
+#   -> (the clusters the job ends without, new, why) or None
+ENDINGS: list[tuple[str, dict[str, Any], dict[str, Any], set[int], set[int], set[int], Any]] = [
+    ("cluster 1 failed after cluster 0 finished", {**DONE, "node_3": failed()}, {}, set(), set(),
+     set(), ({1}, {1}, FAILED_AFTER)),
+    ("the same with recovery job: no", {**DONE, "node_3": failed()}, {"recovery": "job"}, set(),
+     set(), set(), None),
+    ("cluster 1, restarted alone, runs again after cluster 0's final round", DONE, {}, {1}, set(),
+     set(), ({1}, {1}, TOO_LATE)),
+    ("cluster 1 rejoined at cluster 0's final round: waited for",
+     {"node_0": finished([0, 1]), "node_5": finished([0, 1])}, {}, {1}, set(), set(), None),
+    ("an older worker says nothing of its final round: waited for",
+     {"node_0": finished(), "node_5": finished()}, {}, {1}, set(), set(), None),
+    ("cluster 1 never restarted, still running: waited for", DONE, {}, set(), set(), set(), None),
+    ("cluster 1 restarted alone, not running again yet", {**DONE, "node_3": KILLED}, {}, {1}, {1},
+     set(), ({1}, {1}, NOT_BACK)),
+    ("cluster 0 not finished yet", {"node_0": finished([0]), "node_3": failed()}, {}, set(),
+     set(), set(), None),
+    ("cluster 1 was left out already", {**DONE, "node_3": failed()}, {}, set(), set(), {1}, None),
+]
+
+
+@pytest.mark.parametrize(("name", "states", "policy", "recovered", "rejoining", "abandoned",
+                          "expected"), ENDINGS, ids=[e[0] for e in ENDINGS])
+def test_both_supervisors_end_a_job_without_the_same_clusters(plan, tmp_path, name, states,
+                                                              policy, recovered, rejoining,
+                                                              abandoned, expected):
+    run_policy = RunPolicy.model_validate(policy)
+    decided = [ends_without(plan, run_policy, seen, recovered=recovered, rejoining=rejoining,
+                            abandoned=abandoned)
+               for seen in (by_operator(plan, states), by_local_runner(plan, states, tmp_path))]
+    assert decided[0] == decided[1], name
+    ends = decided[0]
+    if expected is None:
+        assert ends is None, name
+        return
+    assert ends is not None, name
+    clusters, new, why = expected
+    assert (ends.clusters, ends.new, ends.done, ends.why) == (clusters, new, {0}, why), name
+    assert ends.said() == (f"cluster(s) 1 could not rejoin before the others finished ({why}): "
+                           f"the job ends without them, with the model of cluster(s) 0, which "
+                           f"the final round averaged")
+
+
+def test_a_job_fails_past_its_deadline_and_says_so():
+    assert past_deadline(None, 10**9) is None and past_deadline(60, 60) is None
+    assert past_deadline(60, 60.5) == "job ran longer than activeDeadlineSeconds=60"

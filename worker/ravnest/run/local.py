@@ -385,19 +385,17 @@ class LocalRun:
                 roots.update(self._grow())
                 roots = {c: p for c, p in roots.items() if c not in self.drained}
                 codes = {p.node: p.popen.poll() for p in self.procs}
+                if any(c is not None for c in codes.values()) and self._abandon():
+                    continue
                 failed = [p for p in self.procs if codes[p.node] not in (None, 0)
                           and self.plan.node(p.node).cluster not in self.drained]
                 if failed:
-                    dead = min(failed, key=lambda p: p.log.stat().st_mtime)
-                    if self._abandon(dead):
-                        continue
-                    return dead
-                if self._abandon_late():
-                    continue
+                    return min(failed, key=lambda p: p.log.stat().st_mtime)
                 if all(c == 0 for c in codes.values()):
                     return None
-                if deadline and time.monotonic() - self._started > deadline:
-                    raise WorkerFailed(f"job exceeded activeDeadlineSeconds={deadline}")
+                past = supervising.past_deadline(deadline, time.monotonic() - self._started)
+                if past:
+                    raise WorkerFailed(past)
                 now = bar.update(roots, self._started)
                 if now:
                     self._recovered()
@@ -581,52 +579,23 @@ class LocalRun:
         plan = self.plan
         return [m for m in metas if plan.node(m.node).cluster not in self.drained]
 
-    def _abandon(self, dead: _Proc) -> bool:
-        """End the run without the cluster of `dead` (`recovery: cluster`) if every other cluster
-        has finished training (exited 0) and that one, restarted alone before, could not rejoin
-        in time, or failed after they finished: the others' outputs are the job's (the final
-        round averaged them). False: the failure must be acted on."""
+    def _abandon(self) -> bool:
+        """End the run without the clusters that `supervising.ends_without` says cannot finish
+        with the others, which have (failed, or restarted and running again too late): their
+        workers are stopped, and the others' outputs are the job's (the final round averaged
+        them). False: nothing to end without."""
         assert self.plan is not None
-        return self._end_without({self.plan.node(dead.node).cluster}, (
-            f"worker {dead.node} exited with code {dead.popen.returncode} after every other "
-            f"cluster finished"))
-
-    def _abandon_late(self) -> bool:
-        """End the run without the clusters restarted alone (or added) whose workers run, but
-        too late: every other cluster finished, and no node of theirs had them in its final
-        round or sent them its state (`elastic.missed_final`, from the workers' termination
-        messages). Their workers would wait for the finished ones until their peer timeout."""
-        assert self.plan is not None
-        plan, done = self.plan, self._finished()
-        joining = elastic.joining(plan, (r["cluster"] for r in self.recoveries),
-                                  {*done, *self.abandoned, *self.drained})
-        if not done or not joining:
+        ends = supervising.ends_without(
+            self.plan, self.job.spec.run_policy, self._seen(),
+            recovered=(r["cluster"] for r in self.recoveries), drained=self.drained,
+            abandoned=self.abandoned)
+        if ends is None:
             return False
-        said = [termination.of_local(p.log, p.popen.poll()).figures for p in self.procs
-                if plan.node(p.node).cluster in done]
-        late = elastic.missed_final(joining, said)
-        return bool(late) and self._end_without(late, "restarted, and running again only after "
-                                                      "the others' final round")
-
-    def _finished(self) -> set[int]:
-        """The clusters all of whose workers exited 0 (not drained, nor left out)."""
-        assert self.plan is not None
-        return {c.id for c in self.plan.clusters if c.id not in {*self.drained, *self.abandoned}
-                and all(p.popen.poll() == 0 for p in self.procs if p.node in c.nodes)}
-
-    def _end_without(self, clusters: set[int], why: str) -> bool:
-        """Stop the workers of `clusters` and end the run without them (`abandoned`), if every
-        other cluster finished (`elastic.ended_without`); False, doing nothing, if not."""
-        assert self.plan is not None
-        plan, done = self.plan, self._finished()
-        if not elastic.ended_without(self.job.spec.run_policy, plan, done,
-                                     clusters | self.abandoned, self.drained):
-            return False
-        mine = [p for p in self.procs if plan.node(p.node).cluster in clusters]
+        mine = [p for p in self.procs if self.plan.node(p.node).cluster in ends.new]
         self.stop(mine)
         self.procs = [p for p in self.procs if p not in mine]
-        self.abandoned |= clusters
-        self._say("Recovering", "False", "Abandoned", elastic.abandoned(clusters, done, why))
+        self.abandoned |= ends.new
+        self._say("Recovering", "False", "Abandoned", ends.said())
         return True
 
     def _recover(self, dead: _Proc, metas: list[NodeMetadata],
@@ -653,7 +622,7 @@ class LocalRun:
         for c in self.conditions:
             if c["type"] in ("Restarting", "Recovering") and c["status"] == "True":
                 c.update(status="False", reason="Recovered",
-                         message=f"running again after: {c['message']}")
+                         message=supervising.recovered(c))
 
     def checkpoint_dir(self) -> Location:
         """Where the workers write checkpoints (relative paths: in the output folder)."""

@@ -13,7 +13,7 @@ pods, status and Events) and says the message the answer holds.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -201,3 +201,73 @@ def _finishing(nodes: Sequence[Seen | None]) -> bool:
     """A cluster finishing: some of its workers succeeded, the others still run."""
     return (all(s is not None and (s.phase == NodePhase.SUCCEEDED or s.running) for s in nodes)
             and any(s is not None and s.phase == NodePhase.SUCCEEDED for s in nodes))
+
+
+@dataclass(frozen=True)
+class EndsWithout:
+    """The clusters a job ends without (`clusters`: those it already did and the `new` ones),
+    once the clusters `done` have finished, and why the new ones could not rejoin them."""
+
+    clusters: frozenset[int]
+    new: frozenset[int]
+    done: frozenset[int]
+    why: str
+
+    def said(self) -> str:
+        """What the supervisor says."""
+        return elastic.abandoned(self.new, self.done, self.why)
+
+
+FAILED_AFTER = "failed or lost"
+NOT_BACK = "restarted, and not running again yet"
+TOO_LATE = "restarted, and running again only after the others' final round"
+
+
+def ends_without(plan: Plan, policy: RunPolicy, nodes: Mapping[str, Seen], *,
+                 recovered: Iterable[int], rejoining: Collection[int] = (),
+                 drained: Collection[int] = (), abandoned: Collection[int] = ()
+                 ) -> EndsWithout | None:
+    """Whether a job ends without some of its clusters now (runPolicy.recovery: cluster): once
+    every other cluster has finished (all its workers succeeded), those that cannot finish with
+    them: failed or lost, restarted alone and not running again yet (`rejoining`), or running
+    again (restarted alone, `recovered`, or added to the job) but too late, no finished node's
+    final round having held them or sent them its state (their termination messages say,
+    `elastic.missed_final`): they would wait for nodes that are gone until their peer timeout.
+    The final round averaged the finished ones, whose model is the job's. None: nothing new to
+    end without (`abandoned`: the clusters it already ends without; `drained`: those that left)."""
+    away = {*drained, *abandoned}
+    done = {c.id for c in plan.clusters if c.id not in away
+            and all(n in nodes and nodes[n].phase == NodePhase.SUCCEEDED for n in c.nodes)}
+    if not done:
+        return None
+    joining = elastic.joining(plan, recovered, done | away)
+    late = elastic.missed_final(joining, [nodes[n].ending.figures for c in plan.clusters
+                                          if c.id in done for n in c.nodes]) if joining else set()
+    failed = {s.cluster for s in nodes.values()
+              if s.deleting or s.phase in (NodePhase.FAILED, NodePhase.MISSING)}
+    rest = elastic.ended_without(policy, plan, done, {*abandoned, *rejoining, *late, *failed},
+                                 drained)
+    new = rest - set(abandoned)
+    if not new:
+        return None
+    said = {NOT_BACK if c in rejoining else TOO_LATE if c in late else FAILED_AFTER for c in new}
+    why = "; ".join(r for r in (FAILED_AFTER, NOT_BACK, TOO_LATE) if r in said)
+    return EndsWithout(frozenset(rest | set(abandoned)), frozenset(new), frozenset(done), why)
+
+
+DEADLINE_EXCEEDED = "DeadlineExceeded"
+
+
+def past_deadline(deadline: int | None, seconds_running: float) -> str | None:
+    """Why a job that has run `seconds_running` seconds fails now: past its
+    runPolicy.activeDeadlineSeconds, `deadline` (reason `DEADLINE_EXCEEDED`); None while it is
+    not, or without one."""
+    if deadline and seconds_running > deadline:
+        return f"job ran longer than activeDeadlineSeconds={deadline}"
+    return None
+
+
+def recovered(condition: Mapping[str, str]) -> str:
+    """What a supervisor says when the job runs again after what `condition` (Restarting or
+    Recovering, True) said."""
+    return f"running again after: {condition['message']}"
