@@ -110,9 +110,10 @@ def test_sigterm_stops_the_workers_and_records_the_run(tmp_path, digits_doc, rea
     assert _gone(workers, 0) == []
     assert _workers(out) == []
     status = _status(out)
-    assert status["phase"] == "Failed"
-    assert status["reason"] == "Terminated"
-    assert "stopped by SIGTERM" in status["message"]
+    assert status["phase"] == "Failed" and status["completionTime"]
+    (failed,) = [c for c in status["conditions"] if c["type"] == "Failed"]
+    assert failed["reason"] == "Terminated" and failed["status"] == "True"
+    assert "stopped by SIGTERM" in failed["message"]
     shown = subprocess.run([sys.executable, "-m", "ravnest", "status", "digits", "-o", str(out)],
                            capture_output=True, text=True, timeout=120)
     assert shown.stdout.startswith("Failed"), shown.stdout

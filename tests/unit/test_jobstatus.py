@@ -70,3 +70,48 @@ def test_every_phase_has_its_gauge_and_a_job_that_moves_on_leaves_none_behind() 
     monitoring.forget("ns", "a")
     assert _gauges() == before
     assert FINISHED == {Phase.SUCCEEDED, Phase.FAILED}
+
+
+def test_a_local_runs_status_file_is_a_job_status(tmp_path) -> None:
+    """`ravnest run` writes status.json as the operator writes a RavnestJob's status: the same
+    typed fields (takeovers as node -> provider, spares by name with their phase, a failure as
+    a Failed condition), so `ravnest status` reads one shape."""
+    import json
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import yaml
+
+    from ravnest import parse_job
+    from ravnest.plan.plans import SparePlan
+    from ravnest.run import local, supervising
+
+    root = Path(__file__).resolve().parents[2]
+    job = parse_job(yaml.safe_load((root / "examples" / "digits.yaml").read_text()))
+    run = local.LocalRun(job, tmp_path, progress=False)
+    run.recoveries = [{"cluster": 1, "node": "node_3", "exitCode": -9, "at": 1.0}]
+    run.memory = supervising.Memory(recoveries=1, cluster_failed_as={1: "exit code 1: x"})
+    run.takeovers = [{"node": "node_3", "cluster": 1, "spare": "spare_6", "provider": 6,
+                      "lost": 3, "at": 2.0}]
+    run.spares = [SparePlan("spare_3", 3, 4.0), SparePlan("spare_7", 7, 4.0)]
+    spare = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        run.spare_procs = {"spare_3": local._Proc("spare_3", spare, tmp_path / "s.log", 0)}
+        run.grown = [{"providers": [8], "clusters": [2], "at": time.time()}]
+        run.conditions = [{"type": "Failed", "status": "True", "reason": "Terminated",
+                           "message": "stopped by SIGTERM"}]
+        run.write_status(Phase.FAILED, {})
+    finally:
+        spare.kill()
+        spare.wait()
+    written = json.loads((tmp_path / "status.json").read_text())
+    assert JobStatus.model_validate(written)
+    assert written["phase"] == "Failed" and written["completionTime"] >= written["startTime"]
+    assert written["takeovers"] == {"node_3": 6}
+    assert written["spares"] == {"spare_3": "Running", "spare_7": "Missing"}
+    assert written["recoveries"] == 1 and written["clusterRecoveries"] == [0, 1]
+    assert written["lastFailures"] == {"clusters": [None, "exit code 1: x"]}
+    assert written["grown"][0]["at"].endswith("Z") and written["conditions"][0]["reason"] == (
+        "Terminated")

@@ -10,6 +10,7 @@ lacks is a failing test here, not a field the apiserver silently prunes. Field n
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any, Literal
@@ -178,6 +179,11 @@ class JobStatus(_Part):
     """Where the trained model, its curve and summary went."""
     result: dict[str, Any] | None = None
     """The final figures the first cluster's root reported (and the fused model's)."""
+
+
+def timestamp(seconds: float) -> str:
+    """A time (seconds since the epoch) as a status writes it: RFC 3339, UTC, whole seconds."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
 class StatusError(ValueError):

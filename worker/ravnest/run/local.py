@@ -68,8 +68,8 @@ from ravnest.comm.tls import identity, issue, make_authority
 from ravnest.errors import PlanError, SpecError, WorkerFailed
 from ravnest.plan import building
 from ravnest.plan.plans import Plan, SparePlan, spare_name
-from ravnest.run import draining, elastic, finishing, growing, supervising
-from ravnest.run.jobstatus import Phase
+from ravnest.run import draining, elastic, finishing, growing, jobstatus, supervising
+from ravnest.run.jobstatus import FINISHED, Phase
 from ravnest.run.locking import lock_folder, refuse_if_locked
 from ravnest.run.metadata import (
     DRAIN_DIR_ENV,
@@ -186,6 +186,7 @@ class LocalRun:
         self.outputs: dict[str, str] = {}
         """Where `finish` wrote each output (status.json's outputs)."""
         self._started = time.monotonic()
+        self._wall_start = time.time()
         self.spares: list[SparePlan] = []
         """The providers that are spares now: the plan's, less those that took over a stage,
         plus the providers they took over from."""
@@ -630,26 +631,41 @@ class LocalRun:
         return open_location(spec.checkpoint.path, spec.storage.options(), base=self.out.resolve())
 
     def write_status(self, phase: Phase, now: dict[str, Any], **extra: Any) -> None:
-        """`status.json`: what `ravnest status <job>` shows for a local run."""
-        joining = [c for c in self.plan.clusters[self.plan.planned:]
-                   if c.id not in self.joined] if self.plan else []
-        body = {"job": self.job.name, "phase": phase, "progress": now, "restarts": self.restarts,
-                "recoveries": len(self.recoveries),
-                **({"recovered": self.recoveries} if self.recoveries else {}),
-                **({"spares": [sp.name for sp in self.spares]} if self.spares else {}),
-                **({"takeovers": self.takeovers} if self.takeovers else {}),
-                **({"drained": list(self.drained.values())} if self.drained else {}),
-                **({"abandoned": sorted(self.abandoned)} if self.abandoned else {}),
-                **({"grown": self.grown} if self.grown else {}),
-                **({"joined": list(self.joined.values())} if self.joined else {}),
-                **({"clusters": f"{len(self.plan.clusters) - len(self.drained) - len(joining)}/"
-                                f"{len(self.plan.clusters)}",
-                    "membership": elastic.membership(self.plan, self.drained.values(),
-                                                     self.joined.values())}
-                   if self.plan else {}),
-                **({"conditions": self.conditions} if self.conditions else {}), **extra}
+        """`status.json`: the run's status, a `JobStatus` as the operator writes a RavnestJob's
+        (what `ravnest status <job>` shows). `extra`: more of its fields (result, outputs)."""
+        plan = self.plan
+        joining = [c for c in plan.clusters[plan.planned:] if c.id not in self.joined] \
+            if plan else []
+        counts = [sum(r["cluster"] == c for r in self.recoveries)
+                  for c in range(max((r["cluster"] for r in self.recoveries), default=-1) + 1)]
+        memory = self.memory
+        fields: dict[str, Any] = {
+            "phase": phase, "conditions": self.conditions or None, "progress": now or None,
+            "startTime": jobstatus.timestamp(self._wall_start), "restarts": self.restarts,
+            "recoveries": len(self.recoveries), "clusterRecoveries": counts or None,
+            "lastFailures": {"job": memory.failed_as, "clusters": [
+                memory.cluster_failed_as.get(c) for c in range(len(counts))]}
+            if memory.failed_as or memory.cluster_failed_as else None,
+            "spares": {sp.name: _spare_phase(self.spare_procs.get(sp.name))
+                       for sp in self.spares} or None,
+            "takeovers": {t["node"]: t["provider"] for t in self.takeovers} or None,
+            "drained": [{k: d[k] for k in ("cluster", "round", "updates") if k in d}
+                        for d in self.drained.values()] or None,
+            "abandoned": sorted(self.abandoned) or None,
+            "grown": [{**g, "at": jobstatus.timestamp(g["at"])} for g in self.grown] or None,
+            "joined": [{k: j[k] for k in ("cluster", "round") if k in j}
+                       for j in self.joined.values()] or None,
+            **extra}
+        if plan:
+            fields["clusters"] = (f"{len(plan.clusters) - len(self.drained) - len(joining)}/"
+                                  f"{len(plan.clusters)}")
+            fields["membership"] = elastic.membership(plan, self.drained.values(),
+                                                      self.joined.values())
+        if phase in FINISHED:
+            fields["completionTime"] = jobstatus.timestamp(time.time())
+        status = jobstatus.JobStatus.model_validate(fields)
         tmp = self.out / ".status.json.tmp"
-        tmp.write_text(json.dumps(body))
+        tmp.write_text(status.model_dump_json(exclude_none=True))
         os.replace(tmp, self.out / "status.json")
 
     def claim(self) -> None:
@@ -678,14 +694,15 @@ class LocalRun:
         metas = self.prepare()
         self.resumed_from = checkpointing.latest(
             self.checkpoint_dir(), [m.node for m in metas], set_aside=False) or 0
-        started = time.time()
+        started = self._wall_start = time.time()
         self._started = time.monotonic()
         self.write_status(Phase.CREATED, {})
         try:
             self.supervise(metas)
         except BaseException as e:
-            self.write_status(Phase.FAILED, {}, reason=type(e).__name__,
-                              message=str(e).splitlines()[0] if str(e) else "")
+            self.conditions = [{"type": "Failed", "status": "True", "reason": type(e).__name__,
+                                "message": str(e).splitlines()[0] if str(e) else ""}]
+            self.write_status(Phase.FAILED, {})
             raise
         finally:
             self.stop()
@@ -732,6 +749,13 @@ def _signal_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def _spare_phase(proc: _Proc | None) -> str:
+    """A hot spare's phase in the status: Running, Exited (stopped, or ended), or Missing."""
+    if proc is None:
+        return "Missing"
+    return "Running" if proc.popen.poll() is None else "Exited"
 
 
 def ending_of(log_file: Path, exit_code: int | None) -> termination.Ending:
