@@ -115,3 +115,31 @@ def test_a_local_runs_status_file_is_a_job_status(tmp_path) -> None:
     assert written["lastFailures"] == {"clusters": [None, "exit code 1: x"]}
     assert written["grown"][0]["at"].endswith("Z") and written["conditions"][0]["reason"] == (
         "Terminated")
+
+
+def test_a_drain_reads_the_takeovers_of_the_runs_status(tmp_path) -> None:
+    """`ravnest drain` finds which provider runs a stage now in the run's status.json (a spare
+    that took over): as the runner writes it (a JobStatus: node -> provider) and as older runs
+    wrote it (a list)."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from ravnest import parse_job
+    from ravnest.errors import RavnestError
+    from ravnest.run import draining, local
+
+    root = Path(__file__).resolve().parents[2]
+    job = parse_job(yaml.safe_load((root / "examples" / "digits.yaml").read_text()))
+    run = local.LocalRun(job, tmp_path, progress=False)
+    run.prepare()
+    assert run.plan is not None
+    node = run.plan.clusters[1].nodes[0]
+    lost = run.plan.node(node).provider
+    for takeovers in ({node: 6}, [{"node": node, "provider": 6, "lost": lost}]):
+        (tmp_path / "status.json").write_text(json.dumps({"phase": "Running",
+                                                          "takeovers": takeovers}))
+        with pytest.raises(RavnestError, match=f"provider {lost}"):
+            draining.order_drain(tmp_path, [lost], running=True)  # (it runs no stage now)
+    assert draining.order_drain(tmp_path, [6], running=True) == [1]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +36,7 @@ def order_drain(out: Path, providers: Sequence[int], running: bool) -> list[int]
     whether a runner holds the folder (nothing is ordered when none does). Raises RavnestError
     for a provider that runs no stage, when no cluster would be left, or with no run."""
     plan = metadata.of_run(out, running, "drain removes providers from").plan
-    runs_on = {n.name: n.provider for n in plan.nodes}
-    for t in _status(out).get("takeovers") or []:
-        runs_on[str(t["node"])] = int(t["provider"])
+    runs_on = {n.name: n.provider for n in plan.nodes} | taken_over(_status(out))
     folder = out / DRAIN_DIR
     # (the orders stay for the whole run: a drained cluster's among them)
     clusters = elastic.drain_for(plan, providers, runs_on, ordered_clusters(folder))
@@ -50,6 +48,16 @@ def order_drain(out: Path, providers: Sequence[int], running: bool) -> list[int]
         tmp.write_text(json.dumps(order))
         tmp.replace(order_file(folder, c))
     return sorted(clusters)
+
+
+def taken_over(status: Mapping[str, Any]) -> dict[str, int]:
+    """Node -> the spare provider that runs its stage now, from a run's status (`JobStatus`:
+    status.takeovers; a list of takeovers in the status.json of older runs)."""
+    taken = status.get("takeovers") or {}
+    if isinstance(taken, list):
+        taken = {t.get("node"): t.get("provider") for t in taken if isinstance(t, dict)}
+    return {str(n): int(p) for n, p in taken.items() if isinstance(p, int)} \
+        if isinstance(taken, dict) else {}
 
 
 def ordered_clusters(folder: Path) -> set[int]:
