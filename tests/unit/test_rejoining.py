@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ravnest.plan.partitioning import OUTPUT, build_stage, profile
+from ravnest.train.messages import State, parse
 from ravnest.train.metrics import Identity, WorkerMetrics
 from ravnest.train.optimizing import Optimization
 from ravnest.train.rejoining import (
@@ -124,7 +125,9 @@ def test_the_state_sent_lets_a_restarted_node_continue_exactly_as_its_sender():
     # as a frame carries them: the control through JSON, every tensor a copy
     control = json.loads(json.dumps(control))
     tensors = {k: v.clone() for k, v in tensors.items()}
-    nbytes = unpack_state(joiner, join_opt, names, tensors, control)
+    state = parse({"op": "state", "ring": "r", "round": 3, "updates": 3, **control})
+    assert isinstance(state, State)
+    nbytes = unpack_state(joiner, join_opt, names, tensors, state)
     assert nbytes > sum(p.numel() * 4 for p in sender.parameters())  # optimizer state too
     assert join_opt.optimizer.param_groups[0]["lr"] == sent_opt.optimizer.param_groups[0]["lr"]
     assert join_opt.optimizer.param_groups[0]["betas"] == (0.8, 0.95)

@@ -136,15 +136,15 @@ def test_a_criterion_that_raises_is_reported_not_fatal() -> None:
     v.add(pred, labels)
     curve = Curve()
     result = v.finish(curve, epoch=0, step=4)
-    assert math.isnan(result["val_loss"]) and not result["best"]
-    assert "ValueError: no loss here" in result["val_error"] and "loss" in result["val_error"]
-    assert result["val_metric"] == pytest.approx(4 / 6)
+    assert math.isnan(result.val_loss) and not result.best
+    assert "ValueError: no loss here" in result.val_error and "loss" in result.val_error
+    assert result.val_metric == pytest.approx(4 / 6)
     assert curve.smoothed is None and curve.best_smoothed is None
     # the next validation starts afresh
     v.criterion = torch.nn.functional.cross_entropy
     v.add(pred, labels)
     again = v.finish(curve, epoch=1, step=8)
-    assert not math.isnan(again["val_loss"]) and "val_error" not in again and again["best"]
+    assert not math.isnan(again.val_loss) and again.val_error is None and again.best
 
 
 def test_validation_with_one_hot_targets_gives_the_accuracy() -> None:
@@ -155,15 +155,15 @@ def test_validation_with_one_hot_targets_gives_the_accuracy() -> None:
     v.add(pred[:3], one_hot[:3])
     v.add(pred[3:], one_hot[3:])
     result = v.finish(Curve(), epoch=0, step=1)
-    assert result["val_metric"] == pytest.approx(3 / 5) and "val_error" not in result
+    assert result.val_metric == pytest.approx(3 / 5) and result.val_error is None
     expected = (torch.nn.functional.mse_loss(pred[:3], one_hot[:3]) * 3 +
                 torch.nn.functional.mse_loss(pred[3:], one_hot[3:]) * 2) / 5
-    assert result["val_loss"] == pytest.approx(float(expected))
+    assert result.val_loss == pytest.approx(float(expected))
 
 
 def test_a_metric_that_cannot_be_computed_leaves_the_loss() -> None:
     v = Validation(lambda pred, t: pred.sum() * 0, "accuracy", 1.0, _metrics())
     v.add(torch.zeros(2, 3), ["cat", "dog"], n=2)
     result = v.finish(Curve(), epoch=0, step=1)
-    assert result["val_loss"] == 0.0 and result["val_metric"] is None
-    assert result["val_error"].startswith("accuracy: MetricError")
+    assert result.val_loss == 0.0 and result.val_metric is None
+    assert result.val_error.startswith("accuracy: MetricError")

@@ -14,7 +14,7 @@ from ravnest.train.validating import Validation
 def _validate(validation: Validation, curve: Curve, loss: float, step: int) -> bool:
     # the criterion here is the mean of the predictions, so the batch's loss is `loss`
     validation.add(torch.full((4, 1), loss), torch.zeros(4, dtype=torch.long))
-    return bool(validation.finish(curve, epoch=0, step=step)["best"])
+    return validation.finish(curve, epoch=0, step=step).best
 
 
 def test_a_leaf_that_is_not_its_clusters_root_remembers_its_best() -> None:

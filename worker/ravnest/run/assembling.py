@@ -37,7 +37,7 @@ from ravnest.plan.partitioning import Profile, Stage, build_stage
 from ravnest.plan.plans import Plan
 from ravnest.run.metadata import NodeMetadata
 from ravnest.storing import Location, open_location
-from ravnest.train.messages import Kind, Op
+from ravnest.train.messages import Abort, Kind, Op
 from ravnest.train.metrics import WorkerMetrics
 from ravnest.train.rejoining import RingMembership
 from ravnest.train.runtime import Batches, NodeRuntime
@@ -211,8 +211,8 @@ class Wiring:
         neighbours = {n: self.peers[n] for n in plan.neighbours(node) if n}
 
         def lost(name: str, reason: str) -> None:
-            self.inbox.deliver(Frame(Kind.CONTROL, sender=name, control={
-                "op": Op.ABORT, "node": name, "error": f"it was lost: {reason}"}))
+            self.inbox.deliver(Frame(Kind.CONTROL, sender=name, control=Abort(
+                node=name, error=f"it was lost: {reason}").wire()))
 
         if neighbours:
             self.watch = PeerWatch.started(neighbours, lost, up=self.ready)
@@ -276,8 +276,8 @@ class Wiring:
         for n in plan.neighbours(node):
             if n and n not in skip:
                 with contextlib.suppress(Exception):
-                    self.peers[n].post(Frame(Kind.CONTROL, sender=node, control={
-                        "op": Op.ABORT, "node": origin, "error": text}))
+                    self.peers[n].post(Frame(Kind.CONTROL, sender=node, control=Abort(
+                        node=origin, error=text).wire()))
 
     def close(self, failed: bool = False, neighbours: Collection[str] = ()) -> None:
         """Let the links deliver what was posted, then stop the servers. `failed`: this node

@@ -172,8 +172,8 @@ class Trainer:
                 line += f", val_accuracy {acc:.4f}"
         line += f" ({rt.samples} samples, {time.monotonic() - self._started:.1f} s)"
         say(line)
-        if rt.val_result and rt.val_result.get("val_error"):
-            say(f"  validation: {rt.val_result['val_error']}")
+        if rt.val_result and rt.val_result.val_error:
+            say(f"  validation: {rt.val_result.val_error}")
 
     def evaluate(self) -> float | None:
         """Validation accuracy of the trained model (measured at the end of `train()`, after the

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ravnest.train.messages import ValResult
+
 
 @dataclass
 class Curve:
@@ -32,14 +34,14 @@ class Curve:
         self.rows.append({"epoch": epoch, "step": step, "samples": samples, "train_loss": loss,
                           "time": time.time()})
 
-    def add_validation(self, result: dict[str, Any], epoch: int, step: int,
+    def add_validation(self, result: ValResult, epoch: int, step: int,
                        samples: int) -> None:
         """Record a validation's result (the leaf's val_result control) at `step`."""
-        self.last_val_loss, self.last_val_metric = result["val_loss"], result["val_metric"]
-        if result["best"]:
-            self.best_smoothed, self.best_step = result["smoothed"], result["step"]
+        self.last_val_loss, self.last_val_metric = result.val_loss, result.val_metric
+        if result.best:
+            self.best_smoothed, self.best_step = result.smoothed, result.step
         self.rows.append({"epoch": epoch, "step": step, "samples": samples,
-                          "val_loss": result["val_loss"], "val_metric": result["val_metric"],
+                          "val_loss": result.val_loss, "val_metric": result.val_metric,
                           "time": time.time()})
 
 

@@ -61,6 +61,7 @@ import torch
 from ravnest.errors import RavnestError
 from ravnest.plan.partitioning import Stage
 from ravnest.plan.plans import NodePlan, Plan
+from ravnest.train.messages import State
 from ravnest.train.optimizing import Optimization
 
 JOIN_MARGIN_SECONDS = 5.0
@@ -232,7 +233,7 @@ def pack_state(stage: Stage, optimization: Optimization, names: tuple[str, ...]
 
 
 def unpack_state(stage: Stage, optimization: Optimization, names: tuple[str, ...],
-                 tensors: Mapping[str, torch.Tensor], control: Mapping[str, Any]) -> int:
+                 tensors: Mapping[str, torch.Tensor], control: State) -> int:
     """Load a `state` frame of a ring whose tensors are `names` into this node; the bytes it
     carried. Raises RavnestError when it does not fit this stage (another plan, another model)."""
     state = stage.stage_state_dict(keep_vars=True)
@@ -251,7 +252,7 @@ def unpack_state(stage: Stage, optimization: Optimization, names: tuple[str, ...
     opt = optimization.optimizer
     if opt is None:
         return nbytes
-    scalars = control.get("scalars") or {}
+    scalars = control.scalars
     for n in names:
         p = params.get(f"graph_module.{n}")
         if p is None:
@@ -264,13 +265,13 @@ def unpack_state(stage: Stage, optimization: Optimization, names: tuple[str, ...
             opt.state[p] = entry
             nbytes += sum(t.numel() * t.element_size() for t in entry.values()
                           if isinstance(t, torch.Tensor))
-    groups = control.get("groups") or []
+    groups = control.groups or []
     for i, g in enumerate(opt.param_groups):
         hyper = groups[min(i, len(groups) - 1)] if groups else {}
         for k, v in hyper.items():
             if k in g:
                 g[k] = tuple(v) if isinstance(g[k], tuple) and isinstance(v, list) else v
     sched = optimization.scheduler
-    if sched is not None and control.get("scheduler") is not None:
-        sched.load_state_dict(control["scheduler"])
+    if sched is not None and control.scheduler is not None:
+        sched.load_state_dict(control.scheduler)
     return nbytes

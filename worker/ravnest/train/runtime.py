@@ -42,7 +42,32 @@ from ravnest.train.allreducing import FINAL_ROUND, RingReducer, reduce_all
 from ravnest.train.averaging import RingTensors, ring_reducers, ring_tensors
 from ravnest.train.curves import Curve, LossMeter
 from ravnest.train.heap import HeapTrimmer
-from ravnest.train.messages import LABELS, Kind, Op
+from ravnest.train.messages import (
+    LABELS,
+    Abort,
+    BadControl,
+    Checkpoint,
+    Control,
+    EpochEnd,
+    EvalEnd,
+    FinalReduce,
+    Finish,
+    Here,
+    Join,
+    Kind,
+    Late,
+    Leave,
+    Leaving,
+    Op,
+    Payload,
+    Reduce,
+    Rejoin,
+    State,
+    Step,
+    ValResult,
+    Where,
+    parse,
+)
 from ravnest.train.metrics import WorkerMetrics
 from ravnest.train.optimizing import Optimization
 from ravnest.train.pipelining import Pending, StagePasses
@@ -80,6 +105,11 @@ class Batches:
     """Batches used per epoch (extra ones are not used). When it is not a multiple of
     updateFrequency, the epoch's last update steps over the batches it has."""
     validation: Callable[[], Iterator[Batch]]
+
+
+OUTSIDE = frozenset({Op.WHERE, Op.HERE, Op.JOIN, Op.STATE, Op.LATE, Op.LEAVING})
+"""The operations a node gets from outside its pipeline: from the members of its rings in other
+clusters (restarted ones, drained ones, new ones), which it does not trust to be well formed."""
 
 
 class NodeRuntime:
@@ -148,7 +178,7 @@ class NodeRuntime:
         metrics.clusters_active.set(len(plan.clusters))
         self.validation = Validation(criterion, settings.metric, settings.validation_smoothing,
                                      metrics)
-        self.val_result: dict[str, Any] | None = None
+        self.val_result: ValResult | None = None
         self.curve = Curve()
         self.losses = LossMeter()
         self.best_state: dict[str, torch.Tensor] | None = None
@@ -238,17 +268,19 @@ class NodeRuntime:
                               f"{self.s.peer_timeout:.0f}s") from None
 
     def handle(self, frame: Frame) -> None:
-        if frame.kind == Kind.CONTROL and frame.control.get("op") == Op.ABORT:
-            c = frame.control
-            raise PeerFailed(str(c.get("node")), str(c.get("error")), via=frame.sender)
+        if frame.kind == Kind.CONTROL:
+            c = self._parse(frame)
+            if isinstance(c, Abort):
+                raise PeerFailed(c.node, c.error, via=frame.sender)
+            if c is not None:
+                self._control(c)
+            return
         if frame.kind == Kind.FORWARD:
             self._forward(frame.microbatch, frame.tensors, frame.control)
         elif frame.kind == Kind.BACKWARD:
             self._backward(frame.microbatch, frame.tensors, frame.control)
         elif frame.kind == Kind.EVAL:
             self._eval_forward(frame.tensors, frame.control)
-        elif frame.kind == Kind.CONTROL:
-            self._control(frame.control)
         else:
             raise RavnestError(f"{self.name}: unexpected frame kind {frame.kind!r}")
 
@@ -335,87 +367,98 @@ class NodeRuntime:
 
     # ----------------------------------------------------------------------------- control
 
-    def _control(self, c: dict[str, Any]) -> None:
+    def _parse(self, frame: Frame) -> Control | None:
+        """The payload of a control frame (`messages.parse`). One that is none: from outside the
+        pipeline (a ring member of another cluster's, `OUTSIDE`), logged and dropped (None), as
+        any control not for this node is; from the pipeline, BadControl."""
+        try:
+            return parse(frame.control)
+        except BadControl as e:
+            if frame.control.get("op") not in OUTSIDE:
+                raise BadControl(f"{self.name}: from {frame.sender or 'its pipeline'}: {e}"
+                                 ) from None
+            log.warning("%s: from %s: %s; dropped", self.name, frame.sender, e)
+            return None
+
+    def _control(self, c: Control) -> None:
         """Act on a control (from upstream, the leaf's validation result, or the root's own) and
         pass it on: down the pipeline, or a validation result up to the root."""
-        op = c.get("op")
-        match op:
-            case Op.EVAL_END:
+        match c:
+            case EvalEnd():
                 self._snapshot = {k: v.clone() for k, v in self.stage.stage_state_dict().items()}
                 if self.me.is_leaf:
-                    self._control(self.validation.finish(self.curve, c["epoch"], c["step"]))
+                    self._control(self.validation.finish(self.curve, c.epoch, c.step))
                 else:
                     self._pass_down(c)
-            case Op.VAL_RESULT:
-                if c.get("best"):
+            case ValResult():
+                if c.best:
                     self.best_state = self._snapshot
                 if self.me.is_root:
                     self.val_result = c
                 else:
-                    self._send_up(Frame(Kind.CONTROL, control=c))
-            case Op.EPOCH_END:
-                self.epoch = int(c["epoch"]) + 1
+                    self._send_up(Frame(Kind.CONTROL, control=c.wire()))
+            case EpochEnd():
+                self.epoch = c.epoch + 1
                 self.optimization.epoch_end()
                 self._pass_down(c)
-            case Op.CHECKPOINT:
+            case Checkpoint():
                 self._pass_down(c)
                 self._checkpoint(c)
-            case Op.STEP:
+            case Step():
                 self._pass_down(c)
                 if self.optimization.pending():
                     self._optimizer_step()
-            case Op.REDUCE:
+            case Reduce():
                 self._pass_down(c)
-                self.all_reduce(int(c["round"]))
-            case Op.FINAL_REDUCE:
+                self.all_reduce(c.round)
+            case FinalReduce():
                 self._pass_down(c)
                 self.all_reduce(FINAL_ROUND)
-            case Op.FINISH:
+            case Finish():
                 self._pass_down(c)
                 self._finished = True
-            case Op.WHERE:
+            case Where():
                 self._welcome(c)
-                self._answer(str(c.get("node")), {
-                    "op": Op.HERE, "updates": self.updates, "round": self.rounds.last,
-                    "seconds_per_round": self.rounds.seconds or 0.0})
-            case Op.JOIN:
+                self._answer(c.node, Here(updates=self.updates, round=self.rounds.last,
+                                          seconds_per_round=self.rounds.seconds or 0.0))
+            case Join():
                 self._welcome(c)
                 self._join(c)
-            case Op.LEAVE:
+            case Leave():
                 self._pass_down(c)
-                self._leave(int(c["round"]))
-            case Op.LEAVING:
+                self._leave(c.round)
+            case Leaving():
                 self._leaving(c)
-            case Op.HERE | Op.STATE | Op.LATE:
+            case Here() | State() | Late():
                 log.info("%s: a late %s from a restarted node's exchange, dropped", self.name,
-                         op)
+                         c.op)
             case _:
-                raise RavnestError(f"{self.name}: unknown control {op!r}")
+                raise RavnestError(f"{self.name}: unexpected control {c.op!r}")
 
-    def _pass_down(self, c: dict[str, Any]) -> None:
+    def _pass_down(self, c: Payload) -> None:
         if not self.me.is_leaf:
-            self._send_down(Frame(Kind.CONTROL, control=c))
+            self._send_down(Frame(Kind.CONTROL, control=c.wire()))
 
     # ----------------------------------------------------------------------------- rejoining
 
-    def _answer(self, node: str, control: dict[str, Any],
+    def _answer(self, node: str, control: Payload,
                 tensors: dict[str, torch.Tensor] | None = None) -> None:
         """A control to a node outside the pipeline (a restarted one): unordered (its process
         may be new to the link), and a failure only logged (it may be gone again)."""
         peer = self.peers.get(node)
         if peer is None:
-            log.warning("%s: no link to %s, which asked for %s", self.name, node, control["op"])
+            log.warning("%s: no link to %s, which asked for %s", self.name, node, control.op)
             return
         try:
-            peer.post(Frame(Kind.CONTROL, tensors or {}, sender=self.name, control=control),
-                      ordered=False)
+            peer.post(Frame(Kind.CONTROL, tensors or {}, sender=self.name,
+                            control=control.wire()), ordered=False)
         except TransportError as e:
             log.warning("%s: could not answer %s: %s", self.name, node, e)
 
-    def _from_member(self, c: dict[str, Any], what: str, round_ok: bool) -> str | None:
+    def _from_member(self, c: Join | Leaving, what: str, round_ok: bool) -> str | None:
         """The node that sent `c` (a `what` for its `ring`), if it is another member of that
         ring of this node's and its `round` is `round_ok`; else None, and `c` is dropped."""
-        who, ring_id = str(c.get("node")), str(c.get("ring"))
+        who, ring_id = c.node, c.ring
         ring = next((r for r in self.plan.rings_of(self.name) if r.id == ring_id), None)
         if ring is None or who not in ring.members or who == self.name or not round_ok:
             log.warning("%s: a %s of %s for ring %s that is not its, dropped", self.name, what,
@@ -423,15 +466,14 @@ class NodeRuntime:
             return None
         return who
 
-    def _join(self, c: dict[str, Any]) -> None:
+    def _join(self, c: Join) -> None:
         """A restarted node asks to come back into a ring after a round (`rejoining`)."""
-        ring_id, round_ = str(c.get("ring")), c.get("round")
-        who = self._from_member(c, "join", round_ is None or isinstance(round_, int))
+        ring_id, round_ = c.ring, c.round
+        who = self._from_member(c, "join", True)
         if who is None:
             return
         if round_ is not None and round_ <= self.rounds.last:
-            self._answer(who, {"op": Op.LATE, "ring": ring_id, "round": round_,
-                               "last": self.rounds.last})
+            self._answer(who, Late(ring=ring_id, round=round_, last=self.rounds.last))
             return
         first = FINAL_ROUND + 1 if round_ is None else round_ + 1
         if self.membership is not None:
@@ -441,20 +483,20 @@ class NodeRuntime:
                 reducer.extend(next(r for r in self.plan.rings if r.id == ring_id), first)
         log.info("%s: %s rejoins ring %s after round %s", self.name, who, ring_id,
                  "final" if round_ is None else round_)
-        if c.get("serve"):
+        if c.serve:
             self._joins.append((who, ring_id, round_))
 
-    def _welcome(self, c: dict[str, Any]) -> None:
+    def _welcome(self, c: Where | Join) -> None:
         """A node of a cluster added to the running job (`growing`) introduces itself: it joins
         this node's plan (its cluster, its rings) and links, out of the rounds until it joins
         (`_join`). Its node plan is checked against the rings it names; a bad one is dropped."""
-        info = c.get(NEWCOMER)
-        if not isinstance(info, dict) or str(c.get("node")) in self.plan.names():
+        info = c.newcomer
+        if info is None or c.node in self.plan.names():
             return
         try:
-            node = newcomer_plan(self.plan, str(c.get("node")), info)
+            node = newcomer_plan(self.plan, c.node, info)
         except (RavnestError, KeyError, TypeError, ValueError) as e:
-            log.warning("%s: an introduction of %s dropped: %s", self.name, c.get("node"), e)
+            log.warning("%s: an introduction of %s dropped: %s", self.name, c.node, e)
             return
         if self.membership is not None:
             self.membership.lost(node.name)  # (out of the rounds until it joins)
@@ -475,18 +517,16 @@ class NodeRuntime:
         self.leave_after = round_
         for ring in self.plan.rings_of(self.name):
             for m in self._elsewhere(ring):
-                self._answer(m, {"op": Op.LEAVING, "node": self.name, "ring": ring.id,
-                                 "round": round_})
+                self._answer(m, Leaving(node=self.name, ring=ring.id, round=round_))
         log.warning("%s drains: it leaves its rings after round %d", self.name, round_)
 
-    def _leaving(self, c: dict[str, Any]) -> None:
+    def _leaving(self, c: Leaving) -> None:
         """A member of one of this node's rings drains: the rounds after `round` go without it."""
-        ring_id, round_ = str(c.get("ring")), c.get("round")
-        who = self._from_member(c, "leave", isinstance(round_, int)
-                                and self.membership is not None)
+        ring_id, round_ = c.ring, c.round
+        who = self._from_member(c, "leave", self.membership is not None)
         if who is None:
             return
-        assert self.membership is not None and isinstance(round_, int)
+        assert self.membership is not None
         self.membership.leave(who, round_ + 1)
         cluster = self.plan.node(who).cluster
         self.checkpoints.without({n.name for n in self.plan.cluster_nodes(cluster)})
@@ -503,18 +543,18 @@ class NodeRuntime:
             self._joins.remove((who, ring_id, _))
             ring = next(r for r in self.plan.rings_of(self.name) if r.id == ring_id)
             tensors, extra = pack_state(self.stage, self.optimization, ring.state)
-            self._answer(who, {"op": Op.STATE, "ring": ring_id, "round": round_,
-                               "updates": self.updates, "final": final, **extra}, tensors)
+            self._answer(who, State(ring=ring_id, round=round_, updates=self.updates,
+                                    final=final, **extra), tensors)
             log.info("%s: sent %s ring %s's state after round %s (%d tensors)", self.name, who,
                      ring_id, "final" if final else round_, len(tensors))
             if final and self.final_clusters is not None:
                 self.final_clusters.add(self.plan.node(who).cluster)
 
     def _await_controls(self, ops: tuple[Op, ...], timeout: float,
-                        from_: Collection[str] = ()) -> dict[str, Any]:
-        """The next control of one of `ops` in the pipeline queue; controls for this node
-        (abort, where, join) are acted on, other frames kept for later, in order. Raises if a
-        node it is awaited `from_` is lost meanwhile."""
+                        from_: Collection[str] = ()) -> tuple[Control, Frame]:
+        """The next control of one of `ops` in the pipeline queue, and its frame (who sent it,
+        its tensors); controls for this node (abort, where, join) are acted on, other frames
+        kept for later, in order. Raises if a node it is awaited `from_` is lost meanwhile."""
         deadline = time.monotonic() + timeout
         while True:
             gone = self._lost_now() & set(from_)
@@ -534,7 +574,10 @@ class NodeRuntime:
                                   f"{timeout:.0f}s") from None
             op = frame.control.get("op") if frame.kind == Kind.CONTROL else None
             if op in ops:
-                return dict(frame.control, _sender=frame.sender, _tensors=frame.tensors)
+                c = self._parse(frame)
+                if c is not None:
+                    return c, frame
+                continue
             if op == Op.ABORT and any(f.kind == Kind.CONTROL and f.control.get("op") == Op.FINISH
                                       for f in self._deferred):
                 # an upstream neighbour that passed on `finish` (a root that took the final
@@ -562,7 +605,7 @@ class NodeRuntime:
         per = -(-self.batches.per_epoch // self.s.update_frequency)
         return self.s.epochs * per // self.s.reduce_factor
 
-    def _choose_join(self) -> dict[str, Any]:
+    def _choose_join(self) -> Rejoin:
         """The root of a restarted cluster: ask a ring member where training is, and pick the
         round its cluster rejoins after and where its data resumes."""
         assert self.batches is not None
@@ -572,23 +615,24 @@ class NodeRuntime:
             raise RavnestError(f"{self.name}: cannot rejoin: no member of its rings in another "
                                f"cluster is there to take the state from")
         asked_at = time.monotonic()
-        self._answer(asked, {"op": Op.WHERE, "node": self.name, **self._intro()})
-        here = self._await_controls((Op.HERE,), self.s.peer_timeout, (asked,))
+        self._answer(asked, Where(node=self.name, **self._intro()))
+        here, _ = self._await_controls((Op.HERE,), self.s.peer_timeout, (asked,))
+        assert isinstance(here, Here)
         waited = time.monotonic() - asked_at
         last = self._last_round_of_job()
         rf = self.s.reduce_factor
-        pace = float(here.get("seconds_per_round") or 1.0)
-        round_ = join_round(int(here["round"]), pace, last, waited=waited)
+        pace = here.seconds_per_round or 1.0
+        round_ = join_round(here.round, pace, last, waited=waited)
         log.info("%s: %s was at round %s (%.3f s a round), its answer took %.2f s: the cluster "
-                 "joins after round %s", self.name, asked, here["round"], pace, waited,
+                 "joins after round %s", self.name, asked, here.round, pace, waited,
                  "final" if round_ is None else round_)
         if round_ is None:
-            return {"op": Op.REJOIN, "round": None, "final": True, "updates": last * rf,
-                    "epoch": self.s.epochs, "next_batch": 0, "asked": asked}
+            return Rejoin(round=None, final=True, updates=last * rf, epoch=self.s.epochs,
+                          next_batch=0, asked=asked)
         epoch, next_batch = resume_position(round_ * rf, self.batches.per_epoch,
                                             self.s.update_frequency)
-        return {"op": Op.REJOIN, "round": round_, "final": False, "updates": round_ * rf,
-                "epoch": epoch, "next_batch": next_batch, "asked": asked}
+        return Rejoin(round=round_, final=False, updates=round_ * rf, epoch=epoch,
+                      next_batch=next_batch, asked=asked)
 
     def rejoin(self) -> dict[str, Any]:
         """Bring this node of a restarted cluster back: agree on the join round along the
@@ -601,10 +645,11 @@ class NodeRuntime:
         if self.me.is_root:
             c = self._choose_join()
         else:
-            c = self._await_controls((Op.REJOIN,), self.s.peer_timeout)
-            c = {k: v for k, v in c.items() if not k.startswith("_")}
+            got, _ = self._await_controls((Op.REJOIN,), self.s.peer_timeout)
+            assert isinstance(got, Rejoin)
+            c = got
         self._pass_down(c)
-        round_ = c.get("round")
+        round_ = c.round
         wanted: dict[str, str] = {}
         for ring in self.plan.rings_of(self.name):
             there = self._elsewhere(ring)
@@ -612,11 +657,11 @@ class NodeRuntime:
                 continue
             wanted[ring.id] = there[0]
             for m in there:
-                self._answer(m, {"op": Op.JOIN, "node": self.name, "ring": ring.id,
-                                 "round": round_, "serve": m == there[0], **self._intro()})
+                self._answer(m, Join(node=self.name, ring=ring.id, round=round_,
+                                     serve=m == there[0], **self._intro()))
         updates, nbytes = self._load_states(wanted, c)
-        self.updates, self.epoch, self.next_batch = updates, int(c["epoch"]), int(c["next_batch"])
-        if c.get("final"):
+        self.updates, self.epoch, self.next_batch = updates, c.epoch, c.next_batch
+        if c.final:
             self.epoch = self.s.epochs
         self.rounds.last = updates // self.s.reduce_factor
         self.stash.drop()
@@ -634,35 +679,36 @@ class NodeRuntime:
                     seconds, self.epoch, self.next_batch)
         return self.rejoined
 
-    def _load_states(self, wanted: dict[str, str], c: dict[str, Any]) -> tuple[int, int]:
+    def _load_states(self, wanted: dict[str, str], c: Rejoin) -> tuple[int, int]:
         """Load the state of each ring in `wanted` (ring -> the member asked for it) once it
         comes; the updates to resume from (the members' own after a final join) and the bytes
         loaded."""
-        updates, nbytes, round_ = int(c["updates"]), 0, c.get("round")
+        updates, nbytes, round_ = c.updates, 0, c.round
         rings = {r.id: r for r in self.plan.rings_of(self.name)}
         got: set[str] = set()
         while got != set(wanted):
-            reply = self._await_controls((Op.STATE, Op.LATE), self.s.peer_timeout,
-                                         set(wanted.values()))
-            ring_id = str(reply.get("ring"))
-            if ring_id not in wanted or reply["_sender"] != wanted[ring_id] or ring_id in got:
+            reply, frame = self._await_controls((Op.STATE, Op.LATE), self.s.peer_timeout,
+                                                set(wanted.values()))
+            assert isinstance(reply, State | Late)
+            ring_id = reply.ring
+            if ring_id not in wanted or frame.sender != wanted[ring_id] or ring_id in got:
                 continue
-            if reply["op"] == Op.LATE:
-                raise RavnestError(f"{self.name}: {reply['_sender']} was past round {round_} "
-                                   f"(at {reply.get('last')}) when asked to take this node in "
+            if isinstance(reply, Late):
+                raise RavnestError(f"{self.name}: {frame.sender} was past round {round_} "
+                                   f"(at {reply.last}) when asked to take this node in "
                                    f"again; its cluster must be restarted again")
             nbytes += unpack_state(self.stage, self.optimization, rings[ring_id].state,
-                                   reply["_tensors"], reply)
-            if c.get("final"):
-                updates = int(reply.get("updates", updates))
+                                   frame.tensors, reply)
+            if c.final:
+                updates = reply.updates
             got.add(ring_id)
         return updates, nbytes
 
-    def _checkpoint(self, c: dict[str, Any]) -> None:
+    def _checkpoint(self, c: Checkpoint) -> None:
         if not self.checkpoints.directory or self.plan.grown(self.me.cluster):
             return  # (a cluster added to the running job has no checkpoint: it joins again)
-        self.next_batch, self.epoch = int(c["next_batch"]), int(c["epoch"])
-        self.checkpoints.save(int(c["step"]), self.state())
+        self.next_batch, self.epoch = c.next_batch, c.epoch
+        self.checkpoints.save(c.step, self.state())
 
     # ----------------------------------------------------------------------------- loops
 
@@ -731,7 +777,7 @@ class NodeRuntime:
             if self._left():
                 break
             self._end_epoch(epoch, on_epoch)
-        self._control({"op": Op.FINISH})
+        self._control(Finish())
         self._flush_peers()
 
     def _left(self) -> bool:
@@ -751,7 +797,7 @@ class NodeRuntime:
                             "job's last round is too near, or it averages only each epoch)",
                             self.name)
             else:
-                self._control({"op": Op.LEAVE, "round": round_})
+                self._control(Leave(round=round_))
 
     def _end_epoch(self, epoch: int,
                    on_epoch: Callable[[NodeRuntime, int], None] | None) -> None:
@@ -760,15 +806,15 @@ class NodeRuntime:
         s = self.s
         last = epoch + 1 == s.epochs
         self._wait_until(lambda: self.in_flight == 0)
-        self._control({"op": Op.STEP})
+        self._control(Step())
         self._record_loss()
         if last:
-            self._control({"op": Op.FINAL_REDUCE})
+            self._control(FinalReduce())
         elif s.reduce_each_epoch and self.plan.rings:
-            self._control({"op": Op.REDUCE, "round": epoch + 1})
+            self._control(Reduce(round=epoch + 1))
         if (epoch + 1) % s.validation_frequency == 0 or last:
             self._validate(epoch)
-        self._control({"op": Op.EPOCH_END, "epoch": epoch})
+        self._control(EpochEnd(epoch=epoch))
         self.next_batch = 0
         if not s.checkpoint_every or last:
             self._send_checkpoint(epoch + 1, 0)
@@ -798,8 +844,7 @@ class NodeRuntime:
 
     def _send_checkpoint(self, epoch: int, next_batch: int) -> None:
         if self.s.checkpoint_dir:
-            self._control({"op": Op.CHECKPOINT, "step": self.updates, "epoch": epoch,
-                           "next_batch": next_batch})
+            self._control(Checkpoint(step=self.updates, epoch=epoch, next_batch=next_batch))
 
     def _validate(self, epoch: int) -> None:
         assert self.batches is not None
@@ -811,13 +856,13 @@ class NodeRuntime:
             # one validation per epoch at most: the epoch names it for a seed leaf's test_labels
             self._eval_forward(tensors, {"validation": epoch, "batch": batch,
                                          "n": int(inputs[0].shape[0])})
-        self._control({"op": Op.EVAL_END, "epoch": epoch, "step": self.updates})
+        self._control(EvalEnd(epoch=epoch, step=self.updates))
         self._wait_until(lambda: self.val_result is not None)
         r = self.val_result
         assert r is not None
         self.curve.add_validation(r, epoch, self.updates, self.samples)
-        self.metrics.val_loss.set(r["val_loss"])
-        if r.get("val_error"):
-            log.warning("%s: validation after epoch %d: %s", self.name, epoch, r["val_error"])
-        if r["val_metric"] is not None:
-            self.metrics.val_metric.set(r["val_metric"])
+        self.metrics.val_loss.set(r.val_loss)
+        if r.val_error:
+            log.warning("%s: validation after epoch %d: %s", self.name, epoch, r.val_error)
+        if r.val_metric is not None:
+            self.metrics.val_metric.set(r.val_metric)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ravnest.train.curves import Curve
-from ravnest.train.messages import Op
+from ravnest.train.messages import ValResult
 from ravnest.train.metrics import WorkerMetrics
 from ravnest.train.targets import MetricError, correct
 
@@ -70,7 +70,7 @@ class Validation:
             self._errors[what] = f"{type(error).__name__}: {error}"
             log.warning("validation %s cannot be computed: %s", what, self._errors[what])
 
-    def finish(self, curve: Curve, epoch: int, step: int) -> dict[str, Any]:
+    def finish(self, curve: Curve, epoch: int, step: int) -> ValResult:
         """The validation's result as the `val_result` control, its loss smoothed into `curve`;
         start the next one."""
         e, self._sums = self._sums, {}
@@ -87,8 +87,7 @@ class Validation:
             curve.best_smoothed is None or curve.smoothed < curve.best_smoothed)
         if best:
             curve.best_smoothed, curve.best_step = curve.smoothed, step
-        result = {"op": Op.VAL_RESULT, "epoch": epoch, "step": step, "val_loss": val_loss,
-                  "val_metric": metric, "smoothed": curve.smoothed, "best": best}
-        if errors:
-            result["val_error"] = "; ".join(f"{k}: {v}" for k, v in sorted(errors.items()))
-        return result
+        said = {"val_error": "; ".join(f"{k}: {v}" for k, v in sorted(errors.items()))
+                } if errors else {}
+        return ValResult(epoch=epoch, step=step, val_loss=val_loss, val_metric=metric,
+                         smoothed=curve.smoothed, best=best, **said)
