@@ -248,10 +248,16 @@ class _Link:
     pair: cutting or slowing that link touches only the traffic between the two clusters (their
     ring all-reduces), never a pipeline inside a cluster or anything else on the machine."""
 
+    made = 0
+    """Links made by this process: each gets names and a subnet of its own, so that nothing a
+    test's link left behind (a namespace its workers still held, a neighbour entry, a connection
+    of the same addresses and ports) meets the next test's."""
+
     def __init__(self) -> None:
-        tag = f"rvf{os.getpid() % 100000}"
+        _Link.made += 1
+        tag = f"rvf{os.getpid() % 10000}x{_Link.made}"
         self.ns, self.host_if, self.ns_if = f"{tag}n", f"{tag}h", f"{tag}p"
-        net = f"10.231.{os.getpid() % 250}"  # (bench/wan.py uses 10.213.0.0/24)
+        net = f"10.231.{(os.getpid() + 7 * _Link.made) % 250}"  # (bench/wan.py: 10.213.0.0/24)
         self.host_ip, self.ns_ip = f"{net}.1", f"{net}.2"
 
     def _ip(self, *args: str, ns: bool = False) -> None:
@@ -367,8 +373,20 @@ class _SplitRun:
                 return dict(got)
             dead = {n: p.returncode for n, p in self.procs.items() if p.poll() not in (None, 0)}
             assert not dead, f"workers died while waiting for {what}: {dead}\n{self.tails()}"
+            assert any(p.poll() is None for p in self.procs.values()), (
+                f"the job ended before {what}\n{self.tails()}")
             time.sleep(0.1)
-        raise AssertionError(f"timed out waiting for {what}\n{self.tails()}")
+        raise AssertionError(f"timed out waiting for {what}; each node's step, rounds, partial "
+                             f"rounds: {self._counts()}\n{self.tails()}")
+
+    def _counts(self) -> dict[str, tuple[float, ...] | int | None]:
+        """Each node's step and ring rounds (all, partial) as its metrics say now; a node that
+        ended: its exit code."""
+        counts: dict[str, tuple[float, ...] | int | None] = {}
+        for n, p in self.procs.items():
+            x = self.metrics(n)
+            counts[n] = tuple(x.get(k, -1) for k in (STEP, ROUNDS, PARTIAL)) if x else p.poll()
+        return counts
 
     def finish(self, timeout: float = 300) -> dict[str, Any]:
         """Wait for every worker to succeed; the job's summary (fused model, accuracy)."""
