@@ -328,8 +328,10 @@ def test_a_provider_removed_from_the_spec_drains_its_cluster(cluster: Cluster, r
     cluster through the cluster's root pod's annotation, which the real kubelet projects into the
     pod's downward-API volume; the cluster leaves at a round boundary, the other trains on to the
     last update, and the job succeeds saying what drained."""
-    name = "shrunk"
-    doc = digits_doc(name, epochs=20)
+    name, epochs = "shrunk", 40
+    # (long enough that the drain order reaches the root before the end: the kubelet refreshes a
+    # pod's downward-API files on its own schedule, up to a minute or more after the apply)
+    doc = digits_doc(name, epochs=epochs)
     try:
         cluster.apply(doc)
 
@@ -353,13 +355,14 @@ def test_a_provider_removed_from_the_spec_drains_its_cluster(cluster: Cluster, r
         assert st["clusters"] == "1/2" and st.get("restarts", 0) == 0, st
         assert st["membership"]["versions"][-1] == {
             "version": 2, "fromRound": left["round"] + 1, "clusters": [kept]}, st["membership"]
-        assert st["result"]["cluster"] == kept and st["result"]["updates"] == 20 * 22, st["result"]
+        assert st["result"]["cluster"] == kept and st["result"]["updates"] == epochs * 22, (
+        st["result"])
         assert st["progress"]["validationMetric"] >= 0.95, st["progress"]
         root = f"{name}-{gone['nodes'][0].replace('_', '-')}"
         log = cluster.kubectl("logs", "-n", JOBS_NS, root).stdout
         assert f"drained after round {left['round']}" in log, log[-3000:]
         print(f"\nshrunk on the cluster: cluster {gone['id']} drained after round "
-              f"{left['round']} of 220, {seconds:.0f} s after the apply")
+              f"{left['round']} of {epochs * 11}, {seconds:.0f} s after the apply")
     except BaseException:
         print(cluster.job_report(name))  # before its pods go
         raise
