@@ -557,14 +557,15 @@ def _lost(run: _Pass, job: Job, plan: Plan, obs: Observation, lost: list[NodeSta
     by_pod = {s.pod: n for n, s in obs.nodes.items()}
     after = supervising.after_loss(plan, job.spec.run_policy, seen,
                                    [seen[by_pod[s.pod]] for s in down], message,
-                                   _memory(run.status), rejoining=rejoining, drained=run.drained)
+                                   supervising.Memory.of_status(run.status),
+                                   rejoining=rejoining, drained=run.drained)
     if after.act == supervising.Act.RESTART_CLUSTER:
         _recover(run, plan, obs, after, recoveries, rejoining, conditions)
     elif after.act == supervising.Act.RESTART_JOB:
         _restart(run, job, obs, after, conditions)
     elif after.act == supervising.Act.WAIT:
-        run.out.set({"conditions": set_condition(conditions, "Recovering", True,
-                                                 "OthersFinishing", after.said(), run.at)})
+        run.out.set({"conditions": set_condition(conditions, "Recovering", True, after.reason,
+                                                 after.said(), run.at)})
     else:
         run.fail(after.reason, after.said())
         run.clean(run.run_policy.get("cleanPodPolicy", "Running"))
@@ -620,28 +621,6 @@ def _cluster_recoveries(status: Mapping[str, Any], plan: Plan) -> dict[int, int]
             for c in plan.clusters}
 
 
-def _memory(status: Mapping[str, Any]) -> supervising.Memory:
-    """What the operator keeps between passes for `supervising.after_loss`, from the status:
-    restarts, recoveries, and how the last failures read (status.lastFailures)."""
-    failures = status.get("lastFailures")
-    failures = failures if isinstance(failures, dict) else {}
-    clusters = failures.get("clusters")
-    job = failures.get("job")
-    return supervising.Memory(
-        restarts=int(status.get("restarts", 0)), recoveries=int(status.get("recoveries", 0)),
-        failed_as=job if isinstance(job, str) else None,
-        cluster_failed_as={c: f for c, f in enumerate(clusters if isinstance(clusters, list)
-                                                      else []) if isinstance(f, str)})
-
-
-def _remembered(memory: supervising.Memory) -> dict[str, Any]:
-    """status.lastFailures, of `memory` (clusters: a list by cluster id, replaced whole by a
-    merge patch)."""
-    known = memory.cluster_failed_as
-    return {"job": memory.failed_as,
-            "clusters": [known.get(c) for c in range(max(known, default=-1) + 1)]}
-
-
 def _recover(run: _Pass, plan: Plan, obs: Observation, after: supervising.AfterLoss,
              recoveries: dict[int, int], rejoining: set[int],
              conditions: list[dict[str, Any]]) -> None:
@@ -656,7 +635,7 @@ def _recover(run: _Pass, plan: Plan, obs: Observation, after: supervising.AfterL
     text = after.said()
     rejoining = rejoining | {cluster}
     run.out.set({"recoveries": after.memory.recoveries,
-                 "lastFailures": _remembered(after.memory),
+                 "lastFailures": after.memory.last_failures(),
                  "clusterRecoveries": [recoveries.get(i, 0)
                                        for i in range(max(recoveries) + 1)],
                  "rejoining": sorted(rejoining),
@@ -834,7 +813,7 @@ def _restart(run: _Pass, job: Job, obs: Observation, after: supervising.AfterLos
                  if s.phase != "Missing" and not s.deleting))
     text = after.said(resumes=_resumes(job))
     run.out.set({"restarts": after.memory.restarts, "phase": Phase.RESTARTING, "rejoining": [],
-                 "clusterRecoveries": [], "lastFailures": _remembered(after.memory),
+                 "clusterRecoveries": [], "lastFailures": after.memory.last_failures(),
                  "conditions": set_condition(conditions, "Restarting", True, after.reason, text,
                                              run.at)})
     run.out.do(Event("Restarting", after.failure, warning=True), CountRestart())

@@ -8,6 +8,7 @@ from typing import Any
 
 from ravnest import termination
 from ravnest.plan.plans import Plan
+from ravnest.run.jobstatus import TIME_FORMAT
 from ravnest.run.progress import progress as job_progress
 from ravnest.run.supervising import NodePhase, Seen
 from ravnest.termination import NOT_ENDED, Ending
@@ -20,8 +21,8 @@ def now() -> str:
 
 
 def timestamp(at: dt.datetime) -> str:
-    """A time as the job's status writes it (UTC, whole seconds)."""
-    return at.strftime("%Y-%m-%dT%H:%M:%SZ")
+    """A time as the job's status writes it (`jobstatus.TIME_FORMAT`)."""
+    return at.strftime(TIME_FORMAT)
 
 
 def parse_time(value: str) -> dt.datetime:

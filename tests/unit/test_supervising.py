@@ -114,7 +114,7 @@ SCENARIOS: list[tuple[str, dict[str, Any], dict[str, Any], Memory, set[int], Any
      {}, Memory(), set(), (Act.RESTART_JOB, None, "WorkerFailed")),
     ("the other cluster is finishing: wait for it, the job then ends without the lost one",
      {"node_2": KILLED, "node_5": SUCCEEDED}, {}, Memory(), set(),
-     (Act.WAIT, None, "WorkerFailed")),
+     (Act.WAIT, None, "OthersFinishing")),
     ("the other cluster is finishing, recovery job: every worker restarts",
      {"node_2": KILLED, "node_5": SUCCEEDED}, {"recovery": "job"}, Memory(), set(),
      (Act.RESTART_JOB, None, "WorkerFailed")),
@@ -259,3 +259,15 @@ def test_both_supervisors_end_a_job_without_the_same_clusters(plan, tmp_path, na
 def test_a_job_fails_past_its_deadline_and_says_so():
     assert past_deadline(None, 10**9) is None and past_deadline(60, 60) is None
     assert past_deadline(60, 60.5) == "job ran longer than activeDeadlineSeconds=60"
+
+
+def test_what_a_supervisor_remembers_goes_through_a_job_status_unchanged():
+    memory = Memory(restarts=2, recoveries=3, failed_as=f"exit code 1: {BOOM}",
+                    cluster_failed_as={2: "exit code 3: x"})
+    status = {"restarts": 2, "recoveries": 3, "lastFailures": memory.last_failures()}
+    assert status["lastFailures"] == {"job": f"exit code 1: {BOOM}",
+                                      "clusters": [None, None, "exit code 3: x"]}
+    assert Memory.of_status(status) == memory
+    assert Memory().last_failures() is None and Memory.of_status({}) == Memory()
+    # what is not of its type is ignored (a status edited by hand)
+    assert Memory.of_status({"lastFailures": {"job": 7, "clusters": {"0": "x"}}}) == Memory()

@@ -181,9 +181,13 @@ class JobStatus(_Part):
     """The final figures the first cluster's root reported (and the fused model's)."""
 
 
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+"""How a status writes a time: RFC 3339, UTC, whole seconds."""
+
+
 def timestamp(seconds: float) -> str:
-    """A time (seconds since the epoch) as a status writes it: RFC 3339, UTC, whole seconds."""
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+    """A time (seconds since the epoch) as a status writes it (`TIME_FORMAT`)."""
+    return time.strftime(TIME_FORMAT, time.gmtime(seconds))
 
 
 class StatusError(ValueError):

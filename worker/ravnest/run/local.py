@@ -523,11 +523,10 @@ class LocalRun:
                 self._recover(dead, self.metas, after)
                 continue
             if after.act == supervising.Act.WAIT:  # (`wait` ends the run without it once done)
-                if self.conditions[-1:] != [waiting := {
-                        "type": "Recovering", "status": "True", "reason": "OthersFinishing",
-                        "message": after.said()}]:
-                    self._say(waiting["type"], waiting["status"], waiting["reason"],
-                              waiting["message"])
+                said = after.said()
+                if self.conditions[-1:] != [{"type": "Recovering", "status": "True",
+                                             "reason": after.reason, "message": said}]:
+                    self._say("Recovering", "True", after.reason, said)  # (said once)
                 time.sleep(0.5)
                 continue
             if after.act == supervising.Act.FAIL:
@@ -638,14 +637,11 @@ class LocalRun:
             if plan else []
         counts = [sum(r["cluster"] == c for r in self.recoveries)
                   for c in range(max((r["cluster"] for r in self.recoveries), default=-1) + 1)]
-        memory = self.memory
         fields: dict[str, Any] = {
             "phase": phase, "conditions": self.conditions or None, "progress": now or None,
             "startTime": jobstatus.timestamp(self._wall_start), "restarts": self.restarts,
             "recoveries": len(self.recoveries), "clusterRecoveries": counts or None,
-            "lastFailures": {"job": memory.failed_as, "clusters": [
-                memory.cluster_failed_as.get(c) for c in range(len(counts))]}
-            if memory.failed_as or memory.cluster_failed_as else None,
+            "lastFailures": self.memory.last_failures(),
             "spares": {sp.name: _spare_phase(self.spare_procs.get(sp.name))
                        for sp in self.spares} or None,
             "takeovers": {t["node"]: t["provider"] for t in self.takeovers} or None,

@@ -16,6 +16,7 @@ import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from ravnest.plan.plans import Plan
 from ravnest.run import elastic
@@ -94,6 +95,28 @@ class Memory:
     failed_as: str | None = None
     cluster_failed_as: Mapping[int, str] = field(default_factory=dict)
 
+    def last_failures(self) -> dict[str, Any] | None:
+        """status.lastFailures (`jobstatus.LastFailures`): the job's, and each cluster's as a
+        list by cluster id (a merge patch replaces it whole); None with none known."""
+        known = self.cluster_failed_as
+        if self.failed_as is None and not known:
+            return None
+        return {"job": self.failed_as,
+                "clusters": [known.get(c) for c in range(max(known, default=-1) + 1)]}
+
+    @classmethod
+    def of_status(cls, status: Mapping[str, Any]) -> Memory:
+        """The memory a job's status keeps: restarts, recoveries and status.lastFailures (what
+        is not of its type, ignored)."""
+        failures = status.get("lastFailures")
+        failures = failures if isinstance(failures, dict) else {}
+        clusters, job = failures.get("clusters"), failures.get("job")
+        return cls(restarts=int(status.get("restarts") or 0),
+                   recoveries=int(status.get("recoveries") or 0),
+                   failed_as=job if isinstance(job, str) else None,
+                   cluster_failed_as={c: f for c, f in enumerate(
+                       clusters if isinstance(clusters, list) else []) if isinstance(f, str)})
+
 
 class Act(StrEnum):
     RESTART_CLUSTER = "RestartCluster"
@@ -128,6 +151,8 @@ class AfterLoss:
     @property
     def reason(self) -> str:
         """The reason of the condition the supervisor sets."""
+        if self.act == Act.WAIT:
+            return "OthersFinishing"
         if self.act != Act.FAIL:
             return "WorkerFailed"
         return "RepeatedFailure" if self.again else "BackoffLimitExceeded"
