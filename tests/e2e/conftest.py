@@ -7,7 +7,9 @@ names a node folder for hostPath volumes that every node mounts. Unset: the tier
 cluster of one control-plane and two worker nodes here, offline (scripts/kind-cluster up --offline:
 a node image built here, dockerd through scripts/runc-bounded), builds the images in the local
 Docker Engine (our image by tests/project_image.py, the same build as the image tier's) and puts
-them on the workers (scripts/kind-cluster load), and deletes the cluster when the tier is done.
+them on the workers (scripts/kind-cluster load), and deletes the cluster when the tier is done
+(kind_tier.py). RAVNEST_E2E_PREPARED set (scripts/test sets it): scripts/test began making that
+cluster in the background before the unit tier, and the tier waits for it to be ready.
 
 Nothing here skips: a missing tool or a cluster that does not come up fails with the reason.
 """
@@ -16,32 +18,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import project_image
+import kind_tier
 import pytest
-from e2e_cluster import (
-    BYO_IMAGE,
-    IMAGE,
-    JOBS_NS,
-    MINIO_IMAGE,
-    RELEASE,
-    ROOT,
-    SYSTEM_NS,
-    TIMINGS,
-    Cluster,
-    build_test_images,
-    ensure_docker_image,
-)
-
-# The cluster this tier makes (not scripts/kind-e2e's, which a user may keep), and the folder
-# scripts/kind-cluster mounts on every node.
-KIND_CLUSTER = "ravnest-e2e-tier"
-KIND_SHARED = "/mnt/ravnest-shared"
+from e2e_cluster import IMAGE, JOBS_NS, RELEASE, ROOT, SYSTEM_NS, TIMINGS, Cluster
 
 
 # Module scope: the cluster goes when this tier's one module is done, not at the end of the whole
@@ -59,35 +43,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if os.geteuid() != 0:
         pytest.fail("a kind cluster made here (scripts/kind-cluster up --offline) needs root; or "
                     "set RAVNEST_E2E_KUBECONFIG to a cluster's kubeconfig")
-    ensure_docker_image(tmp_path_factory.mktemp("image"))
-    build_test_images()
-    script = ["bash", str(ROOT / "scripts" / "kind-cluster")]
-    env = {**os.environ, "KIND_CLUSTER": KIND_CLUSTER}
-    start = time.monotonic()
-    up = subprocess.run([*script, "up", "--offline"], capture_output=True, text=True,
-                        timeout=3600, env=env)
-    TIMINGS["cluster_up_s"] = time.monotonic() - start
+    ahead = os.environ.get("RAVNEST_E2E_PREPARED")
     try:
-        if up.returncode != 0:
-            pytest.fail(f"scripts/kind-cluster up --offline exited {up.returncode}:\n"
-                        f"{up.stdout[-2000:]}\n{up.stderr[-6000:]}")
-        start = time.monotonic()
-        load = subprocess.run([*script, "load", IMAGE, BYO_IMAGE, MINIO_IMAGE],
-                              capture_output=True, text=True, timeout=3600, env=env)
-        TIMINGS["image_load_s"] = time.monotonic() - start
-        if load.returncode != 0:
-            pytest.fail(f"scripts/kind-cluster load exited {load.returncode}:\n"
-                        f"{load.stderr[-4000:]}")
-        nodes = project_image.docker("ps", "--filter",
-                                     f"label=io.x-k8s.kind.cluster={KIND_CLUSTER}", "--format",
-                                     "{{.Names}}", check=False, timeout=60)
-        yield Cluster(up.stdout.strip().splitlines()[-1], hostpath=KIND_SHARED,
-                      nodes=sorted(nodes.stdout.split()))
+        made = (kind_tier.prepared(Path(ahead)) if ahead
+                else kind_tier.make(tmp_path_factory.mktemp("image")))
+        TIMINGS.update(made["timings"])
+        yield Cluster(made["kubeconfig"], hostpath=kind_tier.KIND_SHARED, nodes=made["nodes"])
+    except kind_tier.NotMade as e:
+        pytest.fail(str(e))
     finally:
-        down = subprocess.run([*script, "down"], capture_output=True, text=True, timeout=600,
-                              env=env)
-        if down.returncode != 0:
-            print(f"scripts/kind-cluster down exited {down.returncode}:\n{down.stderr[-3000:]}")
+        if (failed := kind_tier.down()) is not None:
+            print(failed)
 
 
 def smoke_test_values(cluster: Cluster) -> list[str]:
