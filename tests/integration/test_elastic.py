@@ -1,11 +1,15 @@
-"""Elastic training on `ravnest run` (issue 20): a 3-cluster digits job whose root, stem or leaf is
-killed with SIGKILL at a seeded random step, in separate runs. The runner restarts only the lost
+"""Elastic training on `ravnest run` (issue 20): a 3-cluster digits job whose root is killed with
+SIGKILL at a seeded random step. The runner restarts only the lost
 cluster; the other two train on (their step counters, read from their metrics while the cluster
 is away, keep rising and never go back: they redo no step), their rounds go on without it; the
 restarted workers take their state from the other clusters' nodes, not from a checkpoint, and
 rejoin at a round boundary. Every cluster then ends the job with the same weights, at an accuracy
 within 1 % of an undisturbed run of the same job. Recovery times and the bytes moved are
 printed.
+
+A stem's and a leaf's live rejoin have their real runs on the other executors: the operator tier
+kills a stem (tests/integration/test_operator.py, elastic-node-3) and the kind tier deletes a
+leaf's pod (tests/e2e/test_cluster.py). Each role's run here cost about 55 s of CI.
 """
 
 from __future__ import annotations
@@ -92,7 +96,7 @@ def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return json.loads((got["out"] / "summary.json").read_text())
 
 
-@pytest.mark.parametrize("role,seed", [("root", 1), ("stem", 2), ("leaf", 3)])
+@pytest.mark.parametrize("role,seed", [("root", 1)])
 def test_a_killed_node_costs_only_its_cluster_which_rejoins_live(tmp_path, undisturbed, role,
                                                                  seed):
     got = _run(tmp_path, role, seed)
