@@ -40,7 +40,7 @@ from ravnest.storing import Location, open_location
 from ravnest.train.messages import Abort, Kind, Op
 from ravnest.train.metrics import WorkerMetrics
 from ravnest.train.rejoining import RingMembership
-from ravnest.train.runtime import Batches, NodeRuntime
+from ravnest.train.runtime import Batches, NodeRuntime, Outside
 from ravnest.train.settings import Settings
 from ravnest.train.targets import Targets
 
@@ -392,22 +392,24 @@ def _ring_addresses(meta: NodeMetadata) -> dict[str, str]:
 def assemble(wiring: Wiring, meta: NodeMetadata, stage: Stage, settings: Settings,
              metrics: WorkerMetrics, optimizer: torch.optim.Optimizer | None, scheduler: Any,
              criterion: Callable[..., torch.Tensor] | None,
-             batches: Batches | None, targets: Targets | None = None) -> NodeRuntime:
+             batches: Batches | None, targets: Targets | None = None,
+             drain_asked: Callable[[], bool] | None = None) -> NodeRuntime:
     """The runtime of `meta.node` over its wiring: ring pieces on the data plane where the
     wiring has ring links, else over gRPC. `targets`: where a leaf's criterion gets its
-    targets (default: the labels its root sends)."""
-    runtime = NodeRuntime(meta.node, meta.plan, stage, settings, optimizer, scheduler,
-                          criterion, wiring.inbox, wiring.peers, metrics, batches,
-                          ring_peers=wiring.ring_links if wiring.reach is not None else None,
-                          targets=targets, membership=wiring.membership)
-    runtime.welcome = wiring.welcome
+    targets (default: the labels its root sends). `drain_asked`: at a root, whether its
+    cluster was told to drain."""
     me = meta.plan.node(meta.node)
+    introduction = None
     if meta.plan.grown(me.cluster):
         ring = (meta.ring_addresses or {}).get(meta.node)
-        runtime.introduction = {"node": asdict(me), "address": meta.addresses[meta.node],
-                                "rings": [r.id for r in meta.plan.rings_of(meta.node)],
-                                **({"ringAddress": ring} if ring else {})}
-    return runtime
+        introduction = {"node": asdict(me), "address": meta.addresses[meta.node],
+                        "rings": [r.id for r in meta.plan.rings_of(meta.node)],
+                        **({"ringAddress": ring} if ring else {})}
+    return NodeRuntime(meta.node, meta.plan, stage, settings, optimizer, scheduler,
+                       criterion, wiring.inbox, wiring.peers, metrics, batches,
+                       ring_peers=wiring.ring_links if wiring.reach is not None else None,
+                       targets=targets, membership=wiring.membership,
+                       outside=Outside(wiring.welcome, introduction, drain_asked))
 
 
 def save_stage(runtime: NodeRuntime, folder: str | Path | Location) -> None:

@@ -208,8 +208,17 @@ class Worker:
             batches = cluster_batches(train, val, spec, me.cluster, plan.planned)
         ckpt = open_location(spec.checkpoint.path, spec.storage.options(pvc_root),
                              base=meta.output_dir)
+        self.drain_dir = os.environ.get(DRAIN_DIR_ENV, "")
+        drain_asked = None
+        if me.is_root and self.drain_dir:
+            folder = Path(self.drain_dir)
+
+            def drain_asked() -> bool:
+                return draining.ordered(folder, me.cluster)
+
         self.runtime = assemble(self.wiring, meta, stage, Settings.from_spec(spec, ckpt),
-                                self.metrics, optimizer, scheduler, criterion, batches)
+                                self.metrics, optimizer, scheduler, criterion, batches,
+                                drain_asked=drain_asked)
         self.metrics_port = 0
         self.pvc_root = pvc_root
         self.started = time.monotonic()
@@ -227,10 +236,6 @@ class Worker:
                 for name in c.nodes:
                     self.wiring.membership.lost(name)
         self.runtime.checkpoints.without(gone)
-        self.drain_dir = os.environ.get(DRAIN_DIR_ENV, "")
-        if me.is_root and self.drain_dir:
-            folder = Path(self.drain_dir)
-            self.runtime.drain_asked = lambda: draining.ordered(folder, me.cluster)
 
     @property
     def server(self) -> Server:

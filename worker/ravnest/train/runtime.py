@@ -1,5 +1,7 @@
 """One provider's training loop: it routes the frames its node receives to the parts that act on
 them, and the cluster's root also drives it by reading batches and feeding microbatches forward.
+Frames come and go by its `Routes` (`routing`); what it may do outside its pipeline (welcome a
+newcomer, introduce itself, drain when told) it is given when it is made (`Outside`).
 
 - forward frames go downstream with the activations every later stage needs (skip connections
   included) and the labels; the leaf computes the loss and starts the backward pass at once
@@ -25,7 +27,6 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,7 @@ import torch
 from ravnest.comm.framing import Frame
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.sending import RingSender, Sender
-from ravnest.errors import PeerFailed, PeerTimeout, RavnestError, TransportError
+from ravnest.errors import PeerFailed, PeerTimeout, RavnestError
 from ravnest.plan.partitioning import OUTPUT, Stage
 from ravnest.plan.plans import NodePlan, Plan, RingPlan, as_planned
 from ravnest.train.allreducing import FINAL_ROUND, RingReducer, reduce_all
@@ -59,7 +60,6 @@ from ravnest.train.messages import (
     Leave,
     Leaving,
     Op,
-    Payload,
     Reduce,
     Rejoin,
     State,
@@ -82,6 +82,7 @@ from ravnest.train.rejoining import (
     unpack_state,
 )
 from ravnest.train.resuming import Checkpoints
+from ravnest.train.routing import Routes
 from ravnest.train.schedules import WeightStash, drains
 from ravnest.train.settings import Settings
 from ravnest.train.targets import MetricError, Targets, split
@@ -112,20 +113,28 @@ OUTSIDE = frozenset({Op.WHERE, Op.HERE, Op.JOIN, Op.STATE, Op.LATE, Op.LEAVING})
 clusters (restarted ones, drained ones, new ones), which it does not trust to be well formed."""
 
 
+@dataclass(frozen=True)
+class Outside:
+    """A node's ways to the world outside its pipeline, given to its runtime when it is made
+    (none is set on it afterwards)."""
+
+    welcome: Callable[[str, str, str | None], None] | None = None
+    """Link to a newcomer (name, address, ring data plane address), and watch it."""
+    introduction: dict[str, Any] | None = None
+    """At a node of a cluster added to the running job: how it introduces itself to the
+    members of its rings (`NEWCOMER`: its node plan, addresses and rings)."""
+    drain_asked: Callable[[], bool] | None = None
+    """At a root: whether its cluster was told to drain (asked at each round boundary until it
+    says yes)."""
+
+
 class NodeRuntime:
     """The training loop of one node."""
 
     rejoined: dict[str, Any] | None
     """How this node rejoined a running job (round, updates, seconds, bytes, from), if it did."""
-    drain_asked: Callable[[], bool] | None
-    """At a root: whether its cluster was told to drain (asked at each round boundary)."""
     leave_after: int | None
     """The round after which this node's cluster leaves the job (it drains), once known."""
-    introduction: dict[str, Any] | None
-    """At a node of a cluster added to the running job: how it introduces itself to the
-    members of its rings (`NEWCOMER`: its node plan, addresses and rings)."""
-    welcome: Callable[[str, str, str | None], None] | None
-    """Link to a newcomer (name, address, ring data plane address), and watch it."""
     final_clusters: set[int] | None
     """The clusters whose nodes this node's final round held, or that it sent the final state
     to (a restarted cluster that asked in time); None: it had no final round (no rings). A
@@ -139,13 +148,15 @@ class NodeRuntime:
                  ring_peers: Mapping[str, RingSender] | None = None,
                  reducers: Sequence[RingReducer] | None = None,
                  targets: Targets | None = None,
-                 membership: RingMembership | None = None) -> None:
+                 membership: RingMembership | None = None, *,
+                 outside: Outside | None = None, routes: Routes | None = None) -> None:
         """`peers`: links to the pipeline neighbours (and, without `ring_peers`, to the other
         ring members), by node name. `ring_peers`: the other ring members' data-plane links
         (training.ringTransport: tcp). `reducers`: one per ring of this node in the plan;
         without them, `averaging.ring_reducers` over `ring_peers` or else `peers`, whose rounds
         go on without the members `membership` says are absent. `targets`: where a leaf's
-        criterion gets its targets (default: the labels the root sends)."""
+        criterion gets its targets (default: the labels the root sends). `outside`: its ways to
+        the world outside its pipeline; `routes`: its frames' (default: `peers` and `inbox`)."""
         self.name = name
         self.plan = plan
         self.me: NodePlan = plan.node(name)
@@ -155,9 +166,8 @@ class NodeRuntime:
         self.peers = peers
         self.metrics = metrics
         self.batches = batches
-        up, down = plan.neighbours(name)
-        self.up = peers[up] if up else None
-        self.down = peers[down] if down else None
+        self.routes = routes if routes is not None else Routes(name, plan, peers, inbox, metrics,
+                                                               settings.peer_timeout)
         params = dict(stage.named_parameters())
         self.stash = WeightStash(params, settings.schedule == "async")
         self.passes = StagePasses(name, stage, self.me.is_root, criterion, self.stash,
@@ -172,9 +182,10 @@ class NodeRuntime:
         self.rounds_skipped = self.rounds_partial = 0
         self.rounds, self.rejoined = RoundClock(), None
         self.final_clusters = None
-        self.drain_asked = self.leave_after = self.introduction = self.welcome = None
+        self.leave_after = None
+        self.outside = outside if outside is not None else Outside()
+        self._drain_asked = self.outside.drain_asked  # (None once it said yes)
         self._joins: list[tuple[str, str, int | None]] = []  # (node, ring, round) to serve
-        self._deferred: deque[Frame] = deque()  # frames that came while rejoining
         metrics.clusters_active.set(len(plan.clusters))
         self.validation = Validation(criterion, settings.metric, settings.validation_smoothing,
                                      metrics)
@@ -245,27 +256,15 @@ class NodeRuntime:
 
     # ----------------------------------------------------------------------------- frames
 
-    def _send_down(self, frame: Frame) -> None:
-        assert self.down is not None
-        frame.sender = self.name
-        with self.metrics.timed("communication"):
-            self.down.post(frame, snapshot=False)  # pipeline tensors are never written again
+    @property
+    def up(self) -> Sender | None:
+        """The link to the pipeline's previous stage (None at a root)."""
+        return self.routes.up
 
-    def _send_up(self, frame: Frame) -> None:
-        assert self.up is not None
-        frame.sender = self.name
-        with self.metrics.timed("communication"):
-            self.up.post(frame, snapshot=False)
-
-    def _next_frame(self) -> Frame:
-        if self._deferred:
-            return self._deferred.popleft()
-        try:
-            with self.metrics.timed("waiting"):
-                return self.inbox.pipeline.get(timeout=self.s.peer_timeout)
-        except queue.Empty:
-            raise PeerTimeout(f"{self.name}: no frame from the pipeline for "
-                              f"{self.s.peer_timeout:.0f}s") from None
+    @property
+    def down(self) -> Sender | None:
+        """The link to the pipeline's next stage (None at a leaf)."""
+        return self.routes.down
 
     def handle(self, frame: Frame) -> None:
         if frame.kind == Kind.CONTROL:
@@ -292,7 +291,7 @@ class NodeRuntime:
             in_grads, info = self.passes.leaf_backward(mb)
             self._backward_done(mb, in_grads, info)
         else:
-            self._send_down(Frame(Kind.FORWARD, self.passes.downstream(mb), microbatch=mb,
+            self.routes.send_down(Frame(Kind.FORWARD, self.passes.downstream(mb), microbatch=mb,
                                   control=control))
 
     def _backward(self, mb: int, grads: dict[str, torch.Tensor], control: dict[str, Any]) -> None:
@@ -307,7 +306,7 @@ class NodeRuntime:
             self.metrics.in_flight.set(self.in_flight)
             self.losses.add(control.get("loss", 0.0), control.get("n", 0))
         else:
-            self._send_up(Frame(Kind.BACKWARD, in_grads, microbatch=mb, control=control))
+            self.routes.send_up(Frame(Kind.BACKWARD, in_grads, microbatch=mb, control=control))
         if self.optimization.accumulated(int(control.get("n", 0)),
                                          int(control.get("per_update", 0))):
             self._optimizer_step()
@@ -355,7 +354,7 @@ class NodeRuntime:
             send = dict(out)
             if labels is not None:
                 send[LABELS] = labels
-            self._send_down(Frame(Kind.EVAL, send, control=control))
+            self.routes.send_down(Frame(Kind.EVAL, send, control=control))
             return
         try:
             targets = self.passes.targets.validation(control, labels)
@@ -389,43 +388,43 @@ class NodeRuntime:
                 if self.me.is_leaf:
                     self._control(self.validation.finish(self.curve, c.epoch, c.step))
                 else:
-                    self._pass_down(c)
+                    self.routes.control_down(c)
             case ValResult():
                 if c.best:
                     self.best_state = self._snapshot
                 if self.me.is_root:
                     self.val_result = c
                 else:
-                    self._send_up(Frame(Kind.CONTROL, control=c.wire()))
+                    self.routes.send_up(Frame(Kind.CONTROL, control=c.wire()))
             case EpochEnd():
                 self.epoch = c.epoch + 1
                 self.optimization.epoch_end()
-                self._pass_down(c)
+                self.routes.control_down(c)
             case Checkpoint():
-                self._pass_down(c)
+                self.routes.control_down(c)
                 self._checkpoint(c)
             case Step():
-                self._pass_down(c)
+                self.routes.control_down(c)
                 if self.optimization.pending():
                     self._optimizer_step()
             case Reduce():
-                self._pass_down(c)
+                self.routes.control_down(c)
                 self.all_reduce(c.round)
             case FinalReduce():
-                self._pass_down(c)
+                self.routes.control_down(c)
                 self.all_reduce(FINAL_ROUND)
             case Finish():
-                self._pass_down(c)
+                self.routes.control_down(c)
                 self._finished = True
             case Where():
                 self._welcome(c)
-                self._answer(c.node, Here(updates=self.updates, round=self.rounds.last,
+                self.routes.answer(c.node, Here(updates=self.updates, round=self.rounds.last,
                                           seconds_per_round=self.rounds.seconds or 0.0))
             case Join():
                 self._welcome(c)
                 self._join(c)
             case Leave():
-                self._pass_down(c)
+                self.routes.control_down(c)
                 self._leave(c.round)
             case Leaving():
                 self._leaving(c)
@@ -435,25 +434,7 @@ class NodeRuntime:
             case _:
                 raise RavnestError(f"{self.name}: unexpected control {c.op!r}")
 
-    def _pass_down(self, c: Payload) -> None:
-        if not self.me.is_leaf:
-            self._send_down(Frame(Kind.CONTROL, control=c.wire()))
-
     # ----------------------------------------------------------------------------- rejoining
-
-    def _answer(self, node: str, control: Payload,
-                tensors: dict[str, torch.Tensor] | None = None) -> None:
-        """A control to a node outside the pipeline (a restarted one): unordered (its process
-        may be new to the link), and a failure only logged (it may be gone again)."""
-        peer = self.peers.get(node)
-        if peer is None:
-            log.warning("%s: no link to %s, which asked for %s", self.name, node, control.op)
-            return
-        try:
-            peer.post(Frame(Kind.CONTROL, tensors or {}, sender=self.name,
-                            control=control.wire()), ordered=False)
-        except TransportError as e:
-            log.warning("%s: could not answer %s: %s", self.name, node, e)
 
     def _from_member(self, c: Join | Leaving, what: str, round_ok: bool) -> str | None:
         """The node that sent `c` (a `what` for its `ring`), if it is another member of that
@@ -473,7 +454,7 @@ class NodeRuntime:
         if who is None:
             return
         if round_ is not None and round_ <= self.rounds.last:
-            self._answer(who, Late(ring=ring_id, round=round_, last=self.rounds.last))
+            self.routes.answer(who, Late(ring=ring_id, round=round_, last=self.rounds.last))
             return
         first = FINAL_ROUND + 1 if round_ is None else round_ + 1
         if self.membership is not None:
@@ -501,15 +482,16 @@ class NodeRuntime:
         if self.membership is not None:
             self.membership.lost(node.name)  # (out of the rounds until it joins)
         self.plan = self.plan.joined(node, tuple(info["rings"]))
-        if self.welcome is not None:
+        if self.outside.welcome is not None:
             ring = info.get("ringAddress")
-            self.welcome(node.name, str(info["address"]), str(ring) if ring else None)
+            self.outside.welcome(node.name, str(info["address"]), str(ring) if ring else None)
         log.warning("%s: %s of cluster %d, added to the running job, introduced itself (rings "
                     "%s)", self.name, node.name, node.cluster, ", ".join(info["rings"]))
 
     def _intro(self) -> dict[str, Any]:
         """What a control to a ring member says of this node, a newcomer's introduction."""
-        return {NEWCOMER: self.introduction} if self.introduction is not None else {}
+        intro = self.outside.introduction
+        return {NEWCOMER: intro} if intro is not None else {}
 
     def _leave(self, round_: int) -> None:
         """This node's cluster drains: tell the other members of its rings to go without it
@@ -517,7 +499,7 @@ class NodeRuntime:
         self.leave_after = round_
         for ring in self.plan.rings_of(self.name):
             for m in self._elsewhere(ring):
-                self._answer(m, Leaving(node=self.name, ring=ring.id, round=round_))
+                self.routes.answer(m, Leaving(node=self.name, ring=ring.id, round=round_))
         log.warning("%s drains: it leaves its rings after round %d", self.name, round_)
 
     def _leaving(self, c: Leaving) -> None:
@@ -543,7 +525,7 @@ class NodeRuntime:
             self._joins.remove((who, ring_id, _))
             ring = next(r for r in self.plan.rings_of(self.name) if r.id == ring_id)
             tensors, extra = pack_state(self.stage, self.optimization, ring.state)
-            self._answer(who, State(ring=ring_id, round=round_, updates=self.updates,
+            self.routes.answer(who, State(ring=ring_id, round=round_, updates=self.updates,
                                     final=final, **extra), tensors)
             log.info("%s: sent %s ring %s's state after round %s (%d tensors)", self.name, who,
                      ring_id, "final" if final else round_, len(tensors))
@@ -578,15 +560,14 @@ class NodeRuntime:
                 if c is not None:
                     return c, frame
                 continue
-            if op == Op.ABORT and any(f.kind == Kind.CONTROL and f.control.get("op") == Op.FINISH
-                                      for f in self._deferred):
+            if op == Op.ABORT and self.routes.finish_kept():
                 # an upstream neighbour that passed on `finish` (a root that took the final
                 # state) and then ended is not lost: this node finishes once its state is in
                 log.info("%s: %s ended after training was over", self.name, frame.sender)
             elif op in (Op.ABORT, Op.WHERE, Op.JOIN):
                 self.handle(frame)
             else:
-                self._deferred.append(frame)
+                self.routes.kept.append(frame)
 
     def _lost_now(self) -> set[str]:
         """The members of this node's rings known to be lost (or restarted and not back), or
@@ -615,7 +596,7 @@ class NodeRuntime:
             raise RavnestError(f"{self.name}: cannot rejoin: no member of its rings in another "
                                f"cluster is there to take the state from")
         asked_at = time.monotonic()
-        self._answer(asked, Where(node=self.name, **self._intro()))
+        self.routes.answer(asked, Where(node=self.name, **self._intro()))
         here, _ = self._await_controls((Op.HERE,), self.s.peer_timeout, (asked,))
         assert isinstance(here, Here)
         waited = time.monotonic() - asked_at
@@ -648,7 +629,7 @@ class NodeRuntime:
             got, _ = self._await_controls((Op.REJOIN,), self.s.peer_timeout)
             assert isinstance(got, Rejoin)
             c = got
-        self._pass_down(c)
+        self.routes.control_down(c)
         round_ = c.round
         wanted: dict[str, str] = {}
         for ring in self.plan.rings_of(self.name):
@@ -657,7 +638,7 @@ class NodeRuntime:
                 continue
             wanted[ring.id] = there[0]
             for m in there:
-                self._answer(m, Join(node=self.name, ring=ring.id, round=round_,
+                self.routes.answer(m, Join(node=self.name, ring=ring.id, round=round_,
                                      serve=m == there[0], **self._intro()))
         updates, nbytes = self._load_states(wanted, c)
         self.updates, self.epoch, self.next_batch = updates, c.epoch, c.next_batch
@@ -716,18 +697,12 @@ class NodeRuntime:
         """Loop of a non-root node: handle frames until the root says training is over."""
         self.metrics.start_loop()
         while not self._finished:
-            self.handle(self._next_frame())
-        self._flush_peers()
-
-    def _flush_peers(self) -> None:
-        for peer in (self.up, self.down):
-            if peer is not None:
-                with self.metrics.timed("communication"):
-                    peer.flush(self.s.peer_timeout)
+            self.handle(self.routes.next_frame())
+        self.routes.flush()
 
     def _wait_until(self, done: Callable[[], bool]) -> None:
         while not done():
-            self.handle(self._next_frame())
+            self.handle(self.routes.next_frame())
 
     def _feed(self, inputs: tuple[torch.Tensor, ...], labels: Any, mb: int,
               control: dict[str, Any]) -> None:
@@ -778,7 +753,7 @@ class NodeRuntime:
                 break
             self._end_epoch(epoch, on_epoch)
         self._control(Finish())
-        self._flush_peers()
+        self.routes.flush()
 
     def _left(self) -> bool:
         """Whether this node's cluster drains and is past its leave round."""
@@ -788,8 +763,8 @@ class NodeRuntime:
     def _drain_if_told(self) -> None:
         """At a root, at a drained update: start draining if told to (the leave round picked as
         a join round is, `rejoining`)."""
-        if self.leave_after is None and self.drain_asked is not None and self.drain_asked():
-            self.drain_asked = None  # asked once
+        if self.leave_after is None and self._drain_asked is not None and self._drain_asked():
+            self._drain_asked = None  # asked once
             round_ = join_round(self.rounds.last, self.rounds.seconds or 1.0,
                                 self._last_round_of_job())
             if round_ is None or self.s.reduce_each_epoch or not self.plan.rings:
