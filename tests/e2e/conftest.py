@@ -45,7 +45,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                     "set RAVNEST_E2E_KUBECONFIG to a cluster's kubeconfig")
     ahead = os.environ.get("RAVNEST_E2E_PREPARED")
     try:
-        made = (kind_tier.prepared(Path(ahead)) if ahead
+        pid = os.environ.get("RAVNEST_E2E_PREPARED_PID")
+        made = (kind_tier.prepared(Path(ahead), pid=int(pid) if pid else None) if ahead
                 else kind_tier.make(tmp_path_factory.mktemp("image")))
         TIMINGS.update(made["timings"])
         yield Cluster(made["kubeconfig"], hostpath=kind_tier.KIND_SHARED, nodes=made["nodes"])

@@ -98,14 +98,27 @@ def prepare(folder: Path) -> None:
     tmp.replace(folder / RESULT)
 
 
-def prepared(folder: Path, timeout: float = 3600) -> dict[str, Any]:
-    """The result `prepare` wrote into folder, waited for. Raises NotMade with its error."""
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended and not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def prepared(folder: Path, timeout: float = 3600, pid: int | None = None) -> dict[str, Any]:
+    """The result `prepare` wrote into folder, waited for (`pid`: the process making it, whose
+    end without a result is an error at once). Raises NotMade with its error."""
     deadline = time.monotonic() + timeout
     said = False
     while not (folder / RESULT).is_file():
+        log = f"scripts/test's background kind_tier.py prepare; its log: {folder / 'log'}"
+        if pid is not None and not _alive(pid) and not (folder / RESULT).is_file():
+            raise NotMade(f"the kind cluster's making (pid {pid}) ended without a result "
+                          f"({log})")
         if time.monotonic() > deadline:
-            raise NotMade(f"no {RESULT} in {folder} after {timeout:.0f} s (scripts/test's "
-                          f"background kind_tier.py prepare: its log is in {folder})")
+            raise NotMade(f"no {RESULT} in {folder} after {timeout:.0f} s ({log})")
         if not said:
             print(f"waiting for the kind cluster scripts/test is making ({folder})",
                   file=sys.stderr)
