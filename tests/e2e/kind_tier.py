@@ -6,7 +6,8 @@ project image's load onto the workers (about 175 s: a docker save of GBs, import
 each worker), nearly 4 minutes in which the tier trained nothing. `python tests/e2e/kind_tier.py
 prepare DIR` makes it and writes DIR/result.json (what `make` returns, or the error); the tier,
 given RAVNEST_E2E_PREPARED=DIR, waits for that file instead of making the cluster again, and
-deletes the cluster when it is done, as it deletes one it made itself.
+deletes the cluster when it is done, as it deletes one it made itself. `python
+tests/e2e/kind_tier.py down` deletes it too (scripts/test on its way out, when the tier did not).
 """
 
 from __future__ import annotations
@@ -112,8 +113,8 @@ def prepared(folder: Path, timeout: float = 3600, pid: int | None = None) -> dic
     end without a result is an error at once). Raises NotMade with its error."""
     deadline = time.monotonic() + timeout
     said = False
+    log = f"scripts/test's background kind_tier.py prepare; its log: {folder / 'log'}"
     while not (folder / RESULT).is_file():
-        log = f"scripts/test's background kind_tier.py prepare; its log: {folder / 'log'}"
         if pid is not None and not _alive(pid) and not (folder / RESULT).is_file():
             raise NotMade(f"the kind cluster's making (pid {pid}) ended without a result "
                           f"({log})")
@@ -134,6 +135,8 @@ def prepared(folder: Path, timeout: float = 3600, pid: int | None = None) -> dic
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["down"] and len(sys.argv) == 2:
+        sys.exit(down())
     if len(sys.argv) != 3 or sys.argv[1] != "prepare":
-        sys.exit("usage: python tests/e2e/kind_tier.py prepare DIR")
+        sys.exit("usage: python tests/e2e/kind_tier.py prepare DIR | down")
     prepare(Path(sys.argv[2]))

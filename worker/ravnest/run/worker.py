@@ -10,6 +10,7 @@ trains, and writes its outputs.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -209,13 +210,8 @@ class Worker:
         ckpt = open_location(spec.checkpoint.path, spec.storage.options(pvc_root),
                              base=meta.output_dir)
         self.drain_dir = os.environ.get(DRAIN_DIR_ENV, "")
-        drain_asked = None
-        if me.is_root and self.drain_dir:
-            folder = Path(self.drain_dir)
-
-            def drain_asked() -> bool:
-                return draining.ordered(folder, me.cluster)
-
+        drain_asked = (functools.partial(draining.ordered, Path(self.drain_dir), me.cluster)
+                       if me.is_root and self.drain_dir else None)
         self.runtime = assemble(self.wiring, meta, stage, Settings.from_spec(spec, ckpt),
                                 self.metrics, optimizer, scheduler, criterion, batches,
                                 drain_asked=drain_asked)

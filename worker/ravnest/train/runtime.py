@@ -291,8 +291,8 @@ class NodeRuntime:
             in_grads, info = self.passes.leaf_backward(mb)
             self._backward_done(mb, in_grads, info)
         else:
-            self.routes.send_down(Frame(Kind.FORWARD, self.passes.downstream(mb), microbatch=mb,
-                                  control=control))
+            self.routes.send_down(Frame(Kind.FORWARD, self.passes.downstream(mb),
+                                        microbatch=mb, control=control))
 
     def _backward(self, mb: int, grads: dict[str, torch.Tensor], control: dict[str, Any]) -> None:
         self._backward_done(mb, self.passes.backward(mb, grads), control)
@@ -548,7 +548,7 @@ class NodeRuntime:
             try:
                 if left <= 0:
                     raise queue.Empty
-                frame = self.inbox.pipeline.get(timeout=min(left, 0.5))
+                frame = self.routes.inbox.pipeline.get(timeout=min(left, 0.5))
             except queue.Empty:
                 if left > 0.5:
                     continue
