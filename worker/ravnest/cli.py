@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -250,6 +251,9 @@ def _worker(args: argparse.Namespace) -> int:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, terminate)
+    # `kill -USR1 <pid>` writes every thread's stack to the log: where a worker waits, without
+    # stopping it
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     heap.tune(os.environ)
     try:
         meta = NodeMetadata.load(args.metadata)
