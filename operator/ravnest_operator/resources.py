@@ -20,6 +20,7 @@ from typing import Any
 from ravnest.comm.tls import CA_FILE, CERT_FILE, KEY_FILE, TlsMaterial
 from ravnest.plan.plans import NodePlan, Plan, spare_name
 from ravnest.run.metadata import (
+    DEVICE_ENV,
     DRAIN_DIR_ENV,
     FINAL_SCRAPE_ENV,
     GONE_ENV,
@@ -303,18 +304,39 @@ def node_configmap(owner: Owner, job: Job, plan: Plan, node: NodePlan) -> dict[s
     }
 
 
+GPU_RESOURCE = "nvidia.com/gpu"
+"""What a cuda provider's pod asks for, one of, unless its `resources` say otherwise."""
+
+
 def _resources(provider: Provider) -> dict[str, Any]:
+    """The provider's `resources` as given; else its ram and compute as requests. A cuda
+    provider's ram is its GPU's memory, not the pod's: its pod asks for one GPU and its CPU."""
     if provider.resources is not None:
         return dict(provider.resources)
+    cpu = f"{max(1, round(provider.compute * 1000))}m"
+    if provider.device != "cpu":
+        return {"requests": {"cpu": cpu}, "limits": {GPU_RESOURCE: 1}}
     memory = f"{max(1, round(provider.ram * 1024))}Mi"
-    return {"requests": {"memory": memory, "cpu": f"{max(1, round(provider.compute * 1000))}m"},
-            "limits": {"memory": memory}}
+    return {"requests": {"memory": memory, "cpu": cpu}, "limits": {"memory": memory}}
 
 
 WORKER_TERMINATION_MESSAGE = "FallbackToLogsOnError"
 """A worker that fails writes why as its termination message (`ravnest worker`); one that dies
 without a word (a segfault, the OOM killer) leaves its log's last lines there instead. The
 operator repeats either when it replaces the pod, whose log goes with it."""
+
+
+def _pod_annotations(plan: Plan, provider: Provider, index: int, attempt: int, recovery: int,
+                     drain: str | None) -> dict[str, str]:
+    annotations = {"ravnest.io/plan": plan.fingerprint, ATTEMPT_ANNOTATION: str(attempt),
+                   PROVIDER_ANNOTATION: str(index)}
+    if recovery:
+        annotations[RECOVERY_ANNOTATION] = str(recovery)
+    if drain:
+        annotations[DRAIN_ANNOTATION] = drain
+    if provider.bandwidth is not None:
+        annotations["ravnest.io/bandwidth-mbps"] = f"{provider.bandwidth:g}"
+    return annotations
 
 
 def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
@@ -333,14 +355,7 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
     pod reads its cluster's from a downward-API volume (`DRAIN_DIR_ENV`), only a root acts on it."""
     index = node.provider if provider_index is None else provider_index
     provider = job.spec.expanded_providers()[index]
-    annotations = {"ravnest.io/plan": plan.fingerprint, ATTEMPT_ANNOTATION: str(attempt),
-                   PROVIDER_ANNOTATION: str(index)}
-    if recovery:
-        annotations[RECOVERY_ANNOTATION] = str(recovery)
-    if drain:
-        annotations[DRAIN_ANNOTATION] = drain
-    if provider.bandwidth is not None:
-        annotations["ravnest.io/bandwidth-mbps"] = f"{provider.bandwidth:g}"
+    annotations = _pod_annotations(plan, provider, index, attempt, recovery, drain)
     container = {
         "name": "worker",
         "image": provider.image or job.spec.image or image,
@@ -355,6 +370,7 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
                 *([{"name": REJOIN_ENV, "value": "1"}] if recovery else []),
                 *([{"name": GONE_ENV, "value": ",".join(gone)}] if gone else []),
                 {"name": DRAIN_DIR_ENV, "value": DRAIN_DIR},
+                {"name": DEVICE_ENV, "value": provider.device},
                 *_s3_credentials(job)],
         "ports": [{"name": "grpc", "containerPort": GRPC_PORT},
                   {"name": "metrics", "containerPort": METRICS_PORT},

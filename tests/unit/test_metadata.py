@@ -96,7 +96,7 @@ def test_the_operators_pods_take_ports_environment_and_metadata_from_the_one_mod
     container = pod["spec"]["containers"][0]
     assert [e["name"] for e in container["env"]] == [
         metadata.TOKEN_ENV, metadata.TORCH_THREADS_ENV, metadata.FINAL_SCRAPE_ENV,
-        metadata.DRAIN_DIR_ENV]
+        metadata.DRAIN_DIR_ENV, metadata.DEVICE_ENV]
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
         "grpc": metadata.GRPC_PORT, "metrics": metadata.METRICS_PORT, "ring": metadata.RING_PORT}
     assert (resources.GRPC_PORT, resources.RING_PORT, resources.METRICS_PORT) == (
@@ -112,7 +112,7 @@ def test_the_operators_pods_take_ports_environment_and_metadata_from_the_one_mod
 def test_no_other_module_spells_out_the_metadata_ports_or_the_workers_environment():
     """The worker package and the operator's resource builders take them from the one module."""
     literals = re.compile(r"\b(50051|50052|9400)\b|RAVNEST_(TOKEN|TORCH_THREADS|"
-                          r"FINAL_SCRAPE_SECONDS|TERMINATION_LOG)\b|RavnestNodeMetadata")
+                          r"FINAL_SCRAPE_SECONDS|TERMINATION_LOG|DEVICE)\b|RavnestNodeMetadata")
     owners = {ROOT / "worker" / "ravnest" / "run" / "metadata.py",
               ROOT / "worker" / "ravnest" / "termination.py"}  # (the termination message's)
     sources = [*(ROOT / "worker" / "ravnest").rglob("*.py"),

@@ -286,3 +286,25 @@ def test_a_tcp_ring_job_opens_the_ring_port_to_its_own_workers_only(job_and_plan
             assert allowed == [resources.GRPC_PORT, resources.RING_PORT]
         else:
             assert meta.ring_addresses is None and allowed == [resources.GRPC_PORT]
+
+
+def test_a_cuda_providers_pod_asks_for_one_gpu_and_says_its_device(digits_doc):
+    """A cuda provider's ram is its GPU's memory, not the pod's: its pod asks for one GPU (and
+    its CPU), and tells the worker its device; a provider's own resources stand as given. The
+    planner pod asks for no GPU: it plans with fake tensors."""
+    providers = digits_doc["spec"]["providers"]
+    providers[1]["device"] = "cuda"
+    providers[2].update(device="cuda", resources={"limits": {"nvidia.com/gpu": 2}})
+    job = parse_job(digits_doc)
+    plan, _, _ = plan_job(job)
+    by_provider = {n.provider: n for n in plan.nodes}
+    pods = {i: resources.pod(OWNER, job, plan, by_provider[i], "img")["spec"]["containers"][0]
+            for i in (0, 1, 2)}
+    assert pods[1]["resources"] == {"requests": {"cpu": "2000m"},
+                                    "limits": {"nvidia.com/gpu": 1}}
+    assert pods[2]["resources"] == {"limits": {"nvidia.com/gpu": 2}}
+    assert "nvidia.com/gpu" not in json.dumps(pods[0]["resources"])
+    assert [{e["name"]: e["value"] for e in pods[i]["env"] if "value" in e}["RAVNEST_DEVICE"]
+            for i in (0, 1, 2)] == ["cpu", "cuda", "cuda"]
+    planner = resources.planner_pod(OWNER, job, "img")["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in json.dumps(planner["resources"])

@@ -1,196 +1,38 @@
-"""The pipeline's sync schedule in one process, against single-process PyTorch as ground truth.
-
-Each node is a `NodeRuntime` in a thread of this process, linked to its neighbours by loopback
-senders (`ravnest.comm.loopback`): the same runtime code as over gRPC, without a server. Three
-stages (a skip connection crossing the middle one), microbatches, gradient accumulation over
-updates and a per-step scheduler must give the weights and losses that plain training of the whole
-model on the same batches gives; with two clusters, ring reducers injected over loopback links
-average every update, which must equal training on both clusters' batches at once.
-"""
+"""The pipeline's sync schedule in one process, against single-process PyTorch as ground truth
+(the harness: tests/inprocess.py), and the loopback links it runs on."""
 
 from __future__ import annotations
 
-import copy
-import threading
-from collections.abc import Iterator
-
 import pytest
 import torch
+from inprocess import BATCH, SEED, build, check_against_single_process, data, make_plan
 from models import DeepMLP
 
 from ravnest.comm.framing import Frame
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.loopback import Loopback
 from ravnest.errors import PeerFailed, PeerTimeout, TransportError
-from ravnest.plan.partitioning import Profile, build_stage, profile
-from ravnest.plan.plans import ClusterPlan, NodePlan, Plan, RingPlan
-from ravnest.train.allreducing import RingReducer
+from ravnest.plan.partitioning import profile
+from ravnest.train.devices import Placement
 from ravnest.train.messages import Kind, Op
-from ravnest.train.metrics import Identity, WorkerMetrics
-from ravnest.train.runtime import Batch, Batches, NodeRuntime
-from ravnest.train.settings import Settings
-
-SEED = 11
-BATCH = 8
-MICROBATCHES = 2
-UPDATE_FREQUENCY = 2
-BATCHES = 6
-"""Per epoch and cluster: three updates."""
-EPOCHS = 2
-LR, MOMENTUM = 0.05, 0.9
-CUTS = ((0, 3), (3, 5), (5, 11))
-"""DeepMLP's layers per stage: flatten..relu | h1, relu_1 | h2..head; `a` (relu's output) goes
-from the root through the middle stage to the leaf's `add`."""
-ROLES = ("root", "stem", "leaf")
-
-
-def make_plan(prof: Profile, clusters: int) -> Plan:
-    nodes, chains = [], []
-    for c in range(clusters):
-        chain = []
-        for st, (start, end) in enumerate(CUTS):
-            layers = prof.layers[start:end]
-            name = f"node_{c * len(CUTS) + st}"
-            chain.append(name)
-            nodes.append(NodePlan(
-                name=name, provider=len(nodes), cluster=c, stage=st, role=ROLES[st],
-                start=start, end=end, first_layer=layers[0].name, last_layer=layers[-1].name,
-                state=tuple(s for layer in layers for s in layer.state),
-                params=sum(layer.params for layer in layers), memory_bytes=0, ram_gb=1.0,
-                seconds_per_microbatch=0.0))
-        chains.append(tuple(chain))
-    rings = tuple(RingPlan(f"r{st}", tuple(chain[st] for chain in chains), nodes[st].state)
-                  for st in range(len(CUTS)) if clusters > 1)
-    return Plan(clusters=tuple(ClusterPlan(c, chain, 0.0) for c, chain in enumerate(chains)),
-                nodes=tuple(nodes), rings=rings, model_bytes=0, memory_bytes=0,
-                samples_per_second=0.0)
-
-
-def data(clusters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and labels by epoch, batch and cluster."""
-    gen = torch.Generator().manual_seed(SEED)
-    shape = (EPOCHS, BATCHES, clusters, BATCH)
-    return torch.randn(*shape, 1, 8, 8, generator=gen), torch.randint(0, 10, shape, generator=gen)
-
-
-def batches(xs: torch.Tensor, ys: torch.Tensor, cluster: int) -> Batches:
-    def train(epoch: int) -> Iterator[Batch]:
-        for b in range(BATCHES):
-            yield (xs[epoch, b, cluster],), ys[epoch, b, cluster]
-
-    def validation() -> Iterator[Batch]:
-        yield (xs[0, 0, cluster],), ys[0, 0, cluster]
-
-    return Batches(train=train, per_epoch=BATCHES, validation=validation)
-
-
-def optimizer_of(params: list[torch.nn.Parameter]
-                 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.StepLR]:
-    opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
-    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-
-
-def reference(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor
-              ) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Plain training: each update accumulates UPDATE_FREQUENCY batches (every cluster's block)
-    at 1/UPDATE_FREQUENCY of their mean loss each; returns the weights and each update's loss."""
-    opt, scheduler = optimizer_of(list(model.parameters()))
-    losses = []
-    for epoch in range(EPOCHS):
-        for update in range(BATCHES // UPDATE_FREQUENCY):
-            opt.zero_grad()
-            total = 0.0
-            for b in range(update * UPDATE_FREQUENCY, (update + 1) * UPDATE_FREQUENCY):
-                x, y = xs[epoch, b].flatten(0, 1), ys[epoch, b].flatten(0, 1)
-                loss = torch.nn.functional.cross_entropy(model(x), y) / UPDATE_FREQUENCY
-                loss.backward()
-                total += loss.item()
-            opt.step()
-            scheduler.step()
-            losses.append(total)
-    return model.state_dict(), losses
-
-
-def build(plan: Plan, gm: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor
-          ) -> tuple[list[NodeRuntime], list[Loopback]]:
-    """A runtime per node of `plan`, each with a loopback link to each node it sends to; ring
-    reducers are built here and injected."""
-    settings = Settings(epochs=EPOCHS, batch_size=BATCH, microbatches=MICROBATCHES,
-                        update_frequency=UPDATE_FREQUENCY, schedule="sync",
-                        scheduler_step_on="step", peer_timeout=30.0, reduce_timeout=30.0)
-    inboxes = {n: Inbox() for n in plan.names()}
-    models = [copy.deepcopy(gm) for _ in plan.clusters]  # stages share their model's modules
-    runtimes, links = [], []
-    for me in plan.nodes:
-        stage = build_stage(models[me.cluster], me.start, me.end)
-        optimizer, scheduler = optimizer_of(list(stage.parameters()))
-        to = {n for n in plan.neighbours(me.name) if n} | {r.successor(me.name)
-                                                           for r in plan.rings_of(me.name)}
-        peers = {n: Loopback(inboxes[n].deliver, f"{me.name}->{n}") for n in sorted(to)}
-        links += peers.values()
-        reducers = [RingReducer(r, me.name, peers, inboxes[me.name], settings.reduce_timeout)
-                    for r in plan.rings_of(me.name)]
-        metrics = WorkerMetrics(Identity("inprocess", "default", me.name, me.role, me.cluster,
-                                         me.stage))
-        runtimes.append(NodeRuntime(
-            me.name, plan, stage, settings, optimizer, scheduler,
-            torch.nn.functional.cross_entropy if me.is_leaf else None, inboxes[me.name], peers,
-            metrics, batches(xs, ys, me.cluster) if me.is_root else None, reducers=reducers))
-    return runtimes, links
-
-
-def run(runtimes: list[NodeRuntime]) -> None:
-    """Every node's loop in a thread of its own, until all are done; raise the first failure."""
-    errors: list[BaseException] = []
-
-    def loop(rt: NodeRuntime) -> None:
-        try:
-            if rt.me.is_root:
-                rt.drive()
-            else:
-                rt.serve()
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=loop, args=(rt,), name=rt.name) for rt in runtimes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not [t.name for t in threads if t.is_alive()], "nodes still running"
-    if errors:
-        raise errors[0]
 
 
 @pytest.mark.parametrize("clusters", [1, 2])
 def test_sync_pipeline_in_one_process_equals_single_process_training(clusters: int) -> None:
-    torch.manual_seed(SEED)
-    model = DeepMLP()
-    initial = copy.deepcopy(model)
-    gm, prof = profile(model, (torch.zeros(BATCH, 1, 8, 8),))
-    plan = make_plan(prof, clusters)
-    xs, ys = data(clusters)
-    runtimes, links = build(plan, gm, xs, ys)
-    try:
-        run(runtimes)
-    finally:
-        for link in links:
-            link.close()
-    expected, losses = reference(initial, xs, ys)
-    updates = EPOCHS * BATCHES // UPDATE_FREQUENCY
-    assert [rt.updates for rt in runtimes] == [updates] * len(runtimes)
-    assert sum(rt.rounds_skipped for rt in runtimes) == 0
-    for c in range(clusters):
-        trained = {k: v for rt in runtimes if rt.me.cluster == c
-                   for k, v in rt.stage.stage_state_dict().items()}
-        assert trained.keys() == expected.keys()
-        for k, v in expected.items():
-            torch.testing.assert_close(trained[k], v, rtol=0, atol=1e-5, msg=k)
-    roots = [rt for rt in runtimes if rt.me.is_root]
-    curves = [[r["train_loss"] for r in rt.curve.rows if "train_loss" in r] for rt in roots]
-    got = [sum(per_cluster) / clusters for per_cluster in zip(*curves, strict=True)]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(losses), rtol=0, atol=1e-5)
-    assert all(rt.curve.last_val_loss is not None for rt in roots)
+    check_against_single_process(clusters)
+
+
+def test_bf16_pipeline_equals_single_process_training_under_the_same_autocast() -> None:
+    """precision bf16 on the CPU: the stages' forwards run under autocast, and what crosses
+    from stage to stage is bf16; the weights stay fp32 and follow whole-model training under
+    the same autocast."""
+    runtimes = check_against_single_process(1, Placement(precision="bf16"), atol=1e-3)
+    assert all(p.dtype == torch.float32 for rt in runtimes for p in rt.stage.parameters())
+    root = next(rt for rt in runtimes if rt.me.is_root)
+    x = torch.zeros(BATCH, 1, 8, 8)
+    with root.passes.placement.autocast():
+        out = root.stage(**{root.stage.input_names[0]: x})
+    assert {t.dtype for t in out.values()} == {torch.bfloat16}
 
 
 def test_loopback_hands_ordered_frames_on_in_order_and_snapshots_tensors() -> None:

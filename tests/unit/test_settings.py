@@ -30,16 +30,16 @@ def test_every_training_option_of_a_job_reaches_the_settings(digits_doc) -> None
         "epochs": 5, "updateFrequency": 2, "reduceFactor": 3, "averageOptimizer": True,
         "compression": "fp16", "schedule": "async", "maxInFlight": 6, "validationFrequency": 2,
         "validationSmoothing": 0.5, "gradientClipping": {"maxNorm": 1.5},
-        "reduceTimeoutSeconds": 12, "metric": "none",
+        "reduceTimeoutSeconds": 12, "metric": "none", "precision": "bf16",
         "lrScheduler": {"name": "StepLR", "params": {"step_size": 1}, "stepOn": "step"}}
     digits_doc["spec"]["checkpoint"] = {"everySteps": 7, "keep": 4}
-    settings = Settings.from_spec(parse_job(digits_doc).spec, "/ckpt")
+    settings = Settings.from_spec(parse_job(digits_doc).spec, "/ckpt", device="cuda:1")
     assert settings == Settings(
         epochs=5, batch_size=48, microbatches=3, update_frequency=2, reduce_factor=3,
         average_optimizer=True, schedule="async", max_in_flight=6, validation_frequency=2,
         validation_smoothing=0.5, clip_norm=1.5, reduce_timeout=12.0, peer_timeout=300.0,
         metric="none", compression="fp16", scheduler_step_on="step", checkpoint_dir="/ckpt",
-        checkpoint_every=7, checkpoint_keep=4)
+        checkpoint_every=7, checkpoint_keep=4, precision="bf16", device="cuda:1")
     assert {f.name for f in fields(Settings) if getattr(settings, f.name) == getattr(
         Settings(), f.name)} == {"peer_timeout", "reduce_each_epoch"}  # not job options
 

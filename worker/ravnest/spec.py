@@ -283,6 +283,10 @@ class TrainingSpec(_Model):
     gradient_clipping: ClippingSpec | None = None
     reduce_timeout_seconds: float = Field(30.0, gt=0)
     """How long a ring waits for a peer before the round is recorded as skipped."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """The stages' forward passes and the leaf's loss under autocast to this dtype (`bf16`:
+    weights, gradients and optimizer state stay fp32); on a CPU too. What activations and
+    gradients weigh on the wire is `compression`."""
 
 
 class Provider(_Model):
@@ -298,6 +302,9 @@ class Provider(_Model):
     """Network bandwidth in Mbps."""
     compute: float = Field(1.0, gt=0)
     """Relative compute speed (1.0 = reference)."""
+    device: str = Field("cpu", json_schema_extra={"pattern": r"^(cpu|cuda(:[0-9]+)?)$"})
+    """Where the provider's stage trains: `cpu`, or `cuda` (then `ram` is its GPU memory); for
+    `ravnest run` on a machine with several GPUs, `cuda:N`."""
     replicas: int = Field(1, gt=0, le=1000)
     resources: dict[str, Any] | None = None
     node_selector: dict[str, str] | None = None
@@ -308,6 +315,13 @@ class Provider(_Model):
     @classmethod
     def _quantity(cls, v: Any) -> float:
         return parse_gigabytes(v)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", v):
+            raise ValueError(f"must be cpu, cuda or cuda:N (a GPU's index), got {v!r}")
+        return v
 
 
 class PlanSpec(_Model):

@@ -37,6 +37,7 @@ from ravnest.plan.partitioning import Profile, Stage, build_stage
 from ravnest.plan.plans import Plan
 from ravnest.run.metadata import NodeMetadata
 from ravnest.storing import Location, open_location
+from ravnest.train.devices import on_host
 from ravnest.train.messages import Abort, Kind, Op
 from ravnest.train.metrics import WorkerMetrics
 from ravnest.train.rejoining import RingMembership
@@ -417,5 +418,6 @@ def save_stage(runtime: NodeRuntime, folder: str | Path | Location) -> None:
     and stage, its trained state and its best (lowest smoothed validation loss) state."""
     buf = io.BytesIO()
     torch.save({"cluster": runtime.me.cluster, "stage": runtime.me.stage,
-                "state": runtime.stage.stage_state_dict(), "best": runtime.best_state}, buf)
+                "state": on_host(runtime.stage.stage_state_dict()),
+                "best": on_host(runtime.best_state)}, buf)  # (host tensors: load anywhere)
     open_location(folder).write(f"{runtime.me.name}.pt", buf.getvalue())

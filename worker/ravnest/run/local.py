@@ -72,6 +72,7 @@ from ravnest.run import draining, elastic, finishing, growing, jobstatus, superv
 from ravnest.run.jobstatus import FINISHED, Phase
 from ravnest.run.locking import lock_folder, refuse_if_locked
 from ravnest.run.metadata import (
+    DEVICE_ENV,
     DRAIN_DIR_ENV,
     GONE_ENV,
     REJOIN_ENV,
@@ -85,7 +86,7 @@ from ravnest.run.metadata import (
 from ravnest.run.progress import progress, scrape
 from ravnest.spec import Job
 from ravnest.storing import Location, open_location, pvc_claim
-from ravnest.train import checkpointing
+from ravnest.train import checkpointing, devices
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +220,7 @@ class LocalRun:
             raise SpecError(claims)
         plan, _, _ = building.preflight(self.job, self.checkpoint_dir())
         self.plan = plan
+        self._check_devices(plan)
         warning = memory_warning(plan, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         if warning:
             log.warning("%s", warning)
@@ -277,9 +279,34 @@ class LocalRun:
                                 [sys.executable, "-m", "ravnest", "worker", "--metadata",
                                  str(self.out / "nodes" / f"{m.node}.json")]),
                     stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env=termination.local_env(env, logfile), start_new_session=True,
+                    env=termination.local_env(self._on_device(env, self._runs_on(m.node)),
+                                              logfile), start_new_session=True,
                     umask=PRIVATE_UMASK)
             self.procs.append(_Proc(m.node, popen, logfile, m.metrics_port, host_of(m.listen)))
+
+    def _check_devices(self, plan: Plan) -> None:
+        """Every cuda provider's device is there (RavnestError naming the provider and what
+        torch reports, before any worker starts); providers that share a GPU are said."""
+        spec = self.job.spec
+        for i, p in enumerate(spec.providers):
+            if p.device != "cpu":
+                devices.resolve(p.device, f"spec.providers[{i}].device")
+        pool = spec.expanded_providers()
+        on: dict[str, list[str]] = {}
+        for name, provider in [(n.name, n.provider) for n in plan.nodes] + [
+                (sp.name, sp.provider) for sp in plan.spares]:
+            if pool[provider].device != "cpu":
+                where = str(devices.resolve(pool[provider].device, name))
+                on.setdefault(where, []).append(name)
+        for where, names in on.items():
+            if len(names) > 1:
+                log.warning("%d workers share %s (%s): each trains its stage there, with the "
+                            "memory its provider's ram gives it", len(names), where,
+                            ", ".join(names))
+
+    def _on_device(self, env: dict[str, str], provider: int) -> dict[str, str]:
+        """`env` for a worker of `provider`: with that provider's device."""
+        return {**env, DEVICE_ENV: self.job.spec.expanded_providers()[provider].device}
 
     def host(self, provider: int) -> str:
         """The address the workers of provider `provider` (an index into the job's providers)
@@ -307,7 +334,8 @@ class LocalRun:
                             [sys.executable, "-m", "ravnest", "worker", "--spare", "--orders", "-",
                              "--metadata", str(path)]),
                 stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
-                env=termination.local_env(self._env, logfile), start_new_session=True,
+                env=termination.local_env(self._on_device(self._env, spare.provider), logfile),
+                start_new_session=True,
                 umask=PRIVATE_UMASK)
         self.spare_procs[spare.name] = _Proc(spare.name, popen, logfile, 0)
 

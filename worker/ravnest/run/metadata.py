@@ -43,6 +43,10 @@ restarted alone: they take their state from the other clusters and rejoin at a r
 DRAIN_DIR_ENV = "RAVNEST_DRAIN_DIR"
 """The folder where a worker's root finds `cluster_<c>`, a drain order for its cluster (non-empty:
 drain), and leaves `cluster_<c>.done` once it drained."""
+DEVICE_ENV = "RAVNEST_DEVICE"
+"""The device of the provider a worker runs on (spec.providers[].device), set by whoever starts
+it (the local runner per provider, the operator in the pod): a hot spare that takes a stage over
+trains it on its own device. Unset: the planned provider's."""
 GONE_ENV = "RAVNEST_GONE"
 """Comma-separated nodes of clusters that drained before this worker started (a whole restart
 after a drain): its rounds go without them from the first on, and it does not wait for them."""

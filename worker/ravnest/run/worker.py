@@ -30,10 +30,11 @@ from ravnest.comm.transport import Peer, Server
 from ravnest.errors import PlanError, RavnestError, SpecError
 from ravnest.plan import building
 from ravnest.plan.partitioning import Stage, profile
-from ravnest.plan.plans import Plan, fingerprint
+from ravnest.plan.plans import NodePlan, Plan, fingerprint
 from ravnest.run import draining, finishing, growing
 from ravnest.run.assembling import assemble, connect, cut_stage, save_stage
 from ravnest.run.metadata import (
+    DEVICE_ENV,
     DRAIN_DIR_ENV,
     FINAL_SCRAPE_ENV,
     GONE_ENV,
@@ -45,6 +46,7 @@ from ravnest.run.metadata import (
 )
 from ravnest.spec import JobSpec
 from ravnest.storing import PVC_ROOT, open_location
+from ravnest.train import devices
 from ravnest.train.metrics import Identity, WorkerMetrics
 from ravnest.train.runtime import Batch, Batches
 from ravnest.train.settings import Settings
@@ -174,6 +176,18 @@ def hold_as_spare(meta: NodeMetadata, orders: IO[str] | None) -> NodeMetadata | 
     return taken
 
 
+def _device(spec: JobSpec, me: NodePlan) -> torch.device:
+    """Where this worker trains: its provider's device (`DEVICE_ENV`, set by whoever started
+    it; else the planned provider's), checked against what torch sees here."""
+    device = devices.resolve(
+        os.environ.get(DEVICE_ENV) or spec.expanded_providers()[me.provider].device,
+        f"{me.name} (provider {me.provider})")
+    if device.type != "cpu":
+        log.info("%s trains its stage on %s (%s)", me.name, device,
+                 torch.cuda.get_device_name(device))
+    return device
+
+
 class Worker:
     """A running worker: server, peers, metrics and the training loop."""
 
@@ -192,7 +206,8 @@ class Worker:
         if fingerprint(plan, building.identity(spec)) != plan.fingerprint:
             raise PlanError(f"{meta.node}: the plan in the node metadata does not match its "
                             f"fingerprint {plan.fingerprint}; metadata altered or from another job")
-        stage = build_node_stage(spec, plan, meta.node)
+        self.device = _device(spec, me)
+        stage = build_node_stage(spec, plan, meta.node).to(self.device)
         self.metrics = WorkerMetrics(Identity(job.name, meta.namespace, me.name, me.role,
                                               me.cluster, me.stage))
         self.wiring = connect(meta, token, self.metrics, tls=spec.security.tls,
@@ -212,7 +227,8 @@ class Worker:
         self.drain_dir = os.environ.get(DRAIN_DIR_ENV, "")
         drain_asked = (functools.partial(draining.ordered, Path(self.drain_dir), me.cluster)
                        if me.is_root and self.drain_dir else None)
-        self.runtime = assemble(self.wiring, meta, stage, Settings.from_spec(spec, ckpt),
+        self.runtime = assemble(self.wiring, meta, stage,
+                                Settings.from_spec(spec, ckpt, device=str(self.device)),
                                 self.metrics, optimizer, scheduler, criterion, batches,
                                 drain_asked=drain_asked)
         self.metrics_port = 0
@@ -275,6 +291,10 @@ class Worker:
                     self.runtime.drive()
                 else:
                     self.runtime.serve()
+            except torch.OutOfMemoryError as e:
+                error = self._out_of_memory(e)
+                self.wiring.abort(self.meta.plan, self.meta.node, error)
+                raise error from e
             except BaseException as e:
                 self.wiring.abort(self.meta.plan, self.meta.node, e)
                 raise
@@ -289,6 +309,23 @@ class Worker:
         finally:
             self.wiring.close(failed=failed, neighbours=[
                 n for n in self.meta.plan.neighbours(self.meta.node) if n is not None])
+
+    def _out_of_memory(self, e: torch.OutOfMemoryError) -> RavnestError:
+        """A device out of memory, said with the node, its stage, and the memory planned
+        against the memory used."""
+        me, used = self.me, ""
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            used = (f"; torch held at most {peak / 2**30:.2f} GiB, and the device has "
+                    f"{total / 2**30:.2f} GiB ({free / 2**30:.2f} free now)")
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return RavnestError(
+            f"{me.name} (cluster {me.cluster}, stage {me.stage}: layers {me.first_layer} to "
+            f"{me.last_layer}) ran out of memory on {self.device}: the plan gave its stage "
+            f"{me.memory_bytes / 2**30:.2f} GiB to train of the provider's {me.ram_gb:g} GB"
+            f"{used}. Give the provider more memory in the job (spec.providers[].ram is the GPU's "
+            f"memory for a cuda provider), or use smaller batches ({first})")
 
     def _await_final_scrape(self) -> None:
         """Where Prometheus scrapes the workers (the chart's PodMonitor sets

@@ -28,7 +28,7 @@ from ravnest.run.assembling import connect, cut_stage
 from ravnest.run.metadata import TOKEN_ENV, NodeMetadata, host_of, with_host
 from ravnest.seed.console import say
 from ravnest.spec import TrainingSpec, parse_section
-from ravnest.train import heap
+from ravnest.train import devices, heap
 from ravnest.train.metrics import Identity, WorkerMetrics
 
 
@@ -48,8 +48,7 @@ class Node:
                  example_args: tuple[torch.Tensor, ...] = (), **kwargs: Any) -> None:
         if not name or not name.startswith("node_") or not name[5:].isdigit():
             raise SpecError([f"name: must look like 'node_0', 'node_17', got {name!r}"])
-        if torch.device(device).type != "cpu":
-            raise RavnestError(f"device {device!r}: this build trains on the CPU only")
+        self.device = devices.resolve(device, f"Node({name!r}, device={str(device)!r})")
         root = Path(node_data)
         self.meta = _metadata(root, name, kwargs.get("listen_host"))
         self.name = name
@@ -58,7 +57,7 @@ class Node:
         _check_leaf(self.me, criterion, labels)
         self.addresses: dict[str, str] = self.meta.addresses
         self.microbatches = self.meta.microbatches or 1
-        self.stage = self._stage(root, model, example_args)
+        self.stage = self._stage(root, model, example_args).to(self.device)
         params = [p for p in self.stage.parameters() if p.requires_grad]
         opt_cls = optimizer or torch.optim.Adam
         self.optimizer = opt_cls(params, **(optimizer_params or {})) if params else None

@@ -116,7 +116,8 @@ class Trainer:
         batch_size = getattr(loader, "batch_size", None) or self.batch_size
         return Settings.of(training, batch_size, node.microbatches,
                            scheduler_step_on="epoch" if node.lr_step_on_epoch_change else "step",
-                           reduce_each_epoch=getattr(node, "reduce_each_epoch", False))
+                           reduce_each_epoch=getattr(node, "reduce_each_epoch", False),
+                           device=str(getattr(node, "device", "cpu")))
 
     # ----------------------------------------------------------------------------- training
 

@@ -27,6 +27,7 @@ import torch
 
 from ravnest.errors import RavnestError
 from ravnest.storing import Location, open_location
+from ravnest.train.devices import on_host
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def save(root: Where, step: int, node: str, state: dict[str, Any], plan: str = "
     of the `plan` that wrote it (when given), its checksum last. Returns where the state went."""
     d = open_location(root).child(_step(step))
     buf = io.BytesIO()
-    torch.save(state, buf)
+    torch.save(on_host(state), buf)  # (loads anywhere, a device's state too)
     data = buf.getvalue()
     d.write(f"{node}.pt", data)
     if plan:

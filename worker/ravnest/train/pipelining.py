@@ -18,6 +18,7 @@ from torch.func import functional_call
 
 from ravnest.errors import RavnestError
 from ravnest.plan.partitioning import OUTPUT, Stage
+from ravnest.train.devices import Placement
 from ravnest.train.messages import LABELS
 from ravnest.train.metrics import WorkerMetrics
 from ravnest.train.schedules import WeightStash
@@ -43,11 +44,12 @@ class StagePasses:
     def __init__(self, name: str, stage: Stage, is_root: bool,
                  criterion: Callable[..., torch.Tensor] | None, stash: WeightStash,
                  samples_per_update: int, metrics: WorkerMetrics,
-                 targets: Targets | None = None) -> None:
+                 targets: Targets | None = None, placement: Placement | None = None) -> None:
         """`samples_per_update`: batch size x update frequency, what the leaf's loss is scaled by
         (times the microbatch's samples; an update of another size is corrected when the
         optimizer steps, see `Optimization`). `targets`: where the leaf's criterion gets its
-        targets (default: the labels the root sends)."""
+        targets (default: the labels the root sends). `placement`: the stage's device (what
+        arrives is taken there) and precision (default: the CPU, fp32)."""
         self.name = name
         self.stage = stage
         self.is_root = is_root
@@ -56,13 +58,14 @@ class StagePasses:
         self.samples_per_update = samples_per_update
         self.metrics = metrics
         self.targets = targets or Labels(name)
+        self.placement = placement or Placement()
         self.pending: dict[int, Pending] = {}
 
     def forward(self, mb: int, tensors: dict[str, torch.Tensor], control: dict[str, Any]) -> None:
         """Run microbatch `mb` (inputs and labels by name) forward and keep it for its backward."""
         labels = tensors.pop(LABELS, None)
         inputs = {k: (v.requires_grad_() if v.dtype.is_floating_point and not self.is_root
-                      else v) for k, v in tensors.items()}
+                      else v) for k, v in self.placement.put(tensors).items()}
         missing = set(self.stage.input_names) - set(inputs)
         if missing:
             raise RavnestError(f"{self.name}: forward frame lacks {sorted(missing)}")
@@ -76,10 +79,11 @@ class StagePasses:
 
     def _run_stage(self, inputs: dict[str, torch.Tensor],
                    weights: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        if weights is None:
-            return self.stage(**inputs)
-        out: dict[str, torch.Tensor] = functional_call(self.stage, weights, args=(),
-                                                       kwargs=inputs, strict=False)
+        with self.placement.autocast():
+            if weights is None:
+                return self.stage(**inputs)
+            out: dict[str, torch.Tensor] = functional_call(self.stage, weights, args=(),
+                                                           kwargs=inputs, strict=False)
         return out
 
     def downstream(self, mb: int) -> dict[str, torch.Tensor]:
@@ -96,8 +100,8 @@ class StagePasses:
         p = self.pending[mb]
         if self.criterion is None:
             raise RavnestError(f"{self.name}: a leaf needs a criterion")
-        targets = self.targets.train(p.control, p.labels)
-        with self.metrics.timed("compute"):
+        targets = self.placement.put(self.targets.train(p.control, p.labels))
+        with self.metrics.timed("compute"), self.placement.autocast():
             loss = self.criterion(p.outputs[OUTPUT], targets)
         n = samples_of(p.control)
         scale = n / self.samples_per_update
@@ -116,7 +120,7 @@ class StagePasses:
                 raise RavnestError(f"{self.name}: gradient for unknown output {k!r}")
             if t.requires_grad:
                 outs.append(t)
-                gs.append(g)
+                gs.append(self.placement.put(g))
         return self._run_backward(mb, outs, gs)
 
     def _run_backward(self, mb: int, outs: list[torch.Tensor],
@@ -138,9 +142,9 @@ class StagePasses:
     def evaluate(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run a validation batch (inputs by name) forward; return the stage's outputs."""
         self.stage.eval()
-        with self.metrics.timed("compute"):
+        with self.metrics.timed("compute"), self.placement.autocast():
             out: dict[str, torch.Tensor] = self.stage(
-                **{k: tensors[k] for k in self.stage.input_names})
+                **self.placement.put({k: tensors[k] for k in self.stage.input_names}))
         return out
 
 

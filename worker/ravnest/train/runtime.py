@@ -172,7 +172,7 @@ class NodeRuntime:
         self.stash = WeightStash(params, settings.schedule == "async")
         self.passes = StagePasses(name, stage, self.me.is_root, criterion, self.stash,
                                   settings.batch_size * settings.update_frequency, metrics,
-                                  targets)
+                                  targets, settings.placement)
         self.optimization = Optimization(optimizer, scheduler, list(params.values()), settings,
                                          metrics)
         self.reducers = self._with_tensors(reducers if reducers is not None else ring_reducers(
@@ -357,7 +357,7 @@ class NodeRuntime:
             self.routes.send_down(Frame(Kind.EVAL, send, control=control))
             return
         try:
-            targets = self.passes.targets.validation(control, labels)
+            targets = self.passes.placement.put(self.passes.targets.validation(control, labels))
         except (MetricError, RavnestError) as e:
             self.validation.fail("loss", e)
             self.validation.fail("accuracy", e)
@@ -384,7 +384,8 @@ class NodeRuntime:
         pass it on: down the pipeline, or a validation result up to the root."""
         match c:
             case EvalEnd():
-                self._snapshot = {k: v.clone() for k, v in self.stage.stage_state_dict().items()}
+                self._snapshot = {k: v.detach().to("cpu", copy=True)  # (host memory)
+                                  for k, v in self.stage.stage_state_dict().items()}
                 if self.me.is_leaf:
                     self._control(self.validation.finish(self.curve, c.epoch, c.step))
                 else:

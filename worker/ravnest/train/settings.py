@@ -11,8 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from ravnest.spec import CheckpointSpec, DataSpec, JobSpec, SchedulerSpec, TrainingSpec
 from ravnest.storing import Location
+from ravnest.train.devices import Placement
 
 _TRAINING = TrainingSpec()
 _CHECKPOINT = CheckpointSpec()
@@ -52,6 +55,10 @@ class Settings:
     opened with the job's storage options); None: no checkpoints."""
     checkpoint_every: int = _CHECKPOINT.every_steps
     checkpoint_keep: int = _CHECKPOINT.keep
+    precision: str = _TRAINING.precision
+    device: str = "cpu"
+    """Where the stage trains (the provider's device as `devices.resolve` checked it; not a
+    job-wide option: each provider has its own)."""
 
     @classmethod
     def of(cls, training: TrainingSpec, batch_size: int, microbatches: int,
@@ -73,11 +80,18 @@ class Settings:
             scheduler_step_on=(t.lr_scheduler.step_on if t.lr_scheduler
                                else _default(SchedulerSpec, "step_on")),
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint.every_steps,
-            checkpoint_keep=checkpoint.keep)
+            checkpoint_keep=checkpoint.keep, precision=t.precision)
         return replace(settings, **extra)
 
+    @property
+    def placement(self) -> Placement:
+        """Where the stage trains and in what precision."""
+        return Placement(torch.device(self.device), self.precision)
+
     @classmethod
-    def from_spec(cls, spec: JobSpec, checkpoint_dir: str | Location | None) -> Settings:
-        """A job's settings; `checkpoint_dir` is its checkpoint.path resolved for this node."""
+    def from_spec(cls, spec: JobSpec, checkpoint_dir: str | Location | None,
+                  device: str = "cpu") -> Settings:
+        """A job's settings; `checkpoint_dir` is its checkpoint.path resolved for this node,
+        `device` where its stage trains."""
         return cls.of(spec.training, spec.data.batch_size, spec.data.microbatches,
-                      spec.checkpoint, checkpoint_dir)
+                      spec.checkpoint, checkpoint_dir, device=device)
