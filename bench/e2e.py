@@ -66,6 +66,8 @@ class Scrape:
     active: float | None = None
     """Last scrape whose training time had grown since the one before."""
     exited: float | None = None
+    device_peak: float = 0.0
+    """Most memory torch held on the worker's GPU, as far as seen (0 on a CPU)."""
 
 
 def _scrape(port: int, into: Scrape, host: str = "127.0.0.1") -> None:
@@ -84,6 +86,8 @@ def _scrape(port: int, into: Scrape, host: str = "127.0.0.1") -> None:
                 into.labels = {k: s.labels[k] for k in ("node", "role", "cluster", "stage")}
             elif s.name == "ravnest_samples_total":
                 into.samples.append((now, s.value))
+            elif s.name == "ravnest_device_memory_peak_bytes":
+                into.device_peak = max(into.device_peak, s.value)
     if sum(activity.values()) > sum(into.activity.values()):
         into.active = now
         into.started = into.started or now

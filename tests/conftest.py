@@ -43,6 +43,9 @@ def s3_server() -> Iterator[S3Server]:
 
 _TIERS: dict[str, list[float]] = {}
 """Tier (tests/<tier>/...) -> [tests, seconds] of this session, setup and teardown included."""
+_NOT_RUN: dict[str, int] = {}
+"""Tier -> its tests skipped in this session (not run: each one's reason is in pytest's -ra
+summary), which the tier table says apart from the tests that ran."""
 _MODULES: dict[str, float] = {}
 """Test module -> seconds of this session, setup and teardown included."""
 
@@ -81,6 +84,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     spent[1] += report.duration
     if report.when == "setup":
         spent[0] += 1
+    if report.skipped:
+        _NOT_RUN[tier] = _NOT_RUN.get(tier, 0) + 1
     _MODULES[module] = _MODULES.get(module, 0.0) + report.duration
 
 
@@ -92,10 +97,14 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     total = sum(seconds for _, seconds in _TIERS.values()) or 1.0
     write = terminalreporter.write_line
     terminalreporter.section("time by tier")
-    write(f"{'tier':<14}{'tests':>7}{'seconds':>10}{'share':>8}")
+    write(f"{'tier':<14}{'tests':>7}{'not run':>9}{'seconds':>10}{'share':>8}")
     for tier, (tests, seconds) in sorted(_TIERS.items(), key=lambda kv: -kv[1][1]):
-        write(f"{tier:<14}{int(tests):>7}{seconds:>10.1f}{seconds / total:>8.0%}")
-    write(f"{'all':<14}{sum(int(t) for t, _ in _TIERS.values()):>7}{total:>10.1f}")
+        write(f"{tier:<14}{int(tests):>7}{_NOT_RUN.get(tier, 0):>9}{seconds:>10.1f}"
+              f"{seconds / total:>8.0%}")
+    write(f"{'all':<14}{sum(int(t) for t, _ in _TIERS.values()):>7}"
+          f"{sum(_NOT_RUN.values()):>9}{total:>10.1f}")
+    if _NOT_RUN:
+        write("not run: the tests skipped, each with its reason in the short summary (SKIPPED)")
     write("slowest modules:")
     for module, seconds in sorted(_MODULES.items(), key=lambda kv: -kv[1])[:12]:
         write(f"  {seconds:>8.1f} s  {module}")

@@ -21,6 +21,7 @@ EXPECTED = {
     "ravnest_recovery_duration_seconds", "ravnest_recovery_bytes", "ravnest_peer_errors",
     "ravnest_sent_bytes",
     "ravnest_received_bytes", "ravnest_checkpoint_step", "ravnest_finished",
+    "ravnest_device_memory_peak_bytes",
 }
 
 
@@ -50,6 +51,7 @@ def test_workers_export_training_metrics(tmp_path, digits_doc):
                 break
             time.sleep(0.5)
         assert EXPECTED <= set(seen), EXPECTED - set(seen)
+        assert seen["ravnest_device_memory_peak_bytes"].samples[0].value == 0  # (a CPU stage)
         step = next(s for s in seen["ravnest_steps"].samples if s.name == "ravnest_steps_total")
         assert step.value >= 20
         assert step.labels == {"job": "digits", "namespace": "default", "node": root.node,

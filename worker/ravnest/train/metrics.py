@@ -88,6 +88,8 @@ class WorkerMetrics:
         self.epoch = gauge("ravnest_epoch", "Current epoch (0-based).")
         self.step = gauge("ravnest_step", "Optimizer updates done so far, resumed runs included.")
         self.total_steps = gauge("ravnest_total_steps", "Optimizer updates the job will do.")
+        self.device_peak = gauge("ravnest_device_memory_peak_bytes",
+                                 "Most memory torch held on the stage's GPU (0 on a CPU).")
         self.in_flight = gauge("ravnest_inflight_microbatches",
                                "Microbatches sent forward and not yet back (root).")
         self.finished = gauge("ravnest_finished", "1 once this node finished training.")

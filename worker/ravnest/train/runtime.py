@@ -320,6 +320,9 @@ class NodeRuntime:
         self._last_step_time = now
         self.metrics.steps.inc()
         self.metrics.step.set(self.updates)
+        if self.passes.placement.device.type == "cuda":  # (no wait: the allocator's count)
+            self.metrics.device_peak.set(torch.cuda.max_memory_allocated(
+                self.passes.placement.device))
         self._trim_heap()
         if self.updates % self.s.reduce_factor == 0:
             self.all_reduce(self.updates // self.s.reduce_factor)
