@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -91,14 +92,17 @@ def optimizer_of(params: list[torch.nn.Parameter]
 
 
 def reference(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor,
-              placement: Placement = CPU
+              placement: Placement = CPU, init_scale: float = 2.0**16
               ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Plain training: each update accumulates UPDATE_FREQUENCY batches (every cluster's block)
     at 1/UPDATE_FREQUENCY of their mean loss each; returns the weights and each update's loss.
-    On the placement's device, its forward passes and loss under its autocast."""
+    On the placement's device, its forward passes and loss under its autocast; in fp16 with
+    torch's GradScaler (from `init_scale`)."""
     model = model.to(placement.device)
     xs, ys = xs.to(placement.device), ys.to(placement.device)
     opt, scheduler = optimizer_of(list(model.parameters()))
+    scaler = (torch.amp.GradScaler(placement.device.type, init_scale=init_scale)
+              if placement.precision == "fp16" else None)
     losses = []
     for epoch in range(EPOCHS):
         for update in range(BATCHES // UPDATE_FREQUENCY):
@@ -108,10 +112,17 @@ def reference(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor,
                 x, y = xs[epoch, b].flatten(0, 1), ys[epoch, b].flatten(0, 1)
                 with placement.autocast():
                     loss = torch.nn.functional.cross_entropy(model(x), y) / UPDATE_FREQUENCY
-                loss.backward()
+                (loss if scaler is None else scaler.scale(loss)).backward()
                 total += loss.item()
-            opt.step()
-            scheduler.step()
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+            with warnings.catch_warnings():  # (GradScaler skipped the first step)
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step",
+                                        UserWarning)
+                scheduler.step()
             losses.append(total)
     return model.state_dict(), losses
 
@@ -171,9 +182,11 @@ def run(runtimes: list[NodeRuntime]) -> None:
 
 
 def check_against_single_process(clusters: int, placement: Placement = CPU,
-                                 atol: float = 1e-5) -> list[NodeRuntime]:
-    """Train the pipeline and the whole model alike (`placement`); the weights of every
-    cluster and the mean training losses must agree within `atol`. The runtimes, trained."""
+                                 atol: float = 1e-5, init_scale: float = 2.0**16
+                                 ) -> list[NodeRuntime]:
+    """Train the pipeline and the whole model alike (`placement`; in fp16 the loss scales from
+    `init_scale`); the weights of every cluster and the mean training losses must agree within
+    `atol`. The runtimes, trained."""
     torch.manual_seed(SEED)
     model = DeepMLP()
     initial = copy.deepcopy(model)
@@ -181,12 +194,15 @@ def check_against_single_process(clusters: int, placement: Placement = CPU,
     plan = make_plan(prof, clusters)
     xs, ys = data(clusters)
     runtimes, links = build(plan, gm, xs, ys, placement)
+    for rt in runtimes:
+        if rt.passes.loss_scale is not None:
+            rt.passes.loss_scale.scale = init_scale
     try:
         run(runtimes)
     finally:
         for link in links:
             link.close()
-    expected, losses = reference(initial, xs, ys, placement)
+    expected, losses = reference(initial, xs, ys, placement, init_scale)
     updates = EPOCHS * BATCHES // UPDATE_FREQUENCY
     assert [rt.updates for rt in runtimes] == [updates] * len(runtimes)
     assert sum(rt.rounds_skipped for rt in runtimes) == 0

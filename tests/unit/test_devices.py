@@ -11,6 +11,7 @@ from ravnest.errors import RavnestError, SpecError
 from ravnest.run.local import LocalRun
 from ravnest.train import devices
 from ravnest.train.devices import Placement
+from ravnest.train.scaling import LossScale, unscale
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
                                    reason="what a machine without CUDA does (tests/gpu has CUDA)")
@@ -82,3 +83,46 @@ def test_a_precision_that_is_not_offered_is_refused_with_its_path(digits_doc):
     digits_doc["spec"]["training"]["precision"] = "fp8"
     with pytest.raises(SpecError, match=r"spec\.training\.precision"):
         parse_job(digits_doc)
+
+
+def test_the_loss_scale_backs_off_after_an_overflow_anywhere_and_grows_after_a_clean_run():
+    s = LossScale(scale=8.0, growth_interval=3)
+    s.update(overflowed=True)
+    assert s.scale == 4.0
+    s.told = True  # (a stage before the leaf overflowed: its next forward said so)
+    s.update(overflowed=False)
+    assert (s.scale, s.told) == (2.0, False)
+    for _ in range(3):
+        s.update(overflowed=False)
+    assert s.scale == 4.0 and s.clean == 0
+    again = LossScale()
+    again.load(s.state())
+    assert (again.scale, again.clean) == (4.0, 0)
+
+
+def test_unscaling_divides_the_gradients_and_finds_one_that_overflowed():
+    a, b = torch.ones(2, requires_grad=True), torch.ones(3, requires_grad=True)
+    a.grad, b.grad = torch.full((2,), 8.0), torch.full((3,), 4.0)
+    assert unscale([a, b], 4.0)
+    assert a.grad.tolist() == [2.0, 2.0] and b.grad.tolist() == [1.0] * 3
+    b.grad[1] = float("inf")
+    assert not unscale([a, b], 2.0)
+
+
+def test_running_out_of_device_memory_names_the_node_its_stage_and_the_memory_planned(
+        digits_doc):
+    from types import SimpleNamespace
+
+    from ravnest import plan_job
+    from ravnest.run.worker import Worker
+
+    plan, _, _ = plan_job(parse_job(digits_doc))
+    node = plan.node("node_3")
+    worker = SimpleNamespace(me=node, device=torch.device("cpu"))
+    error = Worker._out_of_memory(worker, torch.OutOfMemoryError(  # type: ignore[arg-type]
+        "CUDA out of memory. Tried to allocate 2.00 GiB\nmore"))
+    said = str(error)
+    assert said.startswith(f"node_3 (cluster {node.cluster}, stage {node.stage}: layers "
+                           f"{node.first_layer} to {node.last_layer}) ran out of memory on cpu: "
+                           f"the plan gave its stage {node.memory_bytes / 2**30:.2f} GiB")
+    assert said.endswith("(CUDA out of memory. Tried to allocate 2.00 GiB)")

@@ -87,3 +87,25 @@ def test_a_rejoining_node_takes_no_neighbour_ended_after_finish_for_a_loss(finis
     finally:
         for link in links:
             link.close()
+
+
+@pytest.mark.parametrize("clusters", [1, 2])
+def test_fp16_pipeline_follows_single_process_training_with_torchs_grad_scaler(clusters):
+    """precision fp16: the leaf scales the loss, every stage unscales its gradients by the scale
+    the backward frames carry, and the weights follow whole-model training under the same
+    autocast with torch's GradScaler."""
+    runtimes = check_against_single_process(clusters, Placement(precision="fp16"), atol=2e-3)
+    assert not any(rt.optimization.overflows for rt in runtimes)
+    assert {rt.passes.loss_scale.scale for rt in runtimes if rt.me.is_leaf} == {2.0**16}
+
+
+def test_fp16_updates_that_overflow_are_skipped_by_every_stage_and_the_scale_backs_off():
+    """A loss scale far too large: the first updates' gradients overflow fp16, every stage
+    skips them as GradScaler skips the whole model's step, the leaf halves its scale after
+    each, and training then follows plain torch's."""
+    runtimes = check_against_single_process(1, Placement(precision="fp16"), atol=2e-3,
+                                            init_scale=2.0**24)
+    skipped = {rt.name: rt.optimization.overflows for rt in runtimes}
+    leaf = next(rt for rt in runtimes if rt.me.is_leaf)
+    assert len(set(skipped.values())) == 1 and skipped[leaf.name] >= 2, skipped
+    assert leaf.passes.loss_scale.scale == 2.0**24 / 2 ** skipped[leaf.name]

@@ -283,10 +283,10 @@ class TrainingSpec(_Model):
     gradient_clipping: ClippingSpec | None = None
     reduce_timeout_seconds: float = Field(30.0, gt=0)
     """How long a ring waits for a peer before the round is recorded as skipped."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """The stages' forward passes and the leaf's loss under autocast to this dtype (`bf16`:
-    weights, gradients and optimizer state stay fp32); on a CPU too. What activations and
-    gradients weigh on the wire is `compression`."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """The stages' forward passes and the leaf's loss under autocast to this dtype (weights,
+    gradients and optimizer state stay fp32; `fp16` scales the loss, see train/scaling.py); on
+    a CPU too. What activations and gradients weigh on the wire is `compression`."""
 
 
 class Provider(_Model):

@@ -22,7 +22,8 @@ import torch
 
 from ravnest.errors import RavnestError
 
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16,
+                                             "fp16": torch.float16}
 """spec.training.precision -> the dtype of autocast (None: none)."""
 
 

@@ -8,17 +8,20 @@ update frequency); an update over another number of samples (a loader's last, pa
 an epoch's last, short update) has its gradients corrected when it steps, so that every update
 applies the gradient of the mean loss over the samples it saw, as single-process training does.
 
-Clipping (`clipNorm`) bounds the norm of this stage's gradients, not the whole model's.
+Clipping (`clipNorm`) bounds the norm of this stage's gradients, not the whole model's. In fp16
+the gradients come scaled by the leaf's loss scale, and are unscaled first (train/scaling.py).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ravnest.train.metrics import WorkerMetrics
+from ravnest.train.scaling import unscale
 from ravnest.train.settings import Settings
 
 
@@ -40,36 +43,66 @@ class Optimization:
         """Backward passes done (resumed runs: since the resume)."""
         self._samples = 0
         self._nominal = 0
+        self._scale: float | None = None
+        self._finite: bool | None = None
+        """This update's gradients are all finite (None: not checked yet)."""
+        self.overflows = 0
+        """Steps skipped for gradients that were not finite (fp16)."""
 
-    def accumulated(self, samples: int = 0, nominal: int = 0) -> bool:
+    def accumulated(self, samples: int = 0, nominal: int = 0,
+                    scale: float | None = None) -> bool:
         """Count a backward pass (over `samples` samples, its loss scaled for updates of
-        `nominal` samples); True when it completes an update's gradients."""
+        `nominal` samples, and by the loss scale `scale` in fp16); True when it completes an
+        update's gradients."""
         self.backwards += 1
         self._samples += samples
         self._nominal = nominal or self._nominal
+        self._scale = scale
         return self.backwards % self._per_update == 0
 
     def pending(self) -> bool:
         """Whether backward passes have accumulated gradients that no step applied yet."""
         return self.backwards % self._per_update != 0
 
-    def step(self) -> None:
+    def check(self) -> bool:
+        """Unscale this update's gradients (fp16: by the loss scale they were made with) and
+        say whether they are all finite; `step` then applies them or drops them. Without a
+        loss scale: True."""
+        if self._finite is None:
+            scale, self._scale = self._scale, None
+            self._finite = (scale is None or self.optimizer is None
+                            or unscale(self._params, scale))
+        return self._finite
+
+    def step(self, skip: bool = False) -> bool:
         """Apply the accumulated gradients (a partial update's too), drop them, and step a
-        per-step scheduler."""
+        per-step scheduler. False: they were not finite (fp16), or `skip` (a later stage's
+        were not), and they were only dropped."""
         self.backwards += -self.backwards % self._per_update
         samples, nominal, self._samples = self._samples, self._nominal, 0
+        finite = self.check() and not skip
+        self._finite = None
         if self.optimizer is not None:
             with self._metrics.timed("compute"):
                 if samples and nominal and samples != nominal:
                     for p in self._params:
                         if p.grad is not None:
                             p.grad.mul_(nominal / samples)
-                if self._clip_norm is not None:
+                if self._clip_norm is not None and finite:
                     torch.nn.utils.clip_grad_norm_(self._params, self._clip_norm)
-                self.optimizer.step()
+                if finite:
+                    self.optimizer.step()
+                else:
+                    self.overflows += 1
                 self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None and self._scheduler_step_on == "step":
-            self.scheduler.step()
+            with warnings.catch_warnings():
+                # (a skipped step still moves the schedule on, as a loop with GradScaler does;
+                # torch warns when that happens to the first step)
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step",
+                                        UserWarning)
+                self.scheduler.step()
+        return finite
 
     def epoch_end(self) -> None:
         """Step a per-epoch scheduler."""

@@ -21,6 +21,7 @@ from ravnest.plan.partitioning import OUTPUT, Stage
 from ravnest.train.devices import Placement
 from ravnest.train.messages import LABELS
 from ravnest.train.metrics import WorkerMetrics
+from ravnest.train.scaling import OVERFLOW, SCALE, LossScale
 from ravnest.train.schedules import WeightStash
 from ravnest.train.targets import Labels, Targets
 
@@ -59,6 +60,9 @@ class StagePasses:
         self.metrics = metrics
         self.targets = targets or Labels(name)
         self.placement = placement or Placement()
+        self.loss_scale = (LossScale() if criterion is not None
+                           and self.placement.precision == "fp16" else None)
+        """The leaf's loss scale in fp16 (train/scaling.py)."""
         self.pending: dict[int, Pending] = {}
 
     def forward(self, mb: int, tensors: dict[str, torch.Tensor], control: dict[str, Any]) -> None:
@@ -107,6 +111,10 @@ class StagePasses:
         scale = n / self.samples_per_update
         info = {**p.control, "loss": float(loss.detach()), "n": n,
                 "per_update": self.samples_per_update}
+        info.pop(OVERFLOW, None)
+        if self.loss_scale is not None:
+            scale *= self.loss_scale.scale
+            info[SCALE] = self.loss_scale.scale
         return self._run_backward(mb, [loss * scale], [None]), info
 
     def backward(self, mb: int, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -83,6 +83,7 @@ from ravnest.train.rejoining import (
 )
 from ravnest.train.resuming import Checkpoints
 from ravnest.train.routing import Routes
+from ravnest.train.scaling import OVERFLOW, SCALE, SKIP
 from ravnest.train.schedules import WeightStash, drains
 from ravnest.train.settings import Settings
 from ravnest.train.targets import MetricError, Targets, split
@@ -197,7 +198,7 @@ class NodeRuntime:
         self.checkpoints = Checkpoints(settings, name, as_planned(plan).names(), metrics,
                                        plan.fingerprint)  # (added clusters write none)
         self.updates = self.epoch = self.next_batch = self.samples = self.in_flight = 0
-        self._finished = False
+        self._finished = self._overflowed = False  # (overflowed: its next forward says so)
         self._last_step_time = time.monotonic()
         self._trim_heap = HeapTrimmer()
 
@@ -231,6 +232,7 @@ class NodeRuntime:
             "updates": self.updates, "epoch": self.epoch, "next_batch": self.next_batch,
             "samples": self.samples, "rng": torch.get_rng_state(),
             "curve": self.curve.state(), "best": self.best_state,
+            **({"loss_scale": self.passes.loss_scale.state()} if self.passes.loss_scale else {}),
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -241,6 +243,8 @@ class NodeRuntime:
         torch.set_rng_state(state["rng"])
         self.curve = Curve(**state["curve"])
         self.best_state = state["best"]
+        if self.passes.loss_scale is not None:
+            self.passes.loss_scale.load(state.get("loss_scale"))
         self.metrics.step.set(self.updates)
 
     def resume(self) -> int | None:
@@ -288,9 +292,13 @@ class NodeRuntime:
     def _forward(self, mb: int, tensors: dict[str, torch.Tensor], control: dict[str, Any]) -> None:
         self.passes.forward(mb, tensors, control)
         if self.me.is_leaf:
+            if control.get(OVERFLOW) and self.passes.loss_scale is not None:
+                self.passes.loss_scale.told = True
             in_grads, info = self.passes.leaf_backward(mb)
             self._backward_done(mb, in_grads, info)
         else:
+            if self._overflowed:  # (the leaf halves its loss scale)
+                control, self._overflowed = {**control, OVERFLOW: True}, False
             self.routes.send_down(Frame(Kind.FORWARD, self.passes.downstream(mb),
                                         microbatch=mb, control=control))
 
@@ -301,18 +309,32 @@ class NodeRuntime:
                        control: dict[str, Any]) -> None:
         """Microbatch `mb`'s backward ran here: the root counts it back in, the others send the
         gradients of their inputs up; an update's last backward steps the optimizer."""
+        last = self.optimization.accumulated(int(control.get("n", 0)),
+                                             int(control.get("per_update", 0)),
+                                             control.get(SCALE))
+        # fp16: an update that overflowed after this stage (its last backward says so) or here
+        # is skipped here too, and the stages before it are told so the same way
+        skip = last and (bool(control.get(SKIP)) or not self.optimization.check())
         if self.me.is_root:
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
             self.losses.add(control.get("loss", 0.0), control.get("n", 0))
         else:
-            self.routes.send_up(Frame(Kind.BACKWARD, in_grads, microbatch=mb, control=control))
-        if self.optimization.accumulated(int(control.get("n", 0)),
-                                         int(control.get("per_update", 0))):
-            self._optimizer_step()
+            control = {k: v for k, v in control.items() if k != SKIP}
+            self.routes.send_up(Frame(Kind.BACKWARD, in_grads, microbatch=mb, control={
+                **control, **({SKIP: True} if skip else {})}))
+        if last:
+            self._optimizer_step(skip)
 
-    def _optimizer_step(self) -> None:
-        self.optimization.step()
+    def _optimizer_step(self, skip: bool = False) -> None:
+        finite = self.optimization.step(skip)
+        if self.passes.loss_scale is not None:
+            self.passes.loss_scale.update(not finite)
+        elif not finite and not skip:
+            self._overflowed = True
+        if not finite:
+            log.info("%s: update %d skipped: its fp16 gradients overflowed", self.name,
+                     self.updates + 1)
         self.stash.drop()
         self.updates += 1
         now = time.monotonic()
