@@ -95,10 +95,10 @@ class Net(nn.Module):
         return self.fc2(torch.relu(self.bn(self.fc1(x))))
 
 
-def _node(seed: int):
+def _node(seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     torch.manual_seed(seed)
     gm, prof = profile(Net(), [torch.randn(4, 6)])
-    stage = build_stage(gm, 0, len(prof.layers))
+    stage = build_stage(gm, 0, len(prof.layers)).to(device=device, dtype=dtype)
     params = list(stage.parameters())
     opt = torch.optim.Adam(params, lr=0.01, betas=(0.8, 0.95))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -107,14 +107,35 @@ def _node(seed: int):
 
 
 def _train_step(stage, optimization, x, y) -> None:
+    p = next(stage.parameters())
+    x, y = x.to(p.device, p.dtype), y.to(p.device)
     out = stage(**dict(zip(stage.input_names, [x], strict=True)))[OUTPUT]
     nn.functional.cross_entropy(out, y).backward()
     optimization.step()
 
 
 def test_the_state_sent_lets_a_restarted_node_continue_exactly_as_its_sender():
+    continue_as_sender(_node(2))
+
+
+def test_the_state_lands_where_the_joiners_optimizer_keeps_it():
+    """A joiner whose parameters are of another dtype (and, on a GPU, another device: tests/gpu)
+    gets the optimizer state beside them, as Optimizer.load_state_dict would place it; its
+    step count stays as it came."""
+    # (fc1.bias comes before a batch norm: its gradient is ~0, and Adam turns float32's and
+    # float64's rounding of it into steps of the learning rate's size, 0.01)
+    _, join_opt = continue_as_sender(_node(2, torch.float64), atol=0.02)
+    for p, st in join_opt.optimizer.state.items():
+        assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == p.dtype == torch.float64
+        assert st["step"].dtype == torch.float32 and st["step"].device.type == "cpu"
+
+
+def continue_as_sender(joining, atol: float = 0.0):
+    """Train a node 3 steps, send its state to `joining` (another initialisation, a fresh
+    optimizer and scheduler), and train both 3 more steps on the same batches: they must end
+    alike (within `atol`). The joiner and its optimization."""
     sender, sent_opt = _node(1)
-    joiner, join_opt = _node(2)  # another initialisation, a fresh optimizer and scheduler
+    joiner, join_opt = joining
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g))
                for _ in range(6)]
@@ -136,5 +157,7 @@ def test_the_state_sent_lets_a_restarted_node_continue_exactly_as_its_sender():
         _train_step(joiner, join_opt, x, y)
     a, b = sender.stage_state_dict(), joiner.stage_state_dict()
     for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, msg=k)
+        torch.testing.assert_close(b[k].to(a[k]), a[k], rtol=0, atol=atol, msg=k,
+                                   check_dtype=False)
     assert join_opt.scheduler.get_last_lr() == sent_opt.scheduler.get_last_lr()
+    return joiner, join_opt

@@ -232,6 +232,16 @@ def pack_state(stage: Stage, optimization: Optimization, names: tuple[str, ...]
     return tensors, control
 
 
+def _placed(param: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tensor:
+    """An optimizer state tensor sent by another node, where this node's optimizer keeps it, as
+    torch's `Optimizer.load_state_dict` places it: beside the parameter (its device, and its
+    dtype where both are floating point), except a `step` count, which stays as it came."""
+    if key == "step":
+        return value.clone()
+    dtype = param.dtype if param.is_floating_point() and value.is_floating_point() else None
+    return value.to(device=param.device, dtype=dtype, copy=True)
+
+
 def unpack_state(stage: Stage, optimization: Optimization, names: tuple[str, ...],
                  tensors: Mapping[str, torch.Tensor], control: State) -> int:
     """Load a `state` frame of a ring whose tensors are `names` into this node; the bytes it
@@ -258,8 +268,8 @@ def unpack_state(stage: Stage, optimization: Optimization, names: tuple[str, ...
         if p is None:
             continue
         prefix = f"{OPTIM}{n}/"
-        entry: dict[str, Any] = {k.removeprefix(prefix): t.clone() for k, t in tensors.items()
-                                 if k.startswith(prefix)}
+        entry: dict[str, Any] = {k.removeprefix(prefix): _placed(p, k.removeprefix(prefix), t)
+                                 for k, t in tensors.items() if k.startswith(prefix)}
         entry.update(scalars.get(n) or {})
         if entry:
             opt.state[p] = entry
