@@ -28,6 +28,7 @@ Bus bandwidth = 2 (n - 1) / n * bytes / time (GB = 1e9 bytes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import logging
 import multiprocessing as mp
@@ -36,7 +37,7 @@ import queue
 import socket
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -186,6 +187,33 @@ def _pair(prepare: Callable[[], object],
     return run
 
 
+@contextlib.contextmanager
+def spawned(procs: list[Any]) -> Iterator[None]:
+    """Start the rank processes; when the block ends, give each a minute to exit, and stop
+    those still there."""
+    for p in procs:
+        p.start()
+    try:
+        yield
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+
+
+def next_result(results: Any, procs: list[Any]) -> Any:
+    """The next item a rank put on `results`; RuntimeError as soon as a rank died instead."""
+    while True:
+        try:
+            return results.get(timeout=5)
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"{dead[0].name} exited with {dead[0].exitcode}") from None
+
+
 def _run_world(world: int, sizes: list[int], repeats: int,
                warmup: int) -> dict[int, dict[str, Any]]:
     ctx = mp.get_context("spawn")
@@ -194,32 +222,16 @@ def _run_world(world: int, sizes: list[int], repeats: int,
     procs = [ctx.Process(target=_rank, name=f"rank{r}",
                          args=(r, world, store_port, sizes, repeats, warmup, results))
              for r in range(world)]
-    for p in procs:
-        p.start()
     collected: dict[int, dict[str, Any]] = {s: {"times": [], "errors": [], "spread": []}
                                             for s in sizes}
-    try:
+    with spawned(procs):
         for _ in range(world * len(sizes)):
-            while True:
-                try:
-                    rank, size, times, errors, spread = results.get(timeout=5)
-                    break
-                except queue.Empty:
-                    dead = [p for p in procs if p.exitcode not in (None, 0)]
-                    if dead:
-                        raise RuntimeError(
-                            f"{dead[0].name} exited with {dead[0].exitcode}") from None
+            rank, size, times, errors, spread = next_result(results, procs)
             log.info("%d ranks, %d MiB, rank %d: %s", world, size // MIB, rank, times)
             entry = collected[size]
             entry["times"].append(times)
             entry["errors"].append(errors)
             entry["spread"].append(spread)
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
     return collected
 
 

@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ravnest import parse_job
 from ravnest.plan.plans import Plan
 from ravnest.run.local import LocalRun
+from ravnest.spec import Job
 
 log = logging.getLogger("bench.e2e")
 
@@ -136,7 +137,16 @@ def run_once(job_path: Path, epochs: int | None, verbose: bool) -> dict[str, Any
     doc = yaml.safe_load(job_path.read_text())
     if epochs:
         doc["spec"]["training"]["epochs"] = epochs
-    job = parse_job(doc)
+    got = run_scraped(parse_job(doc))
+    if verbose:
+        log.info("run: %s", got["summary"])
+    return got
+
+
+def run_scraped(job: Job, read: Callable[[Path], Any] | None = None) -> dict[str, Any]:
+    """`job` run as `ravnest run` runs it, in a folder of its own, every worker scraped: its
+    summary, the training rate (`train_rate`), the scrapes, the phases' times, the plan, and what
+    `read` took from the run folder before it went."""
     with tempfile.TemporaryDirectory(prefix="ravnest-e2e-") as out:
         run = LocalRun(job, out, progress=False)
         metas = run.prepare()
@@ -150,12 +160,10 @@ def run_once(job_path: Path, epochs: int | None, verbose: bool) -> dict[str, Any
             run.stop()
         summary = run.finish(time.time() - started)
         finished = time.monotonic()
+        kept = read(Path(out)) if read is not None else None
     assert run.plan is not None
-    rate = train_rate(run.plan, scrapes)
-    if verbose:
-        log.info("run: %s", summary)
-    phases = _phases(launched, finished, scrapes)
-    return {"summary": summary, "train_rate": rate, "scrapes": scrapes, "phases": phases}
+    return {"summary": summary, "train_rate": train_rate(run.plan, scrapes), "scrapes": scrapes,
+            "phases": _phases(launched, finished, scrapes), "plan": run.plan, "read": kept}
 
 
 def _phases(launched: float, done: float, scrapes: dict[str, Scrape]) -> dict[str, float]:

@@ -29,11 +29,8 @@ import datetime
 import logging
 import multiprocessing as mp
 import os
-import queue
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -42,14 +39,14 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import Scrape, scraping
+from allreduce import _free_port, next_result, spawned
+from e2e import run_scraped
 
 from ravnest import parse_job
 from ravnest.comm.dataplane import RingLink, RingServer
 from ravnest.comm.inboxes import Inbox
 from ravnest.plan import building
 from ravnest.plan.plans import RingPlan
-from ravnest.run.local import LocalRun
 from ravnest.run.worker import cluster_batches
 from ravnest.spec import Job
 from ravnest.train.allreducing import RingReducer
@@ -107,24 +104,15 @@ def steady_rate(samples: list[tuple[float, float]]) -> float:
 def run_ours(job: Job) -> dict[str, Any]:
     """`ravnest run` of the job, its workers scraped: the steady rate, the losses per update,
     each node's GPU memory peak and planned memory."""
-    with tempfile.TemporaryDirectory(prefix="ravnest-gpu-") as out:
-        run = LocalRun(job, out, progress=False)
-        metas = run.prepare()
-        scrapes = {m.node: Scrape() for m in metas}
-        started = time.time()
-        try:
-            run.start(metas)
-            with scraping(run, scrapes):
-                run.wait()
-        finally:
-            run.stop()
-        summary = run.finish(time.time() - started)
-        with open(Path(out) / "learning_curve.csv") as f:
-            losses = [float(r["train_loss"]) for r in csv.DictReader(f) if r["train_loss"]]
-    plan = run.plan
-    assert plan is not None
+    def losses(out: Path) -> list[float]:
+        with open(out / "learning_curve.csv") as f:
+            return [float(r["train_loss"]) for r in csv.DictReader(f) if r["train_loss"]]
+
+    got = run_scraped(job, losses)
+    plan, scrapes = got["plan"], got["scrapes"]
     root = plan.clusters[0].nodes[0]
-    return {"rate": steady_rate(scrapes[root].samples), "losses": losses, "summary": summary,
+    return {"rate": steady_rate(scrapes[root].samples), "losses": got["read"],
+            "summary": got["summary"],
             "memory": {n.name: (scrapes[n.name].device_peak, n.memory_bytes, n.params)
                        for n in plan.nodes}}
 
@@ -157,12 +145,6 @@ def run_torch(job: Job, device: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------- (c) the ring
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _ring_rank(rank: int, store_port: int, numel: int, repeats: int, device: str,
                results: Any) -> None:
@@ -217,23 +199,8 @@ def run_ring(mib: int, repeats: int, device: str) -> dict[str, Any]:
     port = _free_port()
     procs = [ctx.Process(target=_ring_rank, args=(r, port, mib * MIB // 4, repeats, device,
                                                  results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = []
-    try:
-        while len(got) < 2:
-            try:
-                got.append(results.get(timeout=5))
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"a ring rank exited with {dead[0].exitcode}") from None
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
+    with spawned(procs):
+        got = [next_result(results, procs) for _ in procs]
     ours = statistics.median(max(a, b) for a, b in zip(got[0][1]["ours"], got[1][1]["ours"],
                                                        strict=True))
     gloo = statistics.median(max(a, b) for a, b in zip(got[0][1]["gloo"], got[1][1]["gloo"],

@@ -4,22 +4,16 @@ written on a GPU resumed on CPUs, and a ring's state handed from a CPU node to o
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 
 import pytest
 import torch
+from handover import continue_as_sender, node
 from inprocess import check_against_single_process
 
 from ravnest import parse_job, run_job
-from ravnest.plan.partitioning import OUTPUT, build_stage, profile
 from ravnest.train.devices import Placement
-from ravnest.train.messages import parse
-from ravnest.train.metrics import Identity, WorkerMetrics
-from ravnest.train.optimizing import Optimization
-from ravnest.train.rejoining import pack_state, unpack_state
-from ravnest.train.settings import Settings
 
 
 @pytest.mark.parametrize("clusters", [1, 2])
@@ -78,43 +72,12 @@ def test_a_checkpoint_written_on_the_gpu_resumes_on_cpus(tmp_path, digits_doc, d
     assert summary["updates"] == 88 and summary["fused_val_metric"] >= 0.95, summary
 
 
-def _mlp_node(device: str):
-    torch.manual_seed(3)
-    gm, prof = profile(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(),
-                                           torch.nn.Linear(8, 3)), [torch.randn(4, 6)])
-    stage = build_stage(gm, 0, len(prof.layers)).to(device)
-    params = list(stage.parameters())
-    opt = torch.optim.Adam(params, lr=0.01)
-    metrics = WorkerMetrics(Identity("j", "", f"n-{device}", "root", 0, 0))
-    return stage, Optimization(opt, None, params, Settings(), metrics)
-
-
-def _step(stage, optimization, x, y) -> None:
-    device = next(stage.parameters()).device
-    out = stage(**{stage.input_names[0]: x.to(device)})[OUTPUT]
-    torch.nn.functional.cross_entropy(out, y.to(device)).backward()
-    optimization.step()
-
-
 def test_a_node_on_the_device_rejoins_from_the_state_of_a_cpu_node(device):
     """Rejoin (and a hot spare's takeover, and a grown cluster's join) hands a ring's state over
-    in frames: a CPU node's parameters and Adam state, loaded on the device, go on as the CPU
-    node does."""
-    sender, sent_opt = _mlp_node("cpu")
-    joiner, join_opt = _mlp_node(device)
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g))
-               for _ in range(6)]
-    for x, y in batches[:3]:
-        _step(sender, sent_opt, x, y)
-    names = tuple(sender.stage_state_dict())
-    tensors, control = pack_state(sender, sent_opt, names)
-    state = parse({"op": "state", "ring": "r", "round": 3, "updates": 3,
-                   **json.loads(json.dumps(control))})
-    unpack_state(joiner, join_opt, names, {k: v.clone() for k, v in tensors.items()}, state)
-    for x, y in batches[3:]:
-        _step(sender, sent_opt, x, y)
-        _step(joiner, join_opt, x, y)
-    a, b = sender.stage_state_dict(), joiner.stage_state_dict()
-    for k in a:
-        torch.testing.assert_close(b[k].cpu(), a[k], rtol=0, atol=1e-5, msg=k)
+    in frames: a CPU node's parameters and Adam state, loaded on the device, land beside its
+    parameters and go on as the CPU node does."""
+    # (tests/unit/test_rejoining.py: a bias before a batch norm has a gradient of ~0, and Adam
+    # turns the devices' different rounding of it into steps of the learning rate's size)
+    _, opt = continue_as_sender(node(2, device=device), atol=0.02)
+    for p, st in opt.optimizer.state.items():
+        assert st["exp_avg"].device == st["exp_avg_sq"].device == p.device

@@ -5,24 +5,15 @@ gradients)."""
 
 from __future__ import annotations
 
-import json
-
 import torch
-from torch import nn
+from handover import continue_as_sender, node
 
-from ravnest.plan.partitioning import OUTPUT, build_stage, profile
-from ravnest.train.messages import State, parse
-from ravnest.train.metrics import Identity, WorkerMetrics
-from ravnest.train.optimizing import Optimization
 from ravnest.train.rejoining import (
     RingMembership,
     RoundClock,
     join_round,
-    pack_state,
     resume_position,
-    unpack_state,
 )
-from ravnest.train.settings import Settings
 
 
 def test_a_lost_member_stays_out_until_it_rejoins_or_is_back_from_a_cut():
@@ -84,38 +75,8 @@ def test_a_resumed_root_starts_where_the_drive_loop_would_have_counted_those_upd
         assert epoch * 7 + (batch + uf) // uf == updates + 1
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(6, 8)
-        self.bn = nn.BatchNorm1d(8)
-        self.fc2 = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.bn(self.fc1(x))))
-
-
-def _node(seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    torch.manual_seed(seed)
-    gm, prof = profile(Net(), [torch.randn(4, 6)])
-    stage = build_stage(gm, 0, len(prof.layers)).to(device=device, dtype=dtype)
-    params = list(stage.parameters())
-    opt = torch.optim.Adam(params, lr=0.01, betas=(0.8, 0.95))
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    metrics = WorkerMetrics(Identity("j", "", f"n{seed}", "root", 0, 0))
-    return stage, Optimization(opt, sched, params, Settings(), metrics)
-
-
-def _train_step(stage, optimization, x, y) -> None:
-    p = next(stage.parameters())
-    x, y = x.to(p.device, p.dtype), y.to(p.device)
-    out = stage(**dict(zip(stage.input_names, [x], strict=True)))[OUTPUT]
-    nn.functional.cross_entropy(out, y).backward()
-    optimization.step()
-
-
 def test_the_state_sent_lets_a_restarted_node_continue_exactly_as_its_sender():
-    continue_as_sender(_node(2))
+    continue_as_sender(node(2))
 
 
 def test_the_state_lands_where_the_joiners_optimizer_keeps_it():
@@ -124,40 +85,7 @@ def test_the_state_lands_where_the_joiners_optimizer_keeps_it():
     step count stays as it came."""
     # (fc1.bias comes before a batch norm: its gradient is ~0, and Adam turns float32's and
     # float64's rounding of it into steps of the learning rate's size, 0.01)
-    _, join_opt = continue_as_sender(_node(2, torch.float64), atol=0.02)
+    _, join_opt = continue_as_sender(node(2, torch.float64), atol=0.02)
     for p, st in join_opt.optimizer.state.items():
         assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == p.dtype == torch.float64
         assert st["step"].dtype == torch.float32 and st["step"].device.type == "cpu"
-
-
-def continue_as_sender(joining, atol: float = 0.0):
-    """Train a node 3 steps, send its state to `joining` (another initialisation, a fresh
-    optimizer and scheduler), and train both 3 more steps on the same batches: they must end
-    alike (within `atol`). The joiner and its optimization."""
-    sender, sent_opt = _node(1)
-    joiner, join_opt = joining
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g))
-               for _ in range(6)]
-    for x, y in batches[:3]:
-        _train_step(sender, sent_opt, x, y)
-    names = tuple(sender.stage_state_dict())
-    tensors, control = pack_state(sender, sent_opt, names)
-    # as a frame carries them: the control through JSON, every tensor a copy
-    control = json.loads(json.dumps(control))
-    tensors = {k: v.clone() for k, v in tensors.items()}
-    state = parse({"op": "state", "ring": "r", "round": 3, "updates": 3, **control})
-    assert isinstance(state, State)
-    nbytes = unpack_state(joiner, join_opt, names, tensors, state)
-    assert nbytes > sum(p.numel() * 4 for p in sender.parameters())  # optimizer state too
-    assert join_opt.optimizer.param_groups[0]["lr"] == sent_opt.optimizer.param_groups[0]["lr"]
-    assert join_opt.optimizer.param_groups[0]["betas"] == (0.8, 0.95)
-    for x, y in batches[3:]:  # both go on with the same batches
-        _train_step(sender, sent_opt, x, y)
-        _train_step(joiner, join_opt, x, y)
-    a, b = sender.stage_state_dict(), joiner.stage_state_dict()
-    for k in a:
-        torch.testing.assert_close(b[k].to(a[k]), a[k], rtol=0, atol=atol, msg=k,
-                                   check_dtype=False)
-    assert join_opt.scheduler.get_last_lr() == sent_opt.scheduler.get_last_lr()
-    return joiner, join_opt
