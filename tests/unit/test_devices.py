@@ -126,3 +126,12 @@ def test_running_out_of_device_memory_names_the_node_its_stage_and_the_memory_pl
                            f"{node.first_layer} to {node.last_layer}) ran out of memory on cpu: "
                            f"the plan gave its stage {node.memory_bytes / 2**30:.2f} GiB")
     assert said.endswith("(CUDA out of memory. Tried to allocate 2.00 GiB)")
+
+
+@needs_no_cuda
+def test_the_seed_apis_node_on_a_cuda_device_torch_cannot_see_says_so(tmp_path):
+    from ravnest.seed.node import Node
+
+    with pytest.raises(RavnestError, match=r"^Node\('node_0', device='cuda'\): device 'cuda', "
+                                           r"but torch"):
+        Node(name="node_0", device=torch.device("cuda"), node_data=tmp_path)
