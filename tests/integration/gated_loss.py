@@ -15,10 +15,16 @@ import torch
 from torch.nn import functional
 
 GATE_ENV = "RAVNEST_TEST_GATE"
+SLOW = ".slow"
+"""While a file named as the gate plus this exists, the leaves take SLOW_SECONDS more per
+micro-batch: training goes on, slowly enough that a test sees what happens while it does."""
+SLOW_SECONDS = 0.05
 
 
 def criterion(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     gate = os.environ.get(GATE_ENV)
     while gate and os.path.exists(gate):
         time.sleep(0.05)
+    if gate and os.path.exists(gate + SLOW):
+        time.sleep(SLOW_SECONDS)
     return functional.cross_entropy(output, target)

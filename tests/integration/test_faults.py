@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from gated_loss import GATE_ENV
+from gated_loss import GATE_ENV, SLOW
 from processes import worker_pid
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -403,8 +403,8 @@ class _SplitRun:
                 time.sleep(1)
                 raise AssertionError(f"no {what} within {timeout}s; each node's step, rounds, "
                                      f"partial rounds: {self._counts()}\n{self.tails(200)}")
-            assert all(p.poll() is None for p in self.procs.values()), (
-                f"a worker ended while waiting for {what}\n{self.tails()}")
+            ended = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+            assert not ended, f"workers ended ({ended}) while waiting for {what}\n{self.tails()}"
             time.sleep(0.2)
 
     def _counts(self) -> dict[str, tuple[float, ...] | int | None]:
@@ -481,17 +481,24 @@ def test_cluster_cut_off_rounds_go_on_without_it_and_take_it_in_again(tmp_path, 
     """A cut between the clusters: each side's watch loses the other in seconds, its rounds go on
     among the members present (partial rounds, counted) while it trains on, and once the link is
     back the rounds take the other side in again. On either ring transport (gRPC, or the TCP data
-    plane whose connections hang in a cut and must be given up and opened again). The leaves
-    stop at a gate while the link heals, so that the job cannot end before its watches had
-    their chance to see the other side again (in two CI runs, none did before the job ended)."""
+    plane whose connections hang in a cut and must be given up and opened again).
+
+    The job is short: from the cut on, its leaves take 50 ms more per micro-batch (gated_loss's
+    slow file), and they stop at its gate while the link heals, so that it cannot end before the
+    test saw the cut's rounds and the watches had their chance to see the other side again (in
+    three CI runs it had ended first: the clusters trained their last 250 updates in the ~10 s
+    the test took to see 3 partial rounds). A round waits up to 15 s for a member, longer than a
+    watch takes to lose one (5 s), so that the cut costs the round under way and no other."""
     digits_doc["spec"]["training"].update(ringTransport=transport, criterion={
         "name": "gated_loss:criterion"})
-    run = _SplitRun(_net_job(digits_doc, timeout=5.0), tmp_path, link)
+    run = _SplitRun(_net_job(digits_doc, timeout=15.0), tmp_path, link)
+    slow = Path(f"{gate}{SLOW}")
     try:
         node = run.near()[0]
         m = run.metrics
         run.wait_for("step 8 with rounds done", lambda: (x := m(node)) and x[STEP] >= 8 and x[
             ROUNDS] >= 2 and x)
+        slow.touch()
         link.cut()
         before = m(node)
         cut = run.wait_for("3 partial rounds in the cut", lambda: (x := m(node)) and x[
@@ -502,12 +509,14 @@ def test_cluster_cut_off_rounds_go_on_without_it_and_take_it_in_again(tmp_path, 
         run.wait_for_logs("every ring member's watch seeing the other side again", lambda: all(
             "is back: " in run.log(n)[logged[n]:] for n in run.ringed()), timeout=60)
         gate.unlink()
+        slow.unlink()
         full = cut[ROUNDS] - cut[PARTIAL]
         back = run.wait_for("3 rounds with every member after the cut", lambda: (
             x := m(node)) and x[ROUNDS] - x[PARTIAL] >= full + 3 and x)
         summary = run.finish()
     finally:
         gate.unlink(missing_ok=True)
+        slow.unlink(missing_ok=True)
         run.stop()
     # cut off: at most the round under way was given up; the others went on without the far
     # cluster, while this one kept training
