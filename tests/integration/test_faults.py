@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from gated_loss import GATE_ENV, SLOW
+from gated_loss import SLOW
 from processes import worker_pid
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -463,16 +463,6 @@ ROUNDS = "ravnest_reduce_rounds_total"
 SKIPPED = "ravnest_reduce_rounds_skipped_total"
 PARTIAL = "ravnest_reduce_rounds_partial_total"
 STEP = "ravnest_step"
-
-
-@pytest.fixture
-def gate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """The gate of `gated_loss` (closed while this file exists) for the workers a test starts
-    after this: they import that module from here."""
-    monkeypatch.setenv(GATE_ENV, str(tmp_path / "gate"))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
-        str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")])))
-    return tmp_path / "gate"
 
 
 @pytest.mark.parametrize("transport", ["grpc", "tcp"])

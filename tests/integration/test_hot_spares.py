@@ -17,26 +17,14 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
 import torch
 from elastic_job import elastic_job, local_run, planned, steps, wait
-from gated_loss import GATE_ENV
 from processes import pids_with, worker_pid
 
 from ravnest.run.progress import scrape
 from ravnest.train.fusing import fuse_stage_files
 
 EPOCHS = 30  # (420 updates: the kill at 40, the join round some rounds after)
-
-
-@pytest.fixture
-def gate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """The gate of `gated_loss` (closed while this file exists) for the run's workers, which
-    import that module from here."""
-    monkeypatch.setenv(GATE_ENV, str(tmp_path / "gate"))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
-        str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")])))
-    return tmp_path / "gate"
 
 
 def _logged(out: Path) -> dict[str, int]:

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import s3fs
 import torch
-from gated_loss import GATE_ENV
 from operator_harness import apply, get, job_doc, kctl, operator_cluster, phase_of, wait_for
 from scoring import digits_accuracy
 
@@ -240,17 +239,6 @@ def test_a_job_on_a_claim_keeps_its_checkpoints_and_model_there(cluster, tmp_pat
     worker = get(kube, "pod", "claimed-node-0")["spec"]
     assert {"name": "claim-0", "persistentVolumeClaim": {"claimName": "store"}} in \
         worker["volumes"]
-
-
-@pytest.fixture
-def gate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """The gate of `gated_loss` (closed while this file exists) for the workers of the jobs
-    this test starts, which import that module from here."""
-    here = str(Path(__file__).resolve().parent)
-    monkeypatch.setenv(GATE_ENV, str(tmp_path / "gate"))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get(
-        "PYTHONPATH")])))
-    return tmp_path / "gate"
 
 
 GATED = {"name": "gated_loss:criterion"}
