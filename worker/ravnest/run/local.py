@@ -288,16 +288,14 @@ class LocalRun:
         """Every cuda provider's device is there (RavnestError naming the provider and what
         torch reports, before any worker starts); providers that share a GPU are said."""
         spec = self.job.spec
-        for i, p in enumerate(spec.providers):
-            if p.device != "cpu":
-                devices.resolve(p.device, f"spec.providers[{i}].device")
+        resolved = {p.device: str(devices.resolve(p.device, f"spec.providers[{i}].device"))
+                    for i, p in enumerate(spec.providers) if p.device != "cpu"}
         pool = spec.expanded_providers()
         on: dict[str, list[str]] = {}
         for name, provider in [(n.name, n.provider) for n in plan.nodes] + [
                 (sp.name, sp.provider) for sp in plan.spares]:
             if pool[provider].device != "cpu":
-                where = str(devices.resolve(pool[provider].device, name))
-                on.setdefault(where, []).append(name)
+                on.setdefault(resolved[pool[provider].device], []).append(name)
         for where, names in on.items():
             if len(names) > 1:
                 log.warning("%d workers share %s (%s): each trains its stage there, with the "

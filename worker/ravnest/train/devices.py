@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,28 +63,28 @@ def resolve(device: str | torch.device, who: str) -> torch.device:
     return torch.device("cuda", d.index if d.index is not None else torch.cuda.current_device())
 
 
-def put(item: Any, device: torch.device) -> Any:
-    """`item` (a tensor, or a list, tuple or dict of them, nested) on `device`; the rest as is.
-    Copies from the host do not wait for the device (they are queued on its stream before any
-    use of them)."""
+def _each_tensor(item: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`item` with `move` applied to every tensor in it (nested in dicts, lists and tuples, a
+    named tuple kept whole); the rest as is."""
     if isinstance(item, torch.Tensor):
-        return item if item.device == device else item.to(device, non_blocking=True)
+        return move(item)
     if isinstance(item, dict):
-        return {k: put(v, device) for k, v in item.items()}
+        return {k: _each_tensor(v, move) for k, v in item.items()}
     if isinstance(item, list | tuple) and not hasattr(item, "_fields"):
-        return type(item)(put(v, device) for v in item)
+        return type(item)(_each_tensor(v, move) for v in item)
     return item
 
 
+def put(item: Any, device: torch.device) -> Any:
+    """`item`'s tensors on `device`. Copies from the host do not wait for the device (they are
+    queued on its stream before any use of them)."""
+    return _each_tensor(item, lambda t: t if t.device == device else t.to(device,
+                                                                          non_blocking=True))
+
+
 def on_host(state: Any) -> Any:
-    """`state` (tensors, nested in dicts, lists and tuples) with every tensor in host memory."""
-    if isinstance(state, torch.Tensor):
-        return state if state.device.type == "cpu" else state.cpu()
-    if isinstance(state, dict):
-        return {k: on_host(v) for k, v in state.items()}
-    if isinstance(state, list | tuple) and not hasattr(state, "_fields"):
-        return type(state)(on_host(v) for v in state)
-    return state
+    """`state` with every tensor in host memory (copied there and waited for)."""
+    return _each_tensor(state, lambda t: t if t.device.type == "cpu" else t.cpu())
 
 
 @dataclass(frozen=True)

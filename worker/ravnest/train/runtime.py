@@ -319,10 +319,10 @@ class NodeRuntime:
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
             self.losses.add(control.get("loss", 0.0), control.get("n", 0))
-        else:
-            control = {k: v for k, v in control.items() if k != SKIP}
-            self.routes.send_up(Frame(Kind.BACKWARD, in_grads, microbatch=mb, control={
-                **control, **({SKIP: True} if skip else {})}))
+        else:  # (SKIP comes only with an update's last backward, and then `skip` holds it)
+            if skip and not control.get(SKIP):
+                control = {**control, SKIP: True}
+            self.routes.send_up(Frame(Kind.BACKWARD, in_grads, microbatch=mb, control=control))
         if last:
             self._optimizer_step(skip)
 
