@@ -45,7 +45,7 @@ from e2e_cluster import (
 ROOT = Path(__file__).resolve().parents[2]
 
 # Cold: the first `up` builds kube-scheduler, kubelet, kube-proxy, coredns (minutes on 2 cores).
-pytestmark = pytest.mark.timeout(3600)
+pytestmark = [pytest.mark.tools, pytest.mark.timeout(3600)]
 
 # examples/digits.yaml declares 42 GB of RAM and 8 CPUs of requests over its 6 providers (the
 # operator turns `ram` into the memory request and limit, `compute` into the CPU request); one node
@@ -285,13 +285,19 @@ def test_deleted_worker_pod_costs_only_its_cluster_which_rejoins_live(cluster: C
         logs = {p: cluster.kubectl("logs", "-n", JOBS_NS, p).stdout for p in first + lost}
         story = rejoin_story(cluster, name, logs)
         assert st.get("restarts", 0) == 0 and st["recoveries"] == 1, story
+        assert st["clusterRecoveries"] == [0, 1] and st["rejoining"] == [], st
+        assert st["clusters"] == "2/2", st
         conds = {c["type"]: c for c in st["conditions"]}
         assert conds["Recovering"]["reason"] == "Rejoined", story
         assert f"pod {lost[-1]} was deleted" in conds["Recovering"]["message"]
-        for p in first:  # cluster 0 ran on in its first pods
+        assert "cluster 1 restarted alone" in conds["Recovering"]["message"]
+        for p in first:  # cluster 0 ran on in its first pods, from no checkpoint
             assert cluster.get("pod", p)["metadata"]["uid"] == uids[p], p
+            assert "resumed from checkpoint" not in logs[p], logs[p][-3000:]
         for p in lost:  # cluster 1's pods were made again, and took the others' state
-            assert cluster.get("pod", p)["metadata"]["uid"] != uids[p], p
+            pod = cluster.get("pod", p)
+            assert pod["metadata"]["uid"] != uids[p], p
+            assert pod["metadata"]["annotations"]["ravnest.io/recovery"] == "1", p
             assert "rejoined after round" in logs[p], logs[p][-3000:]
         # cluster 0 took cluster 1's new pods into its rings at the join round, not as soon as
         # they answered (a ring round then waited reduceTimeoutSeconds for a node not in it yet)
@@ -301,6 +307,8 @@ def test_deleted_worker_pod_costs_only_its_cluster_which_rejoins_live(cluster: C
                 for r in re.findall(r"ring \S+ from round (\d+) on: .*\(all back\)", logs[p])]
         assert back == ([] if joined == "final" else [int(joined) + 1] * len(back)), story
         assert st["result"]["updates"] == epochs * 22, st["result"]
+        # cluster 1 was in the final round, unless it joined only there
+        assert st["result"]["final_clusters"] == [0, 1] or joined == "final", st["result"]
         assert st["progress"]["validationMetric"] >= 0.95, st["progress"]
     except BaseException:
         print(cluster.job_report(name))  # before its pods go
@@ -363,8 +371,21 @@ def test_a_provider_added_mid_run_joins_and_trains(cluster: Cluster, release: st
             "version": 2, "fromRound": joined["round"] + 1, "clusters": [0, 1, 2]}, st
         assert st["result"]["updates"] == 50 * 22, st["result"]
         assert st["progress"]["validationMetric"] >= 0.95, st["progress"]
-        log = cluster.kubectl("logs", "-n", JOBS_NS, f"{name}-node-{added[0]}").stdout
+        assert st["rejoining"] == [], st
+        conds = {c["type"]: c for c in st["conditions"]}
+        assert conds.get("SpecChanged", {}).get("status") != "True", conds
+        new = [f"{name}-node-{p}" for p in added]
+        for pod in new:  # made once, and never restarted
+            got = cluster.get("pod", pod)
+            assert got["status"]["containerStatuses"][0]["restartCount"] == 0, pod
+        said = json.loads(cluster.get("pod", new[0])["status"]["containerStatuses"][0]["state"]
+                          ["terminated"]["message"])  # its root's termination message
+        assert said["rejoined"]["round"] == joined["round"] and said["updates"] == 50 * 22, said
+        log = cluster.kubectl("logs", "-n", JOBS_NS, new[0]).stdout
         assert f"rejoined after round {joined['round']}" in log, log[-3000:]
+        assert any("introduced itself" in cluster.kubectl("logs", "-n", JOBS_NS,
+                                                          f"{name}-node-{i}").stdout
+                   for i in range(len(SMALL_PROVIDERS))), "no node of the job heard cluster 2"
         print(f"\ngrown on the cluster: cluster 2 (providers {added}) joined after round "
               f"{joined['round']} of 550; the job succeeded {time.monotonic() - ordered:.0f} s "
               f"after the apply")

@@ -56,6 +56,8 @@ from ravnest.spec import parse_job
 from ravnest.train.metrics import Identity, WorkerMetrics
 from ravnest_operator import monitoring
 
+pytestmark = pytest.mark.tools  # (scripts/test runs it once the tools are there)
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ravnest"
 MONITORING_CRDS = Path(__file__).resolve().parent / "prometheus_operator_crds.yaml"

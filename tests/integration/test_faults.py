@@ -465,6 +465,7 @@ PARTIAL = "ravnest_reduce_rounds_partial_total"
 STEP = "ravnest_step"
 
 
+@pytest.mark.tools  # (ip netns and iptables: scripts/docker-engine installs them)
 @pytest.mark.parametrize("transport", ["grpc", "tcp"])
 def test_cluster_cut_off_rounds_go_on_without_it_and_take_it_in_again(tmp_path, digits_doc,
                                                                       link, gate, transport):
@@ -528,6 +529,7 @@ def test_cluster_cut_off_rounds_go_on_without_it_and_take_it_in_again(tmp_path, 
           f"after the cut; accuracy {summary['fused_val_metric']:.4f}")
 
 
+@pytest.mark.tools  # (ip netns and iptables: scripts/docker-engine installs them)
 @pytest.mark.parametrize("transport", ["grpc", "tcp"])
 def test_slow_link_rounds_take_longer_then_time_out_and_nothing_hangs(tmp_path, digits_doc,
                                                                       link, transport):

@@ -21,7 +21,7 @@ from ravnest_operator.resources import WORKER_UID
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.timeout(2400)
+pytestmark = [pytest.mark.tools, pytest.mark.timeout(2400)]
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ from ravnest.comm.inboxes import Inbox
 from ravnest.comm.transport import Credentials, Peer, Server
 from ravnest.errors import PeerTimeout, TransportError
 
+pytestmark = pytest.mark.tools  # (scripts/test runs it once the tools are there)
+
 FINGERPRINT = "plan-shared-0123"
 JOB_A = Credentials(token="token-of-job-a", fingerprint=FINGERPRINT)
 JOB_B = Credentials(token="token-of-job-b", fingerprint=FINGERPRINT)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from kube import MissingBinary, find_binary, local_apiserver
 
+pytestmark = pytest.mark.tools  # (scripts/test runs it once the tools are there)
+
 
 def test_local_apiserver_lists_namespaces(tmp_path):
     missing = []

@@ -22,6 +22,8 @@ import torch
 from operator_harness import apply, get, job_doc, kctl, operator_cluster, phase_of, wait_for
 from scoring import digits_accuracy
 
+pytestmark = pytest.mark.tools  # (scripts/test runs it once the tools are there)
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, ...]]:
@@ -264,87 +266,6 @@ def _kill_behind_gate(kube, kubelet, operator, job: str, pod: str, gate: Path,
     gate.unlink()
 
 
-def test_a_killed_worker_costs_only_its_cluster_which_rejoins_live(cluster, tmp_path, gate):
-    """Elastic training on Kubernetes (runPolicy.recovery: cluster, the default): a worker of
-    cluster 1 is killed; the operator recreates only cluster 1's pods, which take their state from
-    cluster 0 and rejoin it, while cluster 0's pods run on untouched (no restart, no checkpoint:
-    its emptyDirs would have lost them)."""
-    kube, kubelet, operator = cluster
-    doc = job_doc("elastic", epochs=30, training__criterion=GATED)  # 660 updates
-    assert apply(kube, doc, tmp_path).returncode == 0
-    _kill_behind_gate(kube, kubelet, operator, "elastic", "elastic-node-3", gate, (1, 2, 3, 4))
-    uids = {}
-
-    def recovering() -> bool:
-        st = (get(kube, "rj", "elastic") or {}).get("status", {})
-        return st.get("recoveries") == 1
-
-    wait_for("elastic to restart cluster 1 alone", recovering, 60, kube, operator)
-    for n in (0, 5):  # cluster 0: node_0 (root) and node_5 (leaf)
-        uids[n] = get(kube, "pod", f"elastic-node-{n}")["metadata"]["uid"]
-    shown = kctl(kube, "get", "rj", "elastic").stdout
-    wait_for("elastic to succeed", lambda: phase_of(kube, "elastic") == "Succeeded", 500, kube,
-             operator)
-    status = get(kube, "rj", "elastic")["status"]
-    assert status.get("restarts", 0) == 0 and status["recoveries"] == 1
-    assert status["clusterRecoveries"] == [0, 1] and status["rejoining"] == []
-    assert status["clusters"] == "2/2"
-    conds = {c["type"]: c for c in status["conditions"]}
-    assert conds["Recovering"]["status"] == "False" and conds["Recovering"]["reason"] == "Rejoined"
-    assert "pod elastic-node-3 failed with exit code 137" in conds["Recovering"]["message"]
-    assert "cluster 1 restarted alone" in conds["Recovering"]["message"]
-    # cluster 0's pods are the ones first started; cluster 1's were made again, and rejoined
-    for n, uid in uids.items():
-        assert get(kube, "pod", f"elastic-node-{n}")["metadata"]["uid"] == uid
-    assert kubelet.started.count("elastic-node-0") == 1
-    for n in (1, 2, 3, 4):
-        pod = get(kube, "pod", f"elastic-node-{n}")
-        assert pod["metadata"]["annotations"]["ravnest.io/recovery"] == "1"
-        assert kubelet.started.count(f"elastic-node-{n}") == 2
-        assert "rejoined after round" in kubelet.log_of(f"elastic-node-{n}")
-    assert "resumed from checkpoint" not in kubelet.log_of("elastic-node-0")
-    assert status["result"]["updates"] == 660
-    assert status["result"]["final_clusters"] == [0, 1]  # cluster 1 was back for the final round
-    assert status["progress"]["validationMetric"] >= 0.95
-    assert "CLUSTERS" in shown  # kubectl get rj shows the clusters active / planned
-    print(f"\nelastic: kubectl get rj while cluster 1 rejoined:\n{shown}")
-
-
-def test_a_cluster_back_too_late_for_the_final_round_is_left_out_when_the_others_finish(
-        cluster, tmp_path):
-    """A worker of cluster 1 is killed; the new pods of cluster 1 run, but their workers are slow
-    to come up (stopped at once, as a container still importing from a big image seems) until
-    cluster 0 has finished. Cluster 0's nodes say their final round held only cluster 0, so the
-    job ends without cluster 1 as soon as cluster 0's pods succeed, with cluster 0's model:
-    not when the new workers' wait for the finished ones runs out (peer timeout, 5 minutes)."""
-    kube, kubelet, operator = cluster
-    assert apply(kube, job_doc("late", epochs=20), tmp_path).returncode == 0  # 440 updates
-    _step_at_least(kube, operator, "late", 20)
-    kubelet.hold(*(f"late-node-{n}" for n in (1, 2, 3, 4)))
-    kubelet.kill("late-node-3")
-
-    def status() -> dict[str, Any]:
-        return (get(kube, "rj", "late") or {}).get("status", {})
-
-    wait_for("cluster 1 running again", lambda: status().get("recoveries") == 1 and status().get(
-        "rejoining") == [], 60, kube, operator)
-    phases = {n: get(kube, "pod", f"late-node-{n}")["status"]["phase"] for n in (0, 5)}
-    assert phases == {0: "Running", 5: "Running"}, f"cluster 0 finished first: {phases}"
-    wait_for("late to succeed", lambda: status().get("phase") == "Succeeded", 200, kube,
-             operator)
-    st = status()
-    assert st["abandoned"] == [1] and st["recoveries"] == 1 and st.get("restarts", 0) == 0
-    recovering = {c["type"]: c for c in st["conditions"]}["Recovering"]
-    assert recovering["reason"] == "Abandoned"
-    assert "running again only after the others' final round" in recovering["message"]
-    assert st["result"]["updates"] == 440 and st["result"]["final_clusters"] == [0]
-    assert st["progress"]["validationMetric"] >= 0.95
-    for n in (1, 2, 3, 4):  # deleted, never having said a word
-        assert kubelet.log_of(f"late-node-{n}").count("rejoined") == 0
-        assert (get(kube, "pod", f"late-node-{n}") or {}).get("metadata", {}).get(
-            "deletionTimestamp") or get(kube, "pod", f"late-node-{n}") is None
-
-
 def test_a_hot_spare_takes_over_a_killed_workers_stage_on_its_own_machine(cluster, tmp_path,
                                                                            gate):
     """spec.plan.spares on Kubernetes: the spare provider runs a spare pod (its machine held, the
@@ -427,49 +348,6 @@ def test_providers_removed_from_a_running_job_drain_their_cluster(cluster, tmp_p
     assert kubelet.started.count("shrunk-node-0") == 1
     assert f"drained after round {left['round']}" in kubelet.log_of("shrunk-node-0")
     print(f"\nshrunk: cluster 0 drained after round {left['round']} of 330")
-
-
-def test_providers_added_to_a_running_job_form_a_cluster_that_joins(cluster, tmp_path):
-    """`kubectl apply` of a running job with two providers listed after its own (holding cluster
-    0's stages): they form cluster 2, whose ConfigMaps and pods the operator makes; its workers
-    take the latest state from the others' and join at a round boundary, while those train on;
-    it trains to the last update, and the job's status says it grew and when it joined."""
-    kube, kubelet, operator = cluster
-    doc = job_doc("grown", epochs=20)  # 440 updates
-    assert apply(kube, doc, tmp_path).returncode == 0
-    _step_at_least(kube, operator, "grown", 20)
-    plan = json.loads(get(kube, "cm", "grown-plan")["data"]["plan.json"])
-    first = [n for n in plan["nodes"] if n["cluster"] == 0]
-    doc["spec"]["providers"] = [*doc["spec"]["providers"],
-                                *({"ram": n["ram_gb"]} for n in first)]
-    assert apply(kube, doc, tmp_path).returncode == 0
-    wait_for("grown to succeed", lambda: phase_of(kube, "grown") == "Succeeded", 400, kube,
-             operator)
-    status = get(kube, "rj", "grown")["status"]
-    added = [len(plan["nodes"]) + i for i in range(len(first))]
-    (grew,) = status["grown"]
-    assert grew["providers"] == added and grew["clusters"] == [2]
-    (joined,) = status["joined"]
-    assert joined["cluster"] == 2 and joined["round"] > 0
-    assert status["clusters"] == "3/3" and status["rejoining"] == []
-    assert status["membership"]["versions"] == [
-        {"version": 1, "fromRound": 1, "clusters": [0, 1]},
-        {"version": 2, "fromRound": joined["round"] + 1, "clusters": [0, 1, 2]}]
-    conds = {c["type"]: c for c in status["conditions"]}
-    assert conds.get("SpecChanged", {}).get("status") != "True"
-    assert status.get("restarts", 0) == 0 and status.get("recoveries", 0) == 0
-    assert status["result"]["updates"] == 440
-    assert status["progress"]["validationMetric"] >= 0.95
-    new = [f"grown-node-{p}" for p in added]
-    for pod in new:
-        assert kubelet.started.count(pod) == 1
-    root = get(kube, "pod", new[0])
-    said = json.loads(root["status"]["containerStatuses"][0]["state"]["terminated"]["message"])
-    assert said["rejoined"]["round"] == joined["round"] and said["updates"] == 440
-    assert f"rejoined after round {joined['round']}" in kubelet.log_of(new[0])
-    assert "introduced itself" in kubelet.log_of("grown-node-0")
-    print(f"\ngrown: cluster 2 (providers {added}) joined after round {joined['round']} of 220: "
-          f"{said['rejoined']['bytes']} bytes in {said['rejoined']['seconds']} s")
 
 
 def _step_at_least(kube, operator, job: str, step: int) -> None:

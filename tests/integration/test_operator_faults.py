@@ -35,6 +35,8 @@ from operator_harness import (
 
 from ravnest_operator.crds import GROUP, PLURAL, VERSION
 
+pytestmark = pytest.mark.tools  # (scripts/test runs it once the tools are there)
+
 KILLS = 8
 """Operator kills in the chaos test."""
 FLEET = 50

@@ -18,6 +18,8 @@ import pytest
 from kube import LocalApiserver, local_apiserver
 from operator_harness import ROOT, apply, get, job_doc, kctl
 
+pytestmark = pytest.mark.tools  # (scripts/test runs it once the tools are there)
+
 
 @pytest.fixture(scope="module")
 def kube(tmp_path_factory: pytest.TempPathFactory):

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 from operator_harness import apply, get, job_doc, kctl, operator_cluster, wait_for
 
+pytestmark = pytest.mark.tools  # (scripts/test runs it once the tools are there)
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, ...]]:

@@ -33,6 +33,8 @@ import yaml
 from kube import find_binary, free_port, stop_process
 from operator_harness import ROOT, apply, get, job_doc, operator_cluster, wait_for
 
+pytestmark = pytest.mark.tools  # (scripts/test runs it once the tools are there)
+
 CHART = ROOT / "charts" / "ravnest"
 RELEASE, RELEASE_NS = "rel", "ravnest-system"
 JOB = "watched"

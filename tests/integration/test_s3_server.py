@@ -10,6 +10,8 @@ import pytest
 import s3fs
 from minio_server import S3Server, minio_server
 
+pytestmark = pytest.mark.tools  # (scripts/test runs it once the tools are there)
+
 
 def _fs(server: S3Server) -> s3fs.S3FileSystem:
     return s3fs.S3FileSystem(**server.storage_options(), skip_instance_cache=True)

@@ -22,6 +22,8 @@ from ravnest import parse_job, run_job
 from ravnest.errors import SpecError
 from ravnest.examples.digits import build_model
 
+pytestmark = pytest.mark.tools  # (scripts/test runs it once the tools are there)
+
 
 @pytest.fixture
 def bucket(s3_server, monkeypatch) -> str:
