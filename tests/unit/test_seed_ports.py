@@ -75,3 +75,16 @@ def test_free_port_pairs_leave_room_for_each_ring_server() -> None:
     finally:
         for s in socks:
             s.close()
+
+
+def test_free_ports_are_below_the_ports_the_kernel_hands_out_itself() -> None:
+    """Ports for a local run's workers come from below the ephemeral range, which outgoing
+    connections and binds to port 0 take theirs from: between the pick and the worker's bind,
+    no connection of a program running beside can take one."""
+    from pathlib import Path
+
+    from ravnest.run.local import free_ports
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = free_ports(20, span=2)
+    assert len(set(ports)) == 20 and all(10000 <= p and p + 1 < low for p in ports), (low, ports)

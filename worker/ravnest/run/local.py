@@ -105,16 +105,28 @@ class Terminated(BaseException):
 
 
 def free_ports(n: int, span: int = 1) -> list[int]:
-    """Ask the kernel for n free TCP ports on 127.0.0.1, each the first of `span` consecutive
-    free ports (span=2 for a seed provider whose ring data plane listens one port above it).
+    """n free TCP ports on 127.0.0.1, each the first of `span` consecutive free ports (span=2 for
+    a seed provider whose ring data plane listens one port above it). They are taken below the
+    kernel's ephemeral range (`_quiet_ports`) where it has one: a port there is never given to an
+    outgoing connection or to a bind to port 0, so nothing but another program that picks its
+    own ports can take it before the worker it is for listens on it (one from the ephemeral range,
+    free when picked, was once held by a connection of a program that happened to run beside).
     All are held until every one is found, so none is handed out twice."""
     held: list[socket.socket] = []
     ports: list[int] = []
+    quiet = _quiet_ports()
+    tries = 0
     try:
         while len(ports) < n:
-            first = socket.socket()
+            tries += 1
+            if quiet is not None and tries <= 50 * n:
+                first = _bound(secrets.choice(quiet))
+                if first is None:
+                    continue
+            else:  # (no such range, or it is full: what the kernel gives)
+                first = socket.socket()
+                first.bind(("127.0.0.1", 0))
             held.append(first)
-            first.bind(("127.0.0.1", 0))
             port = first.getsockname()[1]
             rest = [_bound(port + k) for k in range(1, span)] if port + span <= 65536 else [None]
             held.extend(s for s in rest if s is not None)
@@ -124,6 +136,16 @@ def free_ports(n: int, span: int = 1) -> list[int]:
         for s in held:
             s.close()
     return ports
+
+
+def _quiet_ports() -> range | None:
+    """The ports from 10000 to just below the kernel's ephemeral range (Linux's
+    ip_local_port_range), or None where that range is not known or leaves too few."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return range(10000, low - 8) if low - 8 - 10000 >= 1000 else None
 
 
 def _bound(port: int) -> socket.socket | None:
