@@ -15,7 +15,13 @@ that is worth shows only beside plain PyTorch on the same GPU. In one run on one
     TCP data plane (as training calls it, the device tensors copied through a pinned buffer)
     against `torch.distributed` gloo's all_reduce of the same CUDA tensors;
 (d) the most memory torch held on the GPU per stage (each worker's
-    `ravnest_device_memory_peak_bytes`) against the plan's estimate for that stage.
+    `ravnest_device_memory_peak_bytes`) against the plan's estimate for that stage;
+(e) where a ring round's reducing is faster, on the host or on the device: one rank's share of
+    a round of 256 MiB in rings of 2 and 4 members, its pieces arriving in pinned host memory
+    as the data plane receives them, no network: on the host (what `RingReducer` does: the
+    device tensors copied into a pinned buffer at once, the pieces added there by the CPU, the
+    result copied back at once) against on the device (each piece copied over and added there,
+    each sum the next member needs copied back to pinned memory to be sent).
 
     python bench/gpu.py [--stages 2 3] [--updates 40] [--ring-mib 256] [--device cuda]
     python bench/gpu.py --device cpu --small     (a dry run of the same code on a CPU)
@@ -208,6 +214,62 @@ def run_ring(mib: int, repeats: int, device: str) -> dict[str, Any]:
     return {"ours": ours, "gloo": gloo, "error": max(g[2] for g in got), "on": got[0][3]}
 
 
+# --------------------------------------------------------- (e) reduce on the host or the device
+
+def _reduce_on_host(params: torch.Tensor, pieces: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """One rank's share of a ring round, reduced on the host: the parameters to a pinned buffer,
+    each reduce-scatter piece added there by the CPU, each all-gather piece copied in, the result
+    back to the device."""
+    k = len(pieces) // 2 + 1
+    chunk = flat.numel() // k
+    flat.copy_(params, non_blocking=True)
+    torch.cuda.synchronize()
+    for step, piece in enumerate(pieces):
+        mine = flat[(step % k) * chunk:(step % k + 1) * chunk]
+        if step < k - 1:
+            mine.add_(piece)
+        else:
+            mine.copy_(piece)
+    params.copy_(flat, non_blocking=True)
+    torch.cuda.synchronize()
+
+
+def _reduce_on_device(params: torch.Tensor, pieces: list[torch.Tensor],
+                      outgoing: torch.Tensor) -> None:
+    """The same share reduced on the device: each piece copied over and added (or, gathering,
+    written) there; each partial sum copied back to pinned memory, to be sent on."""
+    k = len(pieces) // 2 + 1
+    chunk = params.numel() // k
+    for step, piece in enumerate(pieces):
+        mine = params[(step % k) * chunk:(step % k + 1) * chunk]
+        if step < k - 1:
+            mine.add_(piece.to(params.device, non_blocking=True))
+            outgoing[:chunk].copy_(mine, non_blocking=True)
+            torch.cuda.synchronize()  # (the sum goes on the wire next)
+        else:
+            mine.copy_(piece, non_blocking=True)
+    torch.cuda.synchronize()
+
+
+def run_reduce_placement(mib: int, members: int, repeats: int) -> dict[str, float]:
+    numel = mib * MIB // 4 // members * members
+    chunk = numel // members
+    params = torch.randn(numel, device="cuda")
+    pieces = [torch.randn(chunk, pin_memory=True) for _ in range(2 * (members - 1))]
+    flat = torch.empty(numel, pin_memory=True)
+    outgoing = torch.empty(chunk, pin_memory=True)
+    got: dict[str, list[float]] = {"host": [], "device": []}
+    for i in range(repeats + 1):
+        for name, run in (("host", lambda: _reduce_on_host(params, pieces, flat)),
+                          ("device", lambda: _reduce_on_device(params, pieces, outgoing))):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run()
+            if i:
+                got[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(times) for name, times in got.items()}
+
+
 # ------------------------------------------------------------------------------------ report
 
 def _losses(ours: list[float], plain: list[float]) -> tuple[float, float]:
@@ -285,6 +347,18 @@ def main(argv: list[str] | None = None) -> int:
               f"{ring['ours'] * 1e3:.1f} ms, gloo {ring['gloo'] * 1e3:.1f} ms, ravnest/gloo "
               f"time {ring['ours'] / ring['gloo']:.2f}; max |ravnest - gloo| "
               f"{ring['error']:.2e}")
+    _emit()
+    if not args.device.startswith("cuda"):
+        _emit("(e) reduce on the host or the device: not run (no CUDA device)")
+    else:
+        _emit(f"(e) one rank's share of a ring round of {args.ring_mib} MiB, pieces in pinned "
+              f"memory, no network, median of {args.ring_repeats}:")
+        for members in (2, 4):
+            r = run_reduce_placement(args.ring_mib, members, args.ring_repeats)
+            faster = "host" if r["host"] <= r["device"] else "device"
+            _emit(f"    {members} members: on the host {r['host'] * 1e3:.1f} ms, on the device "
+                  f"{r['device'] * 1e3:.1f} ms, device/host {r['device'] / r['host']:.2f}: the "
+                  f"{faster} is faster")
     return 1 if failed else 0
 
 

@@ -81,3 +81,37 @@ def test_a_node_on_the_device_rejoins_from_the_state_of_a_cpu_node(device):
     _, opt = continue_as_sender(node(2, device=device), atol=0.02)
     for p, st in opt.optimizer.state.items():
         assert st["exp_avg"].device == st["exp_avg_sq"].device == p.device
+
+
+def test_frames_cross_to_and_from_the_device_through_pinned_memory_on_a_stream_of_their_own(
+        device):
+    """A CUDA stage's frames: received into the transport's pinned buffers, copied to the device
+    on the mover's stream (not the compute stream, which waits for it on the device), and sent
+    from pinned host copies that the sender waits for (`ready`), the loss read only then."""
+    from ravnest.comm.buffers import BufferPool
+    from ravnest.comm.transport import Credentials, Server
+
+    place = Placement(torch.device(device))
+    if device == "cpu":  # (a dry run: nothing is moved on the CPU)
+        assert place.mover is None
+        return
+    assert place.mover is not None
+    assert place.mover.stream != torch.cuda.current_stream(place.device)
+    server = Server("127.0.0.1:0", Credentials("t", "f"), lambda frame: None, pinned=True)
+    try:
+        assert server.buffers.take(2 << 20).is_pinned()
+    finally:
+        server.stop(grace=0)
+    pool = BufferPool(min_bytes=1, pinned=True)
+    x = pool.take(4096 * 4).view(torch.float32)
+    x.copy_(torch.arange(4096, dtype=torch.float32))
+    assert x.is_pinned()
+    moved = place.put({"x": x, "labels": torch.arange(3)})  # (labels: not pinned yet)
+    y = moved["x"] * 2
+    assert y.device.type == "cuda" and moved["labels"].device.type == "cuda"
+    tensors, control, ready = place.outgoing({"y": y}, {"n": 3, "loss": y.mean()})
+    assert ready is not None and tensors["y"].is_pinned()
+    ready()
+    assert torch.equal(tensors["y"], torch.arange(4096, dtype=torch.float32) * 2)
+    assert control == {"n": 3, "loss": pytest.approx(4095.0)}
+    assert torch.equal(moved["labels"].cpu(), torch.arange(3))

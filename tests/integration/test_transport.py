@@ -221,6 +221,32 @@ def test_a_posted_snapshot_is_what_arrives_even_if_the_tensor_changes(served: Se
 
 
 @pytest.mark.parametrize("snapshot", [True, False], ids=["encoded-at-post", "encoded-by-sender"])
+def test_a_frame_still_being_filled_is_read_only_once_ready(served: Served, peer: Peer,
+                                                            snapshot: bool) -> None:
+    """A frame whose tensors and control are still being copied from a device (`Frame.ready`)
+    goes out as they are once it returned: the sender waits for it (the sender thread, when not
+    encoded at post), once per frame, never the tensors as they were before."""
+    calls: list[int] = []
+    for i in range(5):
+        x = torch.zeros(1000)
+        control: dict[str, float] = {}
+
+        def ready(i: int = i, x: torch.Tensor = x, control: dict[str, float] = control) -> None:
+            calls.append(i)
+            x.fill_(i + 1)  # what the copy from the device would write
+            control["loss"] = 0.5 * i
+
+        peer.post(Frame("forward", {"x": x}, microbatch=i, control=control, ready=ready),
+                  snapshot=snapshot)
+    peer.flush(timeout=TIMEOUT)
+    assert calls == list(range(5))
+    for i in range(5):
+        got = served.next_frame()
+        assert torch.equal(got.tensors["x"], torch.full((1000,), float(i + 1)))
+        assert got.control == {"loss": 0.5 * i}
+
+
+@pytest.mark.parametrize("snapshot", [True, False], ids=["encoded-at-post", "encoded-by-sender"])
 def test_a_frame_that_cannot_be_sent_is_refused_by_post(served: Served, peer: Peer,
                                                         snapshot: bool) -> None:
     with pytest.raises(TransportError, match=r"'x': dtype torch\.complex64 cannot be sent"):

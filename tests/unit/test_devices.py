@@ -68,6 +68,25 @@ def test_host_tensors_stay_and_nested_state_comes_to_the_host():
     assert host["b"][1][1] == 3 and host["c"] == "x" and host["a"] is t
 
 
+def test_a_cpu_stage_sends_its_tensors_as_they_are_and_its_loss_as_a_number():
+    """On the CPU nothing is copied and nothing waited for (no `ready`); a loss left as a 0-d
+    tensor (a device's, read when sent) is a number in the control that leaves."""
+    place = Placement()
+    x = torch.randn(3, 4)
+    tensors, control, ready = place.outgoing({"x": x}, {"n": 4, "loss": torch.tensor(0.25)})
+    assert tensors["x"] is x and ready is None and place.mover is None
+    assert control == {"n": 4, "loss": 0.25} and isinstance(control["loss"], float)
+
+
+def test_the_roots_mean_loss_is_read_only_when_taken():
+    from ravnest.train.curves import LossMeter
+
+    meter = LossMeter()
+    meter.add(torch.tensor(1.0), 2)  # a root that is its cluster's leaf: the device's loss
+    meter.add(0.5, 2)
+    assert meter.take() == pytest.approx(0.75) and meter.take() is None
+
+
 def test_a_precision_autocasts_the_stage_and_fp32_leaves_it_alone():
     layer = torch.nn.Linear(4, 4)
     x = torch.ones(2, 4)

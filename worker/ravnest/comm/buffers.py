@@ -55,8 +55,12 @@ class BufferPool:
     (freed when their last user drops them); one given back after it was let go is kept again
     if there is room."""
 
-    def __init__(self, max_bytes: int = 256 << 20, min_bytes: int = 1 << 20) -> None:
+    def __init__(self, max_bytes: int = 256 << 20, min_bytes: int = 1 << 20,
+                 pinned: bool = False) -> None:
         self.max_bytes, self.min_bytes = max_bytes, min_bytes
+        self.pinned = pinned
+        """Whether the buffers it keeps are in page-locked (pinned) memory, for a worker on a
+        CUDA device: a copy from one to the device then goes without waiting for the host."""
         self._alone = _can_tell_unused()
         self._lock = threading.Lock()
         self._buffers: list[torch.Tensor] = []
@@ -85,7 +89,7 @@ class BufferPool:
             if self._alone is None:  # torch cannot tell when it is free: kept once given back
                 return torch.empty(nbytes, dtype=torch.uint8)
             self._make_room(nbytes)
-            buffer = torch.empty(nbytes, dtype=torch.uint8)
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
             self._keep(buffer)
             return buffer[:]
 

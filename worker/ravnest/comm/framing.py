@@ -76,6 +76,9 @@ class Frame:
     release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
     """Set by a receiver that lends the frame's buffers: call once done with the tensors (they
     are reused for later frames), and keep no reference to them afterwards."""
+    ready: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    """Set by a sender whose tensors (and control) are still being filled, copied from a device
+    on a stream of their own: whoever reads them first calls it, once (it waits for the copies)."""
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())

@@ -41,11 +41,13 @@ class Loopback:
     def post(self, frame: Frame, ordered: bool = True, snapshot: bool = True) -> None:
         self.raise_error()
         check_sendable(frame)
+        if frame.ready is not None:  # (its control is copied here)
+            frame.ready()
         tensors = {k: t.detach().clone() if snapshot else t.detach()
                    for k, t in frame.tensors.items()}
         copy = dataclasses.replace(frame, tensors=tensors,
                                    control=json.loads(json.dumps(frame.control)),
-                                   wire_bytes=frame.nbytes(), release=None)
+                                   wire_bytes=frame.nbytes(), release=None, ready=None)
         if ordered:
             self._deliveries.number(frame)
             copy.stream, copy.sequence = frame.stream, frame.sequence

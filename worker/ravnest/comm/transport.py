@@ -324,13 +324,15 @@ class Server:
     def __init__(self, address: str, creds: Credentials, deliver: Callable[[Frame], None],
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, threads: int = 16,
                  on_bytes: Callable[[str, int], None] | None = None,
-                 tls: TlsMaterial | None = None, reuse_bytes: int = 256 << 20) -> None:
+                 tls: TlsMaterial | None = None, reuse_bytes: int = 256 << 20,
+                 pinned: bool = False) -> None:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
                                                               thread_name_prefix="grpc"),
                                    interceptors=[_Auth(creds)], options=_SERVER_OPTIONS)
-        self.buffers = BufferPool(max_bytes=reuse_bytes)
+        self.buffers = BufferPool(max_bytes=reuse_bytes, pinned=pinned)
         """Receive buffers of large frames (up to `reuse_bytes` of them), reused once their
-        frame is dropped; 0 turns reuse off."""
+        frame is dropped; 0 turns reuse off. `pinned`: in page-locked memory (a worker on a CUDA
+        device copies its frames' tensors from them)."""
         servicer = _Servicer(deliver, max_frame_bytes, on_bytes, self.buffers)
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
             "Send": grpc.stream_unary_rpc_method_handler(
@@ -492,6 +494,8 @@ class Peer:
         check_sendable(frame)  # before it takes a number: a frame that cannot go breaks no order
         if ordered:
             self._deliveries.number(frame)
+        if snapshot and frame.ready is not None:
+            frame.ready()
         messages: list[bytes] | Frame = self._encode(frame) if snapshot else frame
         self._deliveries.started()
         self._queue.put((frame.kind, messages))
@@ -515,6 +519,8 @@ class Peer:
                 self._bytes_in_flight += size
             error: TransportError | None = None
             try:
+                if isinstance(messages, Frame) and messages.ready is not None:
+                    messages.ready()  # (its tensors' copies from a device done)
                 self._send(kind, self._encode(messages)
                            if isinstance(messages, Frame) else messages)
             except TransportError as e:

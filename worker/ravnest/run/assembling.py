@@ -337,17 +337,19 @@ def _rejoining(peer: Peer) -> bool:
 
 def connect(meta: NodeMetadata, token: str, metrics: WorkerMetrics, *, tls: bool,
             tcp_ring: bool, compression: str, reduce_timeout: float,
-            inbox_capacity: int) -> Wiring:
+            inbox_capacity: int, pinned: bool = False) -> Wiring:
     """The wiring of `meta.node` (nothing started yet). With `tls`, the metadata's tlsDir must
     hold the node's certificate; with `tcp_ring`, ring pieces go on the data plane to the
-    metadata's ringAddresses, else over gRPC to the peers."""
+    metadata's ringAddresses, else over gRPC to the peers; with `pinned` (a worker on a CUDA
+    device), frames are received into pinned memory."""
     node, plan = meta.node, meta.plan
     material = _tls(meta) if tls else None
     data_plane = tcp_ring and bool(plan.rings_of(node))
     ring_addresses = _ring_addresses(meta) if data_plane else {}
     creds = Credentials(token, plan.fingerprint)
     inbox = Inbox(capacity=inbox_capacity)
-    server = Server(meta.listen, creds, inbox.deliver, on_bytes=metrics.received, tls=material)
+    server = Server(meta.listen, creds, inbox.deliver, on_bytes=metrics.received, tls=material,
+                    pinned=pinned)
 
     def dial(n: str, address: str) -> Peer:
         return Peer(address, creds, compression, on_bytes=metrics.sent, tls=material,

@@ -213,7 +213,8 @@ class Worker:
         self.wiring = connect(meta, token, self.metrics, tls=spec.security.tls,
                               tcp_ring=t.ring_transport == "tcp", compression=t.compression,
                               reduce_timeout=t.reduce_timeout_seconds,
-                              inbox_capacity=4 * t.max_in_flight + 64)
+                              inbox_capacity=4 * t.max_in_flight + 64,
+                              pinned=self.device.type == "cuda")
         params = [p for p in stage.parameters() if p.requires_grad]
         optimizer = building.build_optimizer(spec, params) if params else None
         scheduler = building.build_scheduler(spec, optimizer) if optimizer else None

@@ -49,18 +49,20 @@ class LossMeter:
     """The root's running mean of the training loss over the microbatches come back."""
 
     def __init__(self) -> None:
-        self._sum = 0.0
+        self._sum: Any = 0.0
         self._n = 0
 
-    def add(self, loss: float, n: int) -> None:
-        """Count a microbatch of `n` samples with mean loss `loss`."""
-        self._sum += loss * n
+    def add(self, loss: Any, n: int) -> None:
+        """Count a microbatch of `n` samples with mean loss `loss` (a float, or a 0-d tensor on
+        a device: a root that is its cluster's leaf too sums on the device, and reads the sum
+        only when it is taken)."""
+        self._sum = self._sum + loss * n
         self._n += n
 
     def take(self) -> float | None:
         """The mean since the last take (None: nothing came back since)."""
         if not self._n:
             return None
-        loss = self._sum / self._n
+        loss = float(self._sum) / self._n
         self._sum, self._n = 0.0, 0
         return loss

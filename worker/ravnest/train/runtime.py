@@ -299,8 +299,8 @@ class NodeRuntime:
         else:
             if self._overflowed:  # (the leaf halves its loss scale)
                 control, self._overflowed = {**control, OVERFLOW: True}, False
-            self.routes.send_down(Frame(Kind.FORWARD, self.passes.downstream(mb),
-                                        microbatch=mb, control=control))
+            self.routes.send_down(self._outgoing(Kind.FORWARD, self.passes.downstream(mb),
+                                                 control, mb))
 
     def _backward(self, mb: int, grads: dict[str, torch.Tensor], control: dict[str, Any]) -> None:
         self._backward_done(mb, self.passes.backward(mb, grads), control)
@@ -322,9 +322,16 @@ class NodeRuntime:
         else:  # (SKIP comes only with an update's last backward, and then `skip` holds it)
             if skip and not control.get(SKIP):
                 control = {**control, SKIP: True}
-            self.routes.send_up(Frame(Kind.BACKWARD, in_grads, microbatch=mb, control=control))
+            self.routes.send_up(self._outgoing(Kind.BACKWARD, in_grads, control, mb))
         if last:
             self._optimizer_step(skip)
+
+    def _outgoing(self, kind: str, tensors: dict[str, torch.Tensor], control: dict[str, Any],
+                  mb: int = 0) -> Frame:
+        """A frame of this stage's `tensors` and `control` as it leaves: in host memory, copied
+        there off this thread on a CUDA device (`Placement.outgoing`)."""
+        host, control, ready = self.passes.placement.outgoing(tensors, control)
+        return Frame(kind, host, microbatch=mb, control=control, ready=ready)
 
     def _optimizer_step(self, skip: bool = False) -> None:
         finite = self.optimization.step(skip)
@@ -379,7 +386,7 @@ class NodeRuntime:
             send = dict(out)
             if labels is not None:
                 send[LABELS] = labels
-            self.routes.send_down(Frame(Kind.EVAL, send, control=control))
+            self.routes.send_down(self._outgoing(Kind.EVAL, send, control))
             return
         try:
             targets = self.passes.placement.put(self.passes.targets.validation(control, labels))
