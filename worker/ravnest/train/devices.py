@@ -116,18 +116,21 @@ class Mover:
         def move(t: torch.Tensor) -> torch.Tensor:
             if t.device == self.device:
                 return t
-            if t.device.type != "cpu":
-                return t.to(self.device)
-            src = t if t.is_pinned() else t.pin_memory()
-            sources.append(src)
-            return src.to(self.device, non_blocking=True)
+            if t.device.type == "cpu":
+                src = t if t.is_pinned() else t.pin_memory()
+                sources.append(src)
+                t = src
+            moved = t.to(self.device, non_blocking=True)
+            # made on this stream and used on the compute stream: the allocator does not reuse
+            # its memory before the compute stream's work queued by then is done
+            moved.record_stream(compute)
+            return moved
 
         with torch.cuda.stream(self.stream):
             moved = _each_tensor(item, move)
         done = torch.cuda.Event()
         done.record(self.stream)
         compute.wait_event(done)
-        _each_tensor(moved, lambda t: _used_on(t, compute))
         if sources:
             self._held.append((done, sources))
         return moved
@@ -153,14 +156,6 @@ class Mover:
         return moved, done.synchronize
 
 
-def _used_on(t: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
-    """`t`, made on another stream, marked as used on `stream` (the allocator does not reuse its
-    memory before `stream`'s work queued so far is done)."""
-    if t.device.type == "cuda":
-        t.record_stream(stream)
-    return t
-
-
 @dataclass(frozen=True)
 class Placement:
     """A stage's device and the precision its forward passes (and the leaf's loss) run in."""
@@ -170,18 +165,18 @@ class Placement:
     mover: Mover | None = field(default=None, compare=False, repr=False)
     """A CUDA stage's copier (made with the placement)."""
 
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise RavnestError(f"precision {self.precision!r}: one of {sorted(PRECISIONS)}")
+        if self.device.type == "cuda" and self.mover is None:
+            object.__setattr__(self, "mover", Mover(self.device))
+
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Autocast to the precision's dtype on the stage's device (nothing for fp32)."""
         dtype = PRECISIONS[self.precision]
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=dtype)
-
-    def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise RavnestError(f"precision {self.precision!r}: one of {sorted(PRECISIONS)}")
-        if self.device.type == "cuda" and self.mover is None:
-            object.__setattr__(self, "mover", Mover(self.device))
 
     def put(self, item: Any) -> Any:
         """`item`'s tensors on the stage's device (`Mover.to_device`)."""
@@ -195,9 +190,8 @@ class Placement:
         """What a frame of `tensors` and `control` (a value of which may be a 0-d tensor, a loss
         read later) carries from this stage: its tensors on the host, its control with numbers,
         and what to call before either is read (`Frame.ready`; None: nothing to wait for)."""
-        if self.mover is None:
-            return ({k: v.cpu() for k, v in tensors.items()} if self.device.type != "cpu"
-                    else tensors), _numbers(control), None
+        if self.mover is None:  # (the transport's encoding copies what is not on the host)
+            return tensors, _numbers(control), None
         lazy = {k: v for k, v in control.items() if isinstance(v, torch.Tensor)}
         (host, values), wait = self.mover.to_host((tensors, lazy))
 

@@ -110,10 +110,9 @@ class StagePasses:
         n = samples_of(p.control)
         scale = n / self.samples_per_update
         # the loss is read when the frame that carries it is sent (Placement.outgoing), not here:
-        # reading it now would wait for the device to finish this microbatch's forward
-        info = {**p.control, "loss": (loss.detach().float() if self.placement.mover is not None
-                                      else float(loss.detach())),
-                "n": n, "per_update": self.samples_per_update}
+        # on a device, reading it now would wait for this microbatch's forward to finish
+        info = {**p.control, "loss": loss.detach().float(), "n": n,
+                "per_update": self.samples_per_update}
         info.pop(OVERFLOW, None)
         if self.loss_scale is not None:
             scale *= self.loss_scale.scale
