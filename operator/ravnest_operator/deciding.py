@@ -22,7 +22,7 @@ from ravnest.errors import PlanError, RavnestError, SpecError
 from ravnest.plan import growth
 from ravnest.plan.handoff import decode
 from ravnest.plan.plans import Plan, ProviderInfo, SparePlan, spare_name
-from ravnest.run import elastic, supervising
+from ravnest.run import elastic, progress, supervising
 from ravnest.run.jobstatus import FINISHED, Phase
 from ravnest.spec import Job, parse_job
 
@@ -896,17 +896,10 @@ def _succeeded(run: _Pass, plan: Plan, phase: str, conditions: list[dict[str, An
     result = {**_result(run.observed, plan, run.status, run.drained), **(fused or {})}
     if outputs:
         run.out.set({"outputs": outputs})
-    final = {**(run.status.get("progress") or {})}
     rate = _final_rate(run.observed, plan, run.status.get("startTime"))
-    if rate is not None:
-        final["samplesPerSecond"] = rate
+    final = progress.final(run.status.get("progress") or {}, result, rate)
     if result:
         run.out.set({"result": result})
-        final.update({k: v for k, v in {
-            "step": result.get("updates"), "loss": result.get("train_loss"),
-            "validationLoss": result.get("val_loss"),
-            "validationMetric": result.get("val_metric")}.items() if v is not None})
-        final["display"] = f"{final.get('step', 0)}/{final.get('totalSteps', 0)}"
     kept = (f"; outputs in {outputs.get('uri')}" if outputs else
             "; no spec.output.uri, so the trained model was not kept")
     conds = set_condition(conditions, "Succeeded", True, "Completed",

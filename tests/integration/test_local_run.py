@@ -47,7 +47,9 @@ def test_readme_command_trains_digits(tmp_path):
                            capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
     updates = summary["updates"]
-    assert shown.stdout.startswith(f"Succeeded [{'#' * 30}] {updates}/{updates}")
+    epochs = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())["spec"][
+        "training"]["epochs"]
+    assert shown.stdout.startswith(f"Succeeded [{'#' * 30}] {updates}/{updates} epoch {epochs} ")
     assert f"val {summary['val_metric']:.3f}" in shown.stdout
 
 

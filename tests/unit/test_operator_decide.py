@@ -18,6 +18,7 @@ import yaml
 from ravnest import parse_job, plan_job
 from ravnest.plan.handoff import encode
 from ravnest.run.elastic import removed_providers as removed_providers_of
+from ravnest.run.progress import render
 from ravnest.spec import Provider
 from ravnest_operator import resources
 from ravnest_operator.actions import (
@@ -920,6 +921,20 @@ def test_success_records_the_roots_result(digits):
     assert conds["Running"]["status"] == "False" and conds["Running"]["reason"] == "Completed"
     assert d.actions == [Event("Succeeded", json.dumps(result)),
                          CountFinished("Running", "Succeeded", _ago(100))]
+
+
+def test_a_job_done_before_its_first_scrape_shows_its_steps_and_epoch(digits):
+    # kind's digits job once ended before the operator scraped its roots: `kubectl get rj` showed
+    # no epoch and step 66/0; the root's figures alone fill the progress (as the local run's)
+    _, _, plan = digits
+    root = plan.names().index(plan.clusters[0].nodes[0])
+    result = {"updates": 66, "epoch": 3, "train_loss": 0.1, "val_loss": None, "val_metric": 0.9}
+    pods = _pods(plan, "Succeeded", code=0)
+    pods[root] = _pod(plan, root, "Succeeded", code=0, message=json.dumps(result))
+    d = decide(_observed(digits, _running(), pods), NOW, SETTINGS)
+    assert d.status["progress"] == {"step": 66, "totalSteps": 66, "epoch": 3, "loss": 0.1,
+                                    "validationMetric": 0.9, "display": "66/66"}
+    assert render(d.status).startswith(f"Succeeded [{'#' * 30}] 66/66 epoch 3 loss 0.1000")
 
 
 def test_success_without_a_result_and_clean_pod_policy_all(digits):

@@ -102,6 +102,7 @@ def finish(job: Job, plan: Plan, where: Location, seconds: float | None = None,
         "samples_per_second": round(trained / seconds, 2) if seconds and trained else None,
         "train_loss": next((r["train_loss"] for r in reversed(first["curve"])
                             if "train_loss" in r), None),
+        "epoch": first.get("epoch"),
         "val_loss": first["val_loss"], "val_metric": first["val_metric"],
         "fused_val_loss": fused_metric["loss"], "fused_val_metric": fused_metric["metric"],
         "best_step": first["best_step"],

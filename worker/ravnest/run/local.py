@@ -83,6 +83,7 @@ from ravnest.run.metadata import (
     endpoint,
     host_of,
 )
+from ravnest.run.progress import final as final_progress
 from ravnest.run.progress import progress, scrape
 from ravnest.spec import Job
 from ravnest.storing import Location, open_location, pvc_claim
@@ -751,13 +752,8 @@ class LocalRun:
         finally:
             self.stop()
         summary = self.finish(time.time() - started)
-        self.write_status(Phase.SUCCEEDED, {
-            "step": summary["updates"], "totalSteps": summary["updates"],
-            "display": f"{summary['updates']}/{summary['updates']}",
-            "loss": summary["train_loss"], "validationLoss": summary["val_loss"],
-            "validationMetric": summary["val_metric"],
-            "samplesPerSecond": summary["samples_per_second"]}, result=summary,
-            outputs=self.outputs)
+        done = final_progress({}, summary, summary["samples_per_second"])
+        self.write_status(Phase.SUCCEEDED, done, result=summary, outputs=self.outputs)
         return summary
 
     def finish(self, seconds: float) -> dict[str, Any]:

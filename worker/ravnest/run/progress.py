@@ -7,6 +7,7 @@ compute progress here, so the numbers in a terminal and in `kubectl get rj` are 
 from __future__ import annotations
 
 import urllib.request
+from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -47,6 +48,28 @@ def progress(samples: list[dict[str, float]], elapsed: float | None) -> dict[str
             out["samplesPerSecond"] = round(done / elapsed, 2)
         if step and total > step:
             out["etaSeconds"] = int(elapsed / step * (total - step))
+    return out
+
+
+FINAL_FIGURES = (("step", "updates"), ("epoch", "epoch"), ("loss", "train_loss"),
+                 ("validationLoss", "val_loss"), ("validationMetric", "val_metric"))
+"""Progress fields a finished job takes from its first cluster root's figures (result keys)."""
+
+
+def final(last: Mapping[str, Any], figures: Mapping[str, Any],
+          rate: float | None) -> dict[str, Any]:
+    """A succeeded job's progress: the last one scraped (`last`, {} if none was) completed by
+    the figures its first cluster's root wrote as it ended, and the job's samples/s (`rate`).
+    The steps the root made are its total and it has no ETA, so a job that ended before its
+    first scrape shows the same as one scraped often (both supervisors write this)."""
+    out = {k: v for k, v in last.items() if k != "etaSeconds"}
+    out.update({key: figures[name] for key, name in FINAL_FIGURES
+                if figures.get(name) is not None})
+    if rate is not None:
+        out["samplesPerSecond"] = rate
+    if figures.get("updates") is not None:
+        out["totalSteps"] = out["step"]
+        out["display"] = f"{out['step']}/{out['step']}"
     return out
 
 

@@ -389,6 +389,7 @@ class Worker:
             train_losses = [r["train_loss"] for r in rt.curve.rows if "train_loss" in r]
             result.update({"cluster": self.me.cluster, "samples": rt.samples,
                            "train_loss": train_losses[-1] if train_losses else None,
+                           "epoch": rt.curve.rows[-1]["epoch"] + 1 if rt.curve.rows else None,
                            "best_step": rt.curve.best_step,
                            "best_smoothed": rt.curve.best_smoothed,
                            "val_loss": rt.curve.last_val_loss,
