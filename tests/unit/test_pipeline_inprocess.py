@@ -83,7 +83,7 @@ def test_a_rejoining_node_takes_no_neighbour_ended_after_finish_for_a_loss(finis
         node.inbox.deliver(Frame(Kind.CONTROL, sender=root, control={
             "op": Op.ABORT, "node": root, "error": "it was lost: it began shutting down"}))
         with pytest.raises(PeerTimeout if finished else PeerFailed):
-            node._await_controls((Op.STATE,), 1.0)
+            node.members.await_controls((Op.STATE,), 1.0)
     finally:
         for link in links:
             link.close()

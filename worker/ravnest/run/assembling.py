@@ -38,10 +38,11 @@ from ravnest.plan.plans import Plan
 from ravnest.run.metadata import NodeMetadata
 from ravnest.storing import Location, open_location
 from ravnest.train.devices import on_host
+from ravnest.train.members import Outside
 from ravnest.train.messages import Abort, Kind, Op
 from ravnest.train.metrics import WorkerMetrics
 from ravnest.train.rejoining import RingMembership
-from ravnest.train.runtime import Batches, NodeRuntime, Outside
+from ravnest.train.runtime import Batches, NodeRuntime
 from ravnest.train.settings import Settings
 from ravnest.train.targets import Targets
 

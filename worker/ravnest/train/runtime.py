@@ -1,7 +1,9 @@
 """One provider's training loop: it routes the frames its node receives to the parts that act on
 them, and the cluster's root also drives it by reading batches and feeding microbatches forward.
-Frames come and go by its `Routes` (`routing`); what it may do outside its pipeline (welcome a
-newcomer, introduce itself, drain when told) it is given when it is made (`Outside`).
+Frames come and go by its `Routes` (`routing`); the members of its rings in other clusters come
+and go by its `Members` (`members`: join, leave, a newcomer's introduction, and its own rejoin);
+what it may do outside its pipeline (welcome a newcomer, introduce itself, drain when told) it is
+given when it is made (`Outside`).
 
 - forward frames go downstream with the activations every later stage needs (skip connections
   included) and the labels; the leaf computes the loss and starts the backward pass at once
@@ -18,16 +20,15 @@ newcomer, introduce itself, drain when told) it is given when it is made (`Outsi
   down the pipeline as control frames (`messages`) at drained points, so every node acts on the
   same weights;
 - a node of a cluster restarted alone (elastic training) takes its state from the other clusters
-  and comes back into the rings at a round boundary (`rejoin`, `rejoining`), and the other
-  clusters' nodes answer it between their rounds.
+  and comes back into the rings at a round boundary (`rejoin`, `rejoining`, `members`), and the
+  other clusters' nodes answer it between their rounds.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,13 +37,14 @@ import torch
 from ravnest.comm.framing import Frame
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.sending import RingSender, Sender
-from ravnest.errors import PeerFailed, PeerTimeout, RavnestError
+from ravnest.errors import PeerFailed, RavnestError
 from ravnest.plan.partitioning import OUTPUT, Stage
-from ravnest.plan.plans import NodePlan, Plan, RingPlan, as_planned
+from ravnest.plan.plans import NodePlan, Plan, as_planned
 from ravnest.train.allreducing import FINAL_ROUND, RingReducer, reduce_all
 from ravnest.train.averaging import RingTensors, ring_reducers, ring_tensors
 from ravnest.train.curves import Curve, LossMeter
 from ravnest.train.heap import HeapTrimmer
+from ravnest.train.members import Members, Outside, Parts
 from ravnest.train.messages import (
     LABELS,
     Abort,
@@ -72,14 +74,8 @@ from ravnest.train.metrics import WorkerMetrics
 from ravnest.train.optimizing import Optimization
 from ravnest.train.pipelining import Pending, StagePasses
 from ravnest.train.rejoining import (
-    NEWCOMER,
     RingMembership,
-    RoundClock,
     join_round,
-    newcomer_plan,
-    pack_state,
-    resume_position,
-    unpack_state,
 )
 from ravnest.train.resuming import Checkpoints
 from ravnest.train.routing import Routes
@@ -114,32 +110,11 @@ OUTSIDE = frozenset({Op.WHERE, Op.HERE, Op.JOIN, Op.STATE, Op.LATE, Op.LEAVING})
 clusters (restarted ones, drained ones, new ones), which it does not trust to be well formed."""
 
 
-@dataclass(frozen=True)
-class Outside:
-    """A node's ways to the world outside its pipeline, given to its runtime when it is made
-    (none is set on it afterwards)."""
-
-    welcome: Callable[[str, str, str | None], None] | None = None
-    """Link to a newcomer (name, address, ring data plane address), and watch it."""
-    introduction: dict[str, Any] | None = None
-    """At a node of a cluster added to the running job: how it introduces itself to the
-    members of its rings (`NEWCOMER`: its node plan, addresses and rings)."""
-    drain_asked: Callable[[], bool] | None = None
-    """At a root: whether its cluster was told to drain (asked at each round boundary until it
-    says yes)."""
-
-
 class NodeRuntime:
     """The training loop of one node."""
 
     rejoined: dict[str, Any] | None
     """How this node rejoined a running job (round, updates, seconds, bytes, from), if it did."""
-    leave_after: int | None
-    """The round after which this node's cluster leaves the job (it drains), once known."""
-    final_clusters: set[int] | None
-    """The clusters whose nodes this node's final round held, or that it sent the final state
-    to (a restarted cluster that asked in time); None: it had no final round (no rings). A
-    cluster in no finished node's is past rejoining (`run.elastic.missed_final`)."""
 
     def __init__(self, name: str, plan: Plan, stage: Stage, settings: Settings,
                  optimizer: torch.optim.Optimizer | None, scheduler: Any,
@@ -159,7 +134,6 @@ class NodeRuntime:
         criterion gets its targets (default: the labels the root sends). `outside`: its ways to
         the world outside its pipeline; `routes`: its frames' (default: `peers` and `inbox`)."""
         self.name = name
-        self.plan = plan
         self.me: NodePlan = plan.node(name)
         self.stage = stage
         self.s = settings
@@ -176,17 +150,14 @@ class NodeRuntime:
                                   targets, settings.placement)
         self.optimization = Optimization(optimizer, scheduler, list(params.values()), settings,
                                          metrics)
-        self.reducers = self._with_tensors(reducers if reducers is not None else ring_reducers(
-            plan, name, ring_peers or peers, inbox, settings,
-            lost=membership.absent if membership is not None else None))
-        self.membership = membership
+        self.reducers = self._with_tensors(plan, reducers if reducers is not None else
+                                           ring_reducers(plan, name, ring_peers or peers, inbox,
+                                                         settings, lost=membership.absent
+                                                         if membership is not None else None))
         self.rounds_skipped = self.rounds_partial = 0
-        self.rounds, self.rejoined = RoundClock(), None
-        self.final_clusters = None
-        self.leave_after = None
-        self.outside = outside if outside is not None else Outside()
-        self._drain_asked = self.outside.drain_asked  # (None once it said yes)
-        self._joins: list[tuple[str, str, int | None]] = []  # (node, ring, round) to serve
+        self.rejoined = None
+        outside = outside if outside is not None else Outside()
+        self._drain_asked = outside.drain_asked  # (None once it said yes)
         metrics.clusters_active.set(len(plan.clusters))
         self.validation = Validation(criterion, settings.metric, settings.validation_smoothing,
                                      metrics)
@@ -197,21 +168,41 @@ class NodeRuntime:
         self._snapshot: dict[str, torch.Tensor] | None = None
         self.checkpoints = Checkpoints(settings, name, as_planned(plan).names(), metrics,
                                        plan.fingerprint)  # (added clusters write none)
+        self.members = Members(name, plan, settings, Parts(
+            stage, self.optimization, self.reducers, self.checkpoints, self.routes, self.handle,
+            self._parse), membership, outside)
         self.updates = self.epoch = self.next_batch = self.samples = self.in_flight = 0
         self._finished = self._overflowed = False  # (overflowed: its next forward says so)
         self._last_step_time = time.monotonic()
         self._trim_heap = HeapTrimmer()
 
-    def _with_tensors(self, reducers: Sequence[RingReducer]
+    def _with_tensors(self, plan: Plan, reducers: Sequence[RingReducer]
                       ) -> list[tuple[RingReducer, RingTensors]]:
         """Each reducer with the tensors its ring averages here."""
-        want = sorted(r.id for r in self.plan.rings_of(self.name))
+        want = sorted(r.id for r in plan.rings_of(self.name))
         got = sorted(r.ring.id for r in reducers)
         if got != want:
             raise RavnestError(f"{self.name}: reducers for rings {got}, but the plan puts this "
                                f"node in rings {want}")
         averaged = self.optimization if self.s.average_optimizer else None
         return [(r, ring_tensors(self.stage, r.ring.state, averaged)) for r in reducers]
+
+    @property
+    def plan(self) -> Plan:
+        """This node's plan, with the nodes of clusters added to the running job that
+        introduced themselves (`Members.welcome`)."""
+        return self.members.plan
+
+    @property
+    def leave_after(self) -> int | None:
+        """The round after which this node's cluster leaves the job (it drains), once known."""
+        return self.members.leave_after
+
+    @property
+    def final_clusters(self) -> set[int] | None:
+        """The clusters whose nodes this node's final round held, or that it sent the final
+        state to (`Members.final_clusters`)."""
+        return self.members.final_clusters
 
     @property
     def pending(self) -> dict[int, Pending]:
@@ -372,11 +363,7 @@ class NodeRuntime:
         self.metrics.clusters_active.set(len(present))
         self.rounds_skipped += rounds.skipped
         self.rounds_partial += rounds.partial
-        if round_ != FINAL_ROUND:
-            self.rounds.done(round_, time.monotonic())
-        else:
-            self.final_clusters = present
-        self._serve_joins(round_)
+        self.members.round_done(round_, present, self.updates)
 
     @torch.no_grad()
     def _eval_forward(self, tensors: dict[str, Any], control: dict[str, Any]) -> None:
@@ -450,17 +437,14 @@ class NodeRuntime:
                 self.routes.control_down(c)
                 self._finished = True
             case Where():
-                self._welcome(c)
-                self.routes.answer(c.node, Here(updates=self.updates, round=self.rounds.last,
-                                          seconds_per_round=self.rounds.seconds or 0.0))
+                self.members.where(c, self.updates)
             case Join():
-                self._welcome(c)
-                self._join(c)
+                self.members.join(c)
             case Leave():
                 self.routes.control_down(c)
-                self._leave(c.round)
+                self.members.leave(c.round)
             case Leaving():
-                self._leaving(c)
+                self.members.leaving(c)
             case Here() | State() | Late():
                 log.info("%s: a late %s from a restarted node's exchange, dropped", self.name,
                          c.op)
@@ -469,254 +453,41 @@ class NodeRuntime:
 
     # ----------------------------------------------------------------------------- rejoining
 
-    def _from_member(self, c: Join | Leaving, what: str, round_ok: bool) -> str | None:
-        """The node that sent `c` (a `what` for its `ring`), if it is another member of that
-        ring of this node's and its `round` is `round_ok`; else None, and `c` is dropped."""
-        who, ring_id = c.node, c.ring
-        ring = next((r for r in self.plan.rings_of(self.name) if r.id == ring_id), None)
-        if ring is None or who not in ring.members or who == self.name or not round_ok:
-            log.warning("%s: a %s of %s for ring %s that is not its, dropped", self.name, what,
-                        who, ring_id)
-            return None
-        return who
-
-    def _join(self, c: Join) -> None:
-        """A restarted node asks to come back into a ring after a round (`rejoining`)."""
-        ring_id, round_ = c.ring, c.round
-        who = self._from_member(c, "join", True)
-        if who is None:
-            return
-        if round_ is not None and round_ <= self.rounds.last:
-            self.routes.answer(who, Late(ring=ring_id, round=round_, last=self.rounds.last))
-            return
-        first = FINAL_ROUND + 1 if round_ is None else round_ + 1
-        if self.membership is not None:
-            self.membership.admit(who, first)
-        for reducer, _ in self.reducers:
-            if reducer.ring.id == ring_id and who not in reducer.ring.members:
-                reducer.extend(next(r for r in self.plan.rings if r.id == ring_id), first)
-        log.info("%s: %s rejoins ring %s after round %s", self.name, who, ring_id,
-                 "final" if round_ is None else round_)
-        if c.serve:
-            self._joins.append((who, ring_id, round_))
-
-    def _welcome(self, c: Where | Join) -> None:
-        """A node of a cluster added to the running job (`growing`) introduces itself: it joins
-        this node's plan (its cluster, its rings) and links, out of the rounds until it joins
-        (`_join`). Its node plan is checked against the rings it names; a bad one is dropped."""
-        info = c.newcomer
-        if info is None or c.node in self.plan.names():
-            return
-        try:
-            node = newcomer_plan(self.plan, c.node, info)
-        except (RavnestError, KeyError, TypeError, ValueError) as e:
-            log.warning("%s: an introduction of %s dropped: %s", self.name, c.node, e)
-            return
-        if self.membership is not None:
-            self.membership.lost(node.name)  # (out of the rounds until it joins)
-        self.plan = self.plan.joined(node, tuple(info["rings"]))
-        if self.outside.welcome is not None:
-            ring = info.get("ringAddress")
-            self.outside.welcome(node.name, str(info["address"]), str(ring) if ring else None)
-        log.warning("%s: %s of cluster %d, added to the running job, introduced itself (rings "
-                    "%s)", self.name, node.name, node.cluster, ", ".join(info["rings"]))
-
-    def _intro(self) -> dict[str, Any]:
-        """What a control to a ring member says of this node, a newcomer's introduction."""
-        intro = self.outside.introduction
-        return {NEWCOMER: intro} if intro is not None else {}
-
-    def _leave(self, round_: int) -> None:
-        """This node's cluster drains: tell the other members of its rings to go without it
-        after `round_` (`rejoining`, draining)."""
-        self.leave_after = round_
-        for ring in self.plan.rings_of(self.name):
-            for m in self._elsewhere(ring):
-                self.routes.answer(m, Leaving(node=self.name, ring=ring.id, round=round_))
-        log.warning("%s drains: it leaves its rings after round %d", self.name, round_)
-
-    def _leaving(self, c: Leaving) -> None:
-        """A member of one of this node's rings drains: the rounds after `round` go without it."""
-        ring_id, round_ = c.ring, c.round
-        who = self._from_member(c, "leave", self.membership is not None)
-        if who is None:
-            return
-        assert self.membership is not None
-        self.membership.leave(who, round_ + 1)
-        cluster = self.plan.node(who).cluster
-        self.checkpoints.without({n.name for n in self.plan.cluster_nodes(cluster)})
-        log.info("%s: %s leaves ring %s after round %d%s", self.name, who, ring_id, round_,
-                 f" (this node is at round {self.rounds.last} already)"
-                 if self.rounds.last > round_ else "")
-
-    def _serve_joins(self, round_: int) -> None:
-        """Send each restarted node waiting for this round its ring's state (at the final
-        round, every one still waiting)."""
-        final = round_ == FINAL_ROUND
-        due = [j for j in self._joins if final or (j[2] is not None and j[2] <= round_)]
-        for who, ring_id, _ in due:
-            self._joins.remove((who, ring_id, _))
-            ring = next(r for r in self.plan.rings_of(self.name) if r.id == ring_id)
-            tensors, extra = pack_state(self.stage, self.optimization, ring.state)
-            self.routes.answer(who, State(ring=ring_id, round=round_, updates=self.updates,
-                                    final=final, **extra), tensors)
-            log.info("%s: sent %s ring %s's state after round %s (%d tensors)", self.name, who,
-                     ring_id, "final" if final else round_, len(tensors))
-            if final and self.final_clusters is not None:
-                self.final_clusters.add(self.plan.node(who).cluster)
-
-    def _await_controls(self, ops: tuple[Op, ...], timeout: float,
-                        from_: Collection[str] = ()) -> tuple[Control, Frame]:
-        """The next control of one of `ops` in the pipeline queue, and its frame (who sent it,
-        its tensors); controls for this node (abort, where, join) are acted on, other frames
-        kept for later, in order. Raises if a node it is awaited `from_` is lost meanwhile."""
-        deadline = time.monotonic() + timeout
-        while True:
-            gone = self._lost_now() & set(from_)
-            if gone:
-                why = self.membership.why(gone) if self.membership is not None else ""
-                raise PeerFailed(", ".join(sorted(gone)), "it was lost while this node was "
-                                 "rejoining" + (f" ({why})" if why else ""), via=self.name)
-            left = deadline - time.monotonic()
-            try:
-                if left <= 0:
-                    raise queue.Empty
-                frame = self.routes.inbox.pipeline.get(timeout=min(left, 0.5))
-            except queue.Empty:
-                if left > 0.5:
-                    continue
-                raise PeerTimeout(f"{self.name}: rejoining, no {'/'.join(ops)} within "
-                                  f"{timeout:.0f}s") from None
-            op = frame.control.get("op") if frame.kind == Kind.CONTROL else None
-            if op in ops:
-                c = self._parse(frame)
-                if c is not None:
-                    return c, frame
-                continue
-            if op == Op.ABORT and self.routes.finish_kept():
-                # an upstream neighbour that passed on `finish` (a root that took the final
-                # state) and then ended is not lost: this node finishes once its state is in
-                log.info("%s: %s ended after training was over", self.name, frame.sender)
-            elif op in (Op.ABORT, Op.WHERE, Op.JOIN):
-                self.handle(frame)
-            else:
-                self.routes.kept.append(frame)
-
-    def _lost_now(self) -> set[str]:
-        """The members of this node's rings known to be lost (or restarted and not back), or
-        drained."""
-        m = self.membership
-        return m.absent(0) | m.leaving() if m is not None else set()
-
-    def _elsewhere(self, ring: RingPlan) -> list[str]:
-        """The members of `ring` in other clusters that are there, in the plan's order."""
-        lost = self._lost_now()
-        return [m for m in ring.members if m not in lost
-                and self.plan.node(m).cluster != self.me.cluster]
-
-    def _last_round_of_job(self) -> int:
-        assert self.batches is not None
-        per = -(-self.batches.per_epoch // self.s.update_frequency)
-        return self.s.epochs * per // self.s.reduce_factor
-
-    def _choose_join(self) -> Rejoin:
-        """The root of a restarted cluster: ask a ring member where training is, and pick the
-        round its cluster rejoins after and where its data resumes."""
-        assert self.batches is not None
-        asked = next((m for r in self.plan.rings_of(self.name) for m in self._elsewhere(r)),
-                     None)
-        if asked is None:
-            raise RavnestError(f"{self.name}: cannot rejoin: no member of its rings in another "
-                               f"cluster is there to take the state from")
-        asked_at = time.monotonic()
-        self.routes.answer(asked, Where(node=self.name, **self._intro()))
-        here, _ = self._await_controls((Op.HERE,), self.s.peer_timeout, (asked,))
-        assert isinstance(here, Here)
-        waited = time.monotonic() - asked_at
-        last = self._last_round_of_job()
-        rf = self.s.reduce_factor
-        pace = here.seconds_per_round or 1.0
-        round_ = join_round(here.round, pace, last, waited=waited)
-        log.info("%s: %s was at round %s (%.3f s a round), its answer took %.2f s: the cluster "
-                 "joins after round %s", self.name, asked, here.round, pace, waited,
-                 "final" if round_ is None else round_)
-        if round_ is None:
-            return Rejoin(round=None, final=True, updates=last * rf, epoch=self.s.epochs,
-                          next_batch=0, asked=asked)
-        epoch, next_batch = resume_position(round_ * rf, self.batches.per_epoch,
-                                            self.s.update_frequency)
-        return Rejoin(round=round_, final=False, updates=round_ * rf, epoch=epoch,
-                      next_batch=next_batch, asked=asked)
-
     def rejoin(self) -> dict[str, Any]:
         """Bring this node of a restarted cluster back: agree on the join round along the
         pipeline (the root picks it), ask the members of its rings to take it in after that
-        round, and load the state they send then (`rejoining`). Returns how it went."""
+        round, and load the state they send then (`rejoining`, `Members`). Returns how it
+        went."""
         if self.s.reduce_each_epoch:
             raise RavnestError(f"{self.name}: a cluster can only rejoin a job that averages "
                                f"every reduceFactor updates")
         started = time.monotonic()
         if self.me.is_root:
-            c = self._choose_join()
+            assert self.batches is not None
+            c = self.members.choose_join(self.batches.per_epoch)
         else:
-            got, _ = self._await_controls((Op.REJOIN,), self.s.peer_timeout)
+            got, _ = self.members.await_controls((Op.REJOIN,), self.s.peer_timeout)
             assert isinstance(got, Rejoin)
             c = got
         self.routes.control_down(c)
-        round_ = c.round
-        wanted: dict[str, str] = {}
-        for ring in self.plan.rings_of(self.name):
-            there = self._elsewhere(ring)
-            if not there:
-                continue
-            wanted[ring.id] = there[0]
-            for m in there:
-                self.routes.answer(m, Join(node=self.name, ring=ring.id, round=round_,
-                                     serve=m == there[0], **self._intro()))
-        updates, nbytes = self._load_states(wanted, c)
+        updates, nbytes, sources = self.members.take_states(c)
         self.updates, self.epoch, self.next_batch = updates, c.epoch, c.next_batch
         if c.final:
             self.epoch = self.s.epochs
-        self.rounds.last = updates // self.s.reduce_factor
         self.stash.drop()
         self.metrics.step.set(self.updates)
         seconds = time.monotonic() - started
         self.metrics.recoveries.inc()
         self.metrics.recovery_seconds.set(seconds)
         self.metrics.recovery_bytes.inc(nbytes)
-        self.rejoined = {"round": round_, "updates": updates, "seconds": round(seconds, 3),
-                         "bytes": nbytes, "from": sorted(set(wanted.values()))}
+        self.rejoined = {"round": c.round, "updates": updates, "seconds": round(seconds, 3),
+                         "bytes": nbytes, "from": sources}
         log.warning("%s rejoined after round %s at update %d: %d bytes of state from %s in "
                     "%.2f s (its data resumes at epoch %d, batch %d)", self.name,
-                    "final" if round_ is None else round_, updates, nbytes,
-                    ", ".join(sorted(set(wanted.values()))) or "nobody (no parameters shared)",
+                    "final" if c.round is None else c.round, updates, nbytes,
+                    ", ".join(sources) or "nobody (no parameters shared)",
                     seconds, self.epoch, self.next_batch)
         return self.rejoined
-
-    def _load_states(self, wanted: dict[str, str], c: Rejoin) -> tuple[int, int]:
-        """Load the state of each ring in `wanted` (ring -> the member asked for it) once it
-        comes; the updates to resume from (the members' own after a final join) and the bytes
-        loaded."""
-        updates, nbytes, round_ = c.updates, 0, c.round
-        rings = {r.id: r for r in self.plan.rings_of(self.name)}
-        got: set[str] = set()
-        while got != set(wanted):
-            reply, frame = self._await_controls((Op.STATE, Op.LATE), self.s.peer_timeout,
-                                                set(wanted.values()))
-            assert isinstance(reply, State | Late)
-            ring_id = reply.ring
-            if ring_id not in wanted or frame.sender != wanted[ring_id] or ring_id in got:
-                continue
-            if isinstance(reply, Late):
-                raise RavnestError(f"{self.name}: {frame.sender} was past round {round_} "
-                                   f"(at {reply.last}) when asked to take this node in "
-                                   f"again; its cluster must be restarted again")
-            nbytes += unpack_state(self.stage, self.optimization, rings[ring_id].state,
-                                   frame.tensors, reply)
-            if c.final:
-                updates = reply.updates
-            got.add(ring_id)
-        return updates, nbytes
 
     def _checkpoint(self, c: Checkpoint) -> None:
         if not self.checkpoints.directory or self.plan.grown(self.me.cluster):
@@ -797,9 +568,11 @@ class NodeRuntime:
         """At a root, at a drained update: start draining if told to (the leave round picked as
         a join round is, `rejoining`)."""
         if self.leave_after is None and self._drain_asked is not None and self._drain_asked():
+            assert self.batches is not None
             self._drain_asked = None  # asked once
-            round_ = join_round(self.rounds.last, self.rounds.seconds or 1.0,
-                                self._last_round_of_job())
+            rounds = self.members.rounds
+            round_ = join_round(rounds.last, rounds.seconds or 1.0,
+                                self.members.last_round_of_job(self.batches.per_epoch))
             if round_ is None or self.s.reduce_each_epoch or not self.plan.rings:
                 log.warning("%s: told to drain, but its cluster finishes with the others (the "
                             "job's last round is too near, or it averages only each epoch)",
