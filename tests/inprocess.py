@@ -67,22 +67,22 @@ def make_plan(prof: Profile, clusters: int) -> Plan:
                 samples_per_second=0.0)
 
 
-def data(clusters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and labels by epoch, batch and cluster."""
+def data(clusters: int, per_epoch: int = BATCHES) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and labels by epoch, batch (`per_epoch` an epoch) and cluster."""
     gen = torch.Generator().manual_seed(SEED)
-    shape = (EPOCHS, BATCHES, clusters, BATCH)
+    shape = (EPOCHS, per_epoch, clusters, BATCH)
     return torch.randn(*shape, 1, 8, 8, generator=gen), torch.randint(0, 10, shape, generator=gen)
 
 
 def batches(xs: torch.Tensor, ys: torch.Tensor, cluster: int) -> Batches:
     def train(epoch: int) -> Iterator[Batch]:
-        for b in range(BATCHES):
+        for b in range(xs.shape[1]):
             yield (xs[epoch, b, cluster],), ys[epoch, b, cluster]
 
     def validation() -> Iterator[Batch]:
         yield (xs[0, 0, cluster],), ys[0, 0, cluster]
 
-    return Batches(train=train, per_epoch=BATCHES, validation=validation)
+    return Batches(train=train, per_epoch=xs.shape[1], validation=validation)
 
 
 def optimizer_of(params: list[torch.nn.Parameter]
@@ -105,13 +105,14 @@ def reference(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor,
               if placement.precision == "fp16" else None)
     losses = []
     for epoch in range(EPOCHS):
-        for update in range(BATCHES // UPDATE_FREQUENCY):
+        for first in range(0, xs.shape[1], UPDATE_FREQUENCY):  # (an epoch's last may be short)
             opt.zero_grad()
             total = 0.0
-            for b in range(update * UPDATE_FREQUENCY, (update + 1) * UPDATE_FREQUENCY):
+            update = range(first, min(first + UPDATE_FREQUENCY, xs.shape[1]))
+            for b in update:
                 x, y = xs[epoch, b].flatten(0, 1), ys[epoch, b].flatten(0, 1)
                 with placement.autocast():
-                    loss = torch.nn.functional.cross_entropy(model(x), y) / UPDATE_FREQUENCY
+                    loss = torch.nn.functional.cross_entropy(model(x), y) / len(update)
                 (loss if scaler is None else scaler.scale(loss)).backward()
                 total += loss.item()
             if scaler is None:
@@ -182,17 +183,24 @@ def run(runtimes: list[NodeRuntime]) -> None:
 
 
 def check_against_single_process(clusters: int, placement: Placement = CPU,
-                                 atol: float = 1e-5, init_scale: float = 2.0**16
+                                 atol: float = 1e-5, init_scale: float = 2.0**16,
+                                 input_gain: float = 1.0, per_epoch: int = BATCHES
                                  ) -> list[NodeRuntime]:
     """Train the pipeline and the whole model alike (`placement`; in fp16 the loss scales from
     `init_scale`); the weights of every cluster and the mean training losses must agree within
-    `atol`. The runtimes, trained."""
+    `atol`. The runtimes, trained. `input_gain`: the inputs times it and the first layer's
+    weights over it (the same activations; the first layer's weight gradients that much
+    larger, so that in fp16 they overflow first, in the root's stage). `per_epoch`: batches an
+    epoch (not a multiple of UPDATE_FREQUENCY: each epoch ends with a short update)."""
     torch.manual_seed(SEED)
     model = DeepMLP()
+    with torch.no_grad():
+        model.inp.weight.div_(input_gain)
     initial = copy.deepcopy(model)
     gm, prof = profile(model, (torch.zeros(BATCH, 1, 8, 8),))
     plan = make_plan(prof, clusters)
-    xs, ys = data(clusters)
+    xs, ys = data(clusters, per_epoch)
+    xs = xs * input_gain
     runtimes, links = build(plan, gm, xs, ys, placement)
     for rt in runtimes:
         if rt.passes.loss_scale is not None:
@@ -203,7 +211,7 @@ def check_against_single_process(clusters: int, placement: Placement = CPU,
         for link in links:
             link.close()
     expected, losses = reference(initial, xs, ys, placement, init_scale)
-    updates = EPOCHS * BATCHES // UPDATE_FREQUENCY
+    updates = EPOCHS * -(-per_epoch // UPDATE_FREQUENCY)
     assert [rt.updates for rt in runtimes] == [updates] * len(runtimes)
     assert sum(rt.rounds_skipped for rt in runtimes) == 0
     for c in range(clusters):

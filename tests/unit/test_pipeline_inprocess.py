@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from inprocess import BATCH, SEED, build, check_against_single_process, data, make_plan
+from inprocess import BATCH, SEED, build, check_against_single_process, data, make_plan, run
 from models import DeepMLP
 
 from ravnest.comm.framing import Frame
@@ -97,6 +97,49 @@ def test_fp16_pipeline_follows_single_process_training_with_torchs_grad_scaler(c
     runtimes = check_against_single_process(clusters, Placement(precision="fp16"), atol=2e-3)
     assert not any(rt.optimization.overflows for rt in runtimes)
     assert {rt.passes.loss_scale.scale for rt in runtimes if rt.me.is_leaf} == {2.0**16}
+
+
+def test_fp16_an_overflow_that_begins_in_the_roots_stage_is_skipped_by_every_stage():
+    """The first layer's weight gradients overflow fp16 while every later stage's are finite
+    (inputs 100 times larger, its weights 100 times smaller): every stage drops those updates,
+    as GradScaler drops the whole model's step, and the leaf backs off once for each. (Before,
+    the stages after the root had stepped already, and the leaf was never told.)"""
+    runtimes = check_against_single_process(1, Placement(precision="fp16"), atol=2e-3,
+                                            input_gain=100)
+    skipped = {rt.name: rt.optimization.overflows for rt in runtimes}
+    assert len(set(skipped.values())) == 1 and min(skipped.values()) >= 1, skipped
+    leaf = next(rt for rt in runtimes if rt.me.is_leaf)
+    assert leaf.passes.loss_scale.scale == 2.0**16 / 2 ** skipped[leaf.name]
+
+
+def test_fp16_an_epochs_short_last_update_that_overflows_is_dropped_by_every_stage():
+    """An epoch of 5 batches, 2 to an update: its third update is short, and steps when the
+    root says so at the epoch's end, having asked every stage whether its gradients are finite
+    (check, checked). Where the root's overflowed, no stage applies it."""
+    torch.manual_seed(SEED)
+    model = DeepMLP()
+    with torch.no_grad():
+        model.inp.weight.div_(300)
+    gm, prof = profile(model, (torch.zeros(BATCH, 1, 8, 8),))
+    xs, ys = data(1, per_epoch=5)
+    runtimes, links = build(make_plan(prof, 1), gm, xs * 300, ys, Placement(precision="fp16"))
+    skipped: dict[str, list[int]] = {rt.name: [] for rt in runtimes}
+    for rt in runtimes:
+        def step(skip: bool = False, rt=rt, step=rt.optimization.step) -> bool:
+            applied = step(skip)
+            if not applied:
+                skipped[rt.name].append(rt.updates + 1)
+            return applied
+        rt.optimization.step = step
+    try:
+        run(runtimes)
+    finally:
+        for link in links:
+            link.close()
+    assert [rt.updates for rt in runtimes] == [6] * 3
+    root = runtimes[0].name
+    assert 3 in skipped[root], skipped  # (the first epoch's short update)
+    assert all(s == skipped[root] for s in skipped.values()), skipped
 
 
 def test_fp16_updates_that_overflow_are_skipped_by_every_stage_and_the_scale_backs_off():

@@ -49,7 +49,13 @@ class Op(StrEnum):
     CHECKPOINT = "checkpoint"
     """Down: save the node's state as `step`, resuming at `epoch`, `next_batch`."""
     STEP = "step"
-    """Down, at the end of an epoch: step an update whose batches ran out before it was full."""
+    """Down, at the end of an epoch: step an update whose batches ran out before it was full;
+    in fp16 (sync), after every update too: apply it, or drop it (`skip`: a stage overflowed)."""
+    CHECK = "check"
+    """Down, in fp16 (sync), before an epoch's short last update steps: are its gradients
+    finite?"""
+    CHECKED = "checked"
+    """Up, the answer: `skip` when this stage's gradients or a later one's were not finite."""
     REDUCE = "reduce"
     """Down: a ring round (`round`) at the end of an epoch (the seed API's reduce_factor=None)."""
     FINAL_REDUCE = "final_reduce"
@@ -128,6 +134,18 @@ class Checkpoint(Payload):
 
 class Step(Payload):
     op: Literal[Op.STEP] = Op.STEP
+    skip: bool | None = None
+    """None: each stage steps what it has (its own fp16 check). Else the whole update's
+    outcome, which every stage takes (fp16, sync: `runtime`'s held steps)."""
+
+
+class Check(Payload):
+    op: Literal[Op.CHECK] = Op.CHECK
+
+
+class Checked(Payload):
+    op: Literal[Op.CHECKED] = Op.CHECKED
+    skip: bool
 
 
 class Reduce(Payload):
@@ -216,7 +234,8 @@ class Leaving(Payload):
     round: int
 
 
-Control = Annotated[EvalEnd | ValResult | EpochEnd | Checkpoint | Step | Reduce | FinalReduce
+Control = Annotated[EvalEnd | ValResult | EpochEnd | Checkpoint | Step | Check | Checked
+                    | Reduce | FinalReduce
                     | Abort | Finish | Rejoin | Where | Here | Join | State | Late | Leave
                     | Leaving, Field(discriminator="op")]
 """Any operation's payload."""

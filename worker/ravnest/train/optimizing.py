@@ -48,6 +48,9 @@ class Optimization:
         """This update's gradients are all finite (None: not checked yet)."""
         self.overflows = 0
         """Steps skipped for gradients that were not finite (fp16)."""
+        self.own_finite = True
+        """The last step's gradients were all finite here (fp16: False, the overflow began in
+        this stage or before it, whatever `skip` said)."""
 
     def accumulated(self, samples: int = 0, nominal: int = 0,
                     scale: float | None = None) -> bool:
@@ -80,7 +83,8 @@ class Optimization:
         were not), and they were only dropped."""
         self.backwards += -self.backwards % self._per_update
         samples, nominal, self._samples = self._samples, self._nominal, 0
-        finite = self.check() and not skip
+        self.own_finite = self.check()
+        finite = self.own_finite and not skip
         self._finite = None
         if self.optimizer is not None:
             with self._metrics.timed("compute"):

@@ -49,6 +49,8 @@ from ravnest.train.messages import (
     LABELS,
     Abort,
     BadControl,
+    Check,
+    Checked,
     Checkpoint,
     Control,
     EpochEnd,
@@ -135,12 +137,8 @@ class NodeRuntime:
         the world outside its pipeline; `routes`: its frames' (default: `peers` and `inbox`)."""
         self.name = name
         self.me: NodePlan = plan.node(name)
-        self.stage = stage
-        self.s = settings
-        self.inbox = inbox
-        self.peers = peers
-        self.metrics = metrics
-        self.batches = batches
+        self.stage, self.s, self.batches = stage, settings, batches
+        self.inbox, self.peers, self.metrics = inbox, peers, metrics
         self.routes = routes if routes is not None else Routes(name, plan, peers, inbox, metrics,
                                                                settings.peer_timeout)
         params = dict(stage.named_parameters())
@@ -173,6 +171,11 @@ class NodeRuntime:
             self._parse), membership, outside)
         self.updates = self.epoch = self.next_batch = self.samples = self.in_flight = 0
         self._finished = self._overflowed = False  # (overflowed: its next forward says so)
+        # fp16, sync: a stage holds its update's step until the root's Step says (`scaling`)
+        self._commits = (settings.precision == "fp16" and settings.schedule == "sync"
+                         and not (self.me.is_root and self.me.is_leaf))
+        self._held = False
+        self._checked: bool | None = None  # (at a root: its Check answered)
         self._last_step_time = time.monotonic()
         self._trim_heap = HeapTrimmer()
 
@@ -314,8 +317,14 @@ class NodeRuntime:
             if skip and not control.get(SKIP):
                 control = {**control, SKIP: True}
             self.routes.send_up(self._outgoing(Kind.BACKWARD, in_grads, control, mb))
-        if last:
+        if not last:
+            return
+        if not self._commits:
             self._optimizer_step(skip)
+            return
+        self._held = True
+        if self.me.is_root:  # the whole update's outcome, which every stage takes
+            self._control(Step(skip=skip))
 
     def _outgoing(self, kind: str, tensors: dict[str, torch.Tensor], control: dict[str, Any],
                   mb: int = 0) -> Frame:
@@ -328,8 +337,8 @@ class NodeRuntime:
         finite = self.optimization.step(skip)
         if self.passes.loss_scale is not None:
             self.passes.loss_scale.update(not finite)
-        elif not finite and not skip:
-            self._overflowed = True
+        elif not self.optimization.own_finite and not self._commits:
+            self._overflowed = True  # (an overflow began here: the leaf is told, and backs off)
         if not finite:
             log.info("%s: update %d skipped: its fp16 gradients overflowed", self.name,
                      self.updates + 1)
@@ -423,10 +432,8 @@ class NodeRuntime:
             case Checkpoint():
                 self.routes.control_down(c)
                 self._checkpoint(c)
-            case Step():
-                self.routes.control_down(c)
-                if self.optimization.pending():
-                    self._optimizer_step()
+            case Step() | Check() | Checked():
+                self._stepping(c)
             case Reduce():
                 self.routes.control_down(c)
                 self.all_reduce(c.round)
@@ -450,6 +457,38 @@ class NodeRuntime:
                          c.op)
             case _:
                 raise RavnestError(f"{self.name}: unexpected control {c.op!r}")
+
+    def _stepping(self, c: Step | Check | Checked) -> None:
+        """Step an update: an epoch's short last one, or (fp16, sync) a held one as the root
+        says; and the question whether a short one's gradients are finite, and its answer."""
+        match c:
+            case Step():
+                if (c.skip is None and self._commits and self.me.is_root
+                        and self.optimization.pending()):
+                    c = Step(skip=self._check_all())
+                self.routes.control_down(c)
+                if self._held or self.optimization.pending():
+                    self._held = False
+                    self._optimizer_step(bool(c.skip))
+            case Check():
+                if self.me.is_leaf:
+                    self._stepping(Checked(skip=False))
+                else:
+                    self.routes.control_down(c)
+            case Checked():  # (this stage's answer with those of the stages after it)
+                skip = c.skip or (self.optimization.pending() and not self.optimization.check())
+                if self.me.is_root:
+                    self._checked = skip
+                else:
+                    self.routes.send_up(Frame(Kind.CONTROL, control=Checked(skip=skip).wire()))
+
+    def _check_all(self) -> bool:
+        """At a root, in fp16 (sync), before an epoch's short last update steps: whether any
+        stage's gradients overflowed (asked down the pipeline, answered up it)."""
+        self._checked = None
+        self.routes.control_down(Check())
+        self._wait_until(lambda: self._checked is not None)
+        return bool(self._checked)
 
     # ----------------------------------------------------------------------------- rejoining
 

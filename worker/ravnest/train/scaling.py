@@ -9,13 +9,25 @@ any of them is not finite (an overflow: S was too large).
 The leaf owns S (`LossScale`) and writes it into the control of every backward frame, so that
 each stage unscales by the S its gradients were made with. Each stage checks its gradients
 before it sends its update's last backward frame up, and says in it whether this stage or one
-after it overflowed (`SKIP`): every stage before an overflow skips the update with it, as
-GradScaler skips the whole model's step. (An overflow that begins in a stage while every stage
-after it was finite leaves those after it stepping: they stepped before it knew. The usual
-overflow, in the leaf's loss gradient, begins at the leaf.) S changes only between updates: it
-halves after an update in which any stage overflowed (the leaf's own check says so at once; a
-stage before it says so in the control of its next forward, `OVERFLOW`, and S halves after the
-leaf's next step), and doubles after `growth_interval` updates in a row without one.
+after it overflowed (`SKIP`), so the root knows, once its own last backward ran, whether any
+stage overflowed.
+
+In the sync schedule no stage steps at its last backward: it holds the step, and the root sends
+`step` down the pipeline with the update's outcome (`skip`), which every stage takes, the leaf's
+S too. So the whole pipeline applies or drops an update alike, as GradScaler steps or skips the
+whole model, wherever the overflow began. An epoch's short last update, stepped at the epoch's
+end, is asked about first (`check` down the pipeline, `checked` up it). The held step costs one
+control frame per update and link, sent before the root's next forward on the same link.
+
+The async schedule does not wait for the root: a stage steps at its update's last backward, the
+stages before an overflow skip with it, and those after it have stepped already. A stage whose
+own gradients overflowed says so in its next forward (`OVERFLOW`), and S halves after the leaf's
+next step.
+
+S changes only between updates: it halves after an update in which any stage overflowed, and
+doubles after `growth_interval` updates in a row without one. Across clusters each cluster
+decides for its own copy, which the rings then average (DDP's GradScaler instead all-reduces the
+overflow flag, so that every rank skips together).
 """
 
 from __future__ import annotations
