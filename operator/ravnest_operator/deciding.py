@@ -608,9 +608,8 @@ def _ended_without(run: _Pass, job: Job, plan: Plan, obs: Observation,
 
 
 def _active(run: _Pass, plan: Plan, away: set[int]) -> str:
-    """status.clusters: the clusters training / planned (`away`: those rejoining or left out;
-    those drained are away too)."""
-    return f"{len(plan.clusters) - len(set(away) | run.drained)}/{len(plan.clusters)}"
+    """status.clusters (`away`: those rejoining or left out; those drained are away too)."""
+    return supervising.clusters_active(plan, set(away) | run.drained)
 
 
 def _cluster_recoveries(status: Mapping[str, Any], plan: Plan) -> dict[int, int]:
@@ -649,16 +648,14 @@ def _rejoined(run: _Pass, plan: Plan, obs: Observation, rejoining: set[int],
               conditions: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], set[int]]:
     """Clusters restarted alone whose pods all run again are no longer rejoining; once none is,
     Recovering turns False. The conditions as they stand, and the clusters still rejoining."""
-    back = {c for c in rejoining if all(s.phase in ("Running", "Succeeded")
-                                        for s in obs.nodes.values() if s.cluster == c)}
+    back = supervising.back_again(rejoining, {n: s.seen(n) for n, s in obs.nodes.items()})
     if not back:
         return conditions, rejoining
     left = rejoining - back
     recovering = next((c for c in conditions if c["type"] == "Recovering"), None)
     if not left and recovering is not None and recovering["status"] == "True":
-        conditions = set_condition(conditions, "Recovering", False, "Rejoined",
-                                   f"cluster(s) {', '.join(map(str, sorted(back)))} running "
-                                   f"again after: {recovering['message']}", run.at)
+        conditions = set_condition(conditions, "Recovering", False, supervising.REJOINED,
+                                   supervising.rejoined(back, recovering), run.at)
     run.out.set({"rejoining": sorted(left), "conditions": conditions,
                  "clusters": _active(run, plan, left)})
     new = {c for c in back if plan.grown(c)}  # (added to the job: never ran before)

@@ -107,6 +107,12 @@ def test_a_killed_node_costs_only_its_cluster_which_rejoins_live(tmp_path, undis
     assert status["restarts"] == 0 and status["recoveries"] == 1, status
     assert f"worker {got['victim']} exited with code -9; cluster {got['cluster']} restarted " \
            f"alone" in err
+    # as the operator says it: the cluster is back, none rejoining, every cluster training
+    (recovering,) = [c for c in status["conditions"] if c["type"] == "Recovering"]
+    assert recovering["status"] == "False" and recovering["reason"] == "Rejoined", status
+    assert recovering["message"].startswith(
+        f"cluster(s) {got['cluster']} running again after: worker {got['victim']} exited")
+    assert "rejoining" not in status and status["clusters"] == "3/3", status
 
     # the survivors never stopped and never went back while the cluster was away
     samples = got["samples"]

@@ -18,14 +18,18 @@ from ravnest.run import local
 from ravnest.run.supervising import (
     FAILED_AFTER,
     NOT_BACK,
+    REJOINED,
     TOO_LATE,
     Act,
     Memory,
     NodePhase,
     after_loss,
+    back_again,
+    clusters_active,
     ends_without,
     failed_as,
     past_deadline,
+    rejoined,
     seen_in_process,
 )
 from ravnest.spec import RunPolicy
@@ -254,6 +258,34 @@ def test_both_supervisors_end_a_job_without_the_same_clusters(plan, tmp_path, na
     assert ends.said() == (f"cluster(s) 1 could not rejoin before the others finished ({why}): "
                            f"the job ends without them, with the model of cluster(s) 0, which "
                            f"the final round averaged")
+
+
+CLUSTER_1 = ("node_1", "node_2", "node_3", "node_4")
+# (scenario, node states, rejoining) -> the clusters back
+BACK: list[tuple[str, dict[str, Any], set[int], set[int]]] = [
+    ("cluster 1's workers all run again: back", {}, {1}, {1}),
+    ("one of them failed again: not back", {"node_3": KILLED}, {1}, set()),
+    ("they finished (rejoined for the final state): back", dict.fromkeys(CLUSTER_1, SUCCEEDED),
+     {1}, {1}),
+    ("no cluster rejoining", {}, set(), set()),
+]
+
+
+@pytest.mark.parametrize(("name", "states", "rejoining", "expected"), BACK,
+                         ids=[b[0] for b in BACK])
+def test_both_supervisors_take_a_cluster_back_alike(plan, tmp_path, name, states, rejoining,
+                                                    expected):
+    for seen in (by_operator(plan, states), by_local_runner(plan, states, tmp_path)):
+        assert back_again(rejoining, seen) == expected, name
+    left = rejoining - expected
+    assert clusters_active(plan, left) == f"{2 - len(left)}/2"
+
+
+def test_what_a_supervisor_says_when_the_clusters_restarted_alone_are_back():
+    said = "worker node_2 exited with code -9; cluster 1 restarted alone (recovery 1/3)"
+    assert REJOINED == "Rejoined"
+    assert rejoined({1}, {"type": "Recovering", "status": "True", "message": said}) == \
+        f"cluster(s) 1 running again after: {said}"
 
 
 def test_a_job_fails_past_its_deadline_and_says_so():

@@ -231,6 +231,9 @@ class LocalRun:
         """The grow orders acted on: the providers added, the clusters they form, when."""
         self.joined: dict[int, dict[str, Any]] = {}
         """The clusters added to the running job that joined it: what each one's root said."""
+        self.rejoining: set[int] = set()
+        """The clusters restarted alone or added to the running job whose workers do not all
+        run yet (`supervising.back_again`)."""
         self._ca: Any = None
 
     def prepare(self) -> list[NodeMetadata]:
@@ -433,6 +436,7 @@ class LocalRun:
                 self._note_drained()
                 self._note_joined()
                 roots.update(self._grow())
+                self._rejoined()
                 roots = {c: p for c, p in roots.items() if c not in self.drained}
                 codes = {p.node: p.popen.poll() for p in self.procs}
                 if any(c is not None for c in codes.values()) and self._abandon():
@@ -489,6 +493,7 @@ class LocalRun:
             (self.out / "plan.txt").write_text(plan.table() + "\n")
             self.start(metas, rejoin=True)
             added = sorted({plan.node(n).cluster for n in new})
+            self.rejoining.update(added)
             self.grown.append({"providers": [plan.node(n).provider for n in new],
                                "clusters": added, "at": round(time.time(), 3)})
             roots.update({c: p for c in added for p in self.procs
@@ -583,6 +588,7 @@ class LocalRun:
                                    f"{_tail(dead.log)}")
             self.stop()
             self.procs = []
+            self.rejoining = set()
             self.memory = after.memory
             metas = self._not_drained(self.metas)
             planned = [m for m in metas if not m.plan.grown(m.plan.node(m.node).cluster)]
@@ -658,6 +664,7 @@ class LocalRun:
         self.stop(procs, grace=0)
         self.procs = [p for p in self.procs if p.node not in mine]
         self.memory = after.memory
+        self.rejoining.add(cluster)
         self.recoveries.append({"cluster": cluster, "node": dead.node,
                                 "exitCode": dead.popen.returncode, "at": round(time.time(), 3)})
         spare = self._take_over(next(m for m in metas if m.node == dead.node), cluster)
@@ -667,11 +674,25 @@ class LocalRun:
                    rejoin=True)
 
     def _recovered(self) -> None:
-        """Running again after a restart: Restarting turns False, as in the operator."""
+        """Running again after a whole restart: Restarting turns False, as in the operator."""
         for c in self.conditions:
-            if c["type"] in ("Restarting", "Recovering") and c["status"] == "True":
+            if c["type"] == "Restarting" and c["status"] == "True":
                 c.update(status="False", reason="Recovered",
                          message=supervising.recovered(c))
+
+    def _rejoined(self) -> None:
+        """The clusters restarted alone or added whose workers all run again train with the
+        others (`supervising.back_again`); once none is left rejoining, Recovering turns False,
+        as in the operator."""
+        back = supervising.back_again(self.rejoining, self._seen())
+        if not back:
+            return
+        self.rejoining -= back
+        for c in self.conditions:
+            if not self.rejoining and c["type"] == "Recovering" and c["status"] == "True":
+                c.update(status="False", reason=supervising.REJOINED,
+                         message=supervising.rejoined(back, c))
+        self.write_status(Phase.RUNNING, {})
 
     def checkpoint_dir(self) -> Location:
         """Where the workers write checkpoints (relative paths: in the output folder)."""
@@ -682,8 +703,6 @@ class LocalRun:
         """`status.json`: the run's status, a `JobStatus` as the operator writes a RavnestJob's
         (what `ravnest status <job>` shows). `extra`: more of its fields (result, outputs)."""
         plan = self.plan
-        joining = [c for c in plan.clusters[plan.planned:] if c.id not in self.joined] \
-            if plan else []
         counts = [sum(r["cluster"] == c for r in self.recoveries)
                   for c in range(max((r["cluster"] for r in self.recoveries), default=-1) + 1)]
         fields: dict[str, Any] = {
@@ -697,13 +716,14 @@ class LocalRun:
             "drained": [{k: d[k] for k in ("cluster", "round", "updates") if k in d}
                         for d in self.drained.values()] or None,
             "abandoned": sorted(self.abandoned) or None,
+            "rejoining": sorted(self.rejoining) or None,
             "grown": [{**g, "at": jobstatus.timestamp(g["at"])} for g in self.grown] or None,
             "joined": [{k: j[k] for k in ("cluster", "round") if k in j}
                        for j in self.joined.values()] or None,
             **extra}
         if plan:
-            fields["clusters"] = (f"{len(plan.clusters) - len(self.drained) - len(joining)}/"
-                                  f"{len(plan.clusters)}")
+            fields["clusters"] = supervising.clusters_active(
+                plan, {*self.rejoining, *self.drained, *self.abandoned})
             fields["membership"] = elastic.membership(plan, self.drained.values(),
                                                       self.joined.values())
         if phase in FINISHED:

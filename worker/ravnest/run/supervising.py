@@ -296,3 +296,30 @@ def recovered(condition: Mapping[str, str]) -> str:
     """What a supervisor says when the job runs again after what `condition` (Restarting or
     Recovering, True) said."""
     return f"running again after: {condition['message']}"
+
+
+def back_again(rejoining: Collection[int], nodes: Mapping[str, Seen]) -> set[int]:
+    """The clusters of `rejoining` (restarted alone, or added to the running job, and not
+    training yet) whose nodes all run again, or finished: from now on they train with the
+    others (`clusters_active`), and once none is left rejoining, Recovering turns False
+    (`REJOINED`, `rejoined`)."""
+    return {c for c in rejoining if all(s.phase in (NodePhase.RUNNING, NodePhase.SUCCEEDED)
+                                        for s in nodes.values() if s.cluster == c)}
+
+
+REJOINED = "Rejoined"
+"""The reason Recovering turns False with: every cluster restarted alone runs again."""
+
+
+def rejoined(back: Collection[int], condition: Mapping[str, str]) -> str:
+    """What a supervisor says when the clusters `back` run again after what `condition`
+    (Recovering, True) said, and none is left rejoining."""
+    return (f"cluster(s) {', '.join(map(str, sorted(back)))} running again after: "
+            f"{condition['message']}")
+
+
+def clusters_active(plan: Plan, away: Collection[int]) -> str:
+    """status.clusters: the clusters training / those of the plan (`away`: those rejoining,
+    drained, or that the job ends without)."""
+    return f"{len(plan.clusters) - len(set(away))}/{len(plan.clusters)}"
+
