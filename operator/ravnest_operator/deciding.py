@@ -289,9 +289,8 @@ def _drains(run: _Pass, job: Job, plan: Plan) -> str | None:
         if isinstance(said, dict):
             ordered.remove(d)
             drained.append({**d, "round": said.get("round"), "updates": said.get("updates")})
-            run.out.do(Event("Drained", f"cluster {d['cluster']} drained after round "
-                                        f"{said.get('round')}: the job goes on without it"),
-                       CountDrain())
+            run.out.do(Event("Drained", elastic.drained_out(int(d["cluster"]), said.get("round"),
+                                                            said.get("updates"))), CountDrain())
         elif (ended.get("status") or {}).get("phase") == "Succeeded":
             ordered.remove(d)  # (asked too near the end: the worker says so in its log)
             late.append(d)
@@ -386,9 +385,7 @@ def _grows(run: _Pass, plan: Plan) -> str | None:
     new = tuple(n.name for n in grown.nodes if n.name not in set(plan.names()))
     clusters = list(range(len(plan.clusters), len(grown.clusters)))
     rejoining = sorted({*(run.status.get("rejoining") or []), *clusters})
-    text = (f"provider(s) {', '.join(map(str, run.observed.added))} added to spec.providers "
-            f"form cluster(s) {', '.join(map(str, clusters))}: they join at a round boundary "
-            f"with the latest state, the others train on")
+    text = elastic.growing(run.observed.added, clusters, "to spec.providers")
     run.out.do(GrowJob(edited, grown, new), Event("Growing", text))
     run.out.set({"grown": [*(run.status.get("grown") or []), {
         "providers": list(run.observed.added), "clusters": clusters, "at": run.at}],
@@ -526,10 +523,7 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     lost = [s for s in obs.nodes.values() if s.deleting or (
         s.phase == "Missing" and s.cluster not in rejoining)] if phase == Phase.RUNNING else []
     if obs.failed or lost:
-        act = _lost(run, job, plan, obs, lost, recoveries, rejoining, conditions)
-        if act in (supervising.Act.RESTART_CLUSTER, supervising.Act.RESTART_JOB):
-            pods = {s.pod for s in [*obs.failed, *lost]}
-            spares.take_over(run, plan, [n for n, st in obs.nodes.items() if st.pod in pods])
+        _lost(run, job, plan, obs, lost, recoveries, rejoining, conditions, spares)
         return
     run.out.do(*(DeletePod(name) for name in spares.unwanted()))
     if obs.all_succeeded:
@@ -546,10 +540,11 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
 
 def _lost(run: _Pass, job: Job, plan: Plan, obs: Observation, lost: list[NodeState],
           recoveries: dict[int, int], rejoining: set[int],
-          conditions: list[dict[str, Any]]) -> supervising.Act:
+          conditions: list[dict[str, Any]], spares: _Spares) -> None:
     """Pods failed (`obs.failed`) or were lost (`lost`: deleted, or gone): do what
-    `supervising.after_loss` says, restart their cluster alone, or every pod, or fail the job, or
-    wait for the clusters finishing (the job then ends without the lost one: `_ended_without`)."""
+    `supervising.after_loss` says, restart their cluster alone, or every pod (free hot spares
+    that hold a lost node's stage take it over), or fail the job, or wait for the clusters
+    finishing (the job then ends without the lost one: `_ended_without`)."""
     message = "; ".join(filter(None, [obs.failure_message(),
                                       *(f"pod {s.pod} was deleted" for s in lost)]))
     down = [*obs.failed, *lost]
@@ -559,8 +554,12 @@ def _lost(run: _Pass, job: Job, plan: Plan, obs: Observation, lost: list[NodeSta
                                    [seen[by_pod[s.pod]] for s in down], message,
                                    supervising.Memory.of_status(run.status),
                                    rejoining=rejoining, drained=run.drained)
+    pods = {s.pod for s in down}
+    taking = spares.choose(plan, [n for n, st in obs.nodes.items() if st.pod in pods]) if (
+        after.act in (supervising.Act.RESTART_CLUSTER, supervising.Act.RESTART_JOB)) else {}
     if after.act == supervising.Act.RESTART_CLUSTER:
-        _recover(run, plan, obs, after, recoveries, rejoining, conditions)
+        _recover(run, plan, obs, after, recoveries, rejoining, conditions,
+                 elastic.taken_over({n: sp.name for n, sp in taking.items()}))
     elif after.act == supervising.Act.RESTART_JOB:
         _restart(run, job, obs, after, conditions)
     elif after.act == supervising.Act.WAIT:
@@ -569,7 +568,7 @@ def _lost(run: _Pass, job: Job, plan: Plan, obs: Observation, lost: list[NodeSta
     else:
         run.fail(after.reason, after.said())
         run.clean(run.run_policy.get("cleanPodPolicy", "Running"))
-    return after.act
+    spares.take_over(run, taking)
 
 
 def _still_rejoining(run: _Pass, plan: Plan, obs: Observation,
@@ -622,16 +621,17 @@ def _cluster_recoveries(status: Mapping[str, Any], plan: Plan) -> dict[int, int]
 
 def _recover(run: _Pass, plan: Plan, obs: Observation, after: supervising.AfterLoss,
              recoveries: dict[int, int], rejoining: set[int],
-             conditions: list[dict[str, Any]]) -> None:
+             conditions: list[dict[str, Any]], taken: str = "") -> None:
     """Restart only the cluster `after` names (elastic training, runPolicy.recovery: cluster):
     its pods are deleted and created again, and their workers take their state from the other
-    clusters and rejoin them at a round boundary while those train on."""
+    clusters and rejoin them at a round boundary while those train on (`taken`: which spares
+    take lost stages over, `elastic.taken_over`)."""
     assert after.cluster is not None
     cluster = after.cluster
     recoveries = {**recoveries, cluster: recoveries[cluster] + 1}
     run.out.do(*(DeletePod(s.pod) for s in obs.nodes.values()
                  if s.cluster == cluster and s.phase != "Missing" and not s.deleting))
-    text = after.said()
+    text = after.said(taken)
     rejoining = rejoining | {cluster}
     run.out.set({"recoveries": after.memory.recoveries,
                  "lastFailures": after.memory.last_failures(),
@@ -740,20 +740,25 @@ class _Spares:
         return [self.pods[i]["metadata"]["name"] for i in self.providers
                 if self._phase(i) in ("Running", "Pending")]
 
-    def take_over(self, run: _Pass, plan: Plan, lost: list[str]) -> None:
-        """Each node in `lost` (its pod failed or gone, and to be created again) whose stage a
-        running spare holds (`elastic.spare_for`) gets that spare's provider: the spare's pod is
-        deleted and the node's new pod takes its placement; the lost provider becomes a spare."""
+    def choose(self, plan: Plan, lost: list[str]) -> dict[str, SparePlan]:
+        """The running spare that takes over the stage of each node in `lost` (its pod failed
+        or gone, and to be created again) whose stage one holds (`elastic.spare_for`)."""
         ram = [p.ram for p in self.job.spec.expanded_providers()]
         free = [SparePlan(spare_name(i), i, ram[i]) for i in self.providers
                 if self._phase(i) == "Running"]
-        taken: dict[str, int] = {}
+        chosen: dict[str, SparePlan] = {}
         for node in lost:
             spare = elastic.spare_for(plan, node, free)
-            if spare is None:
-                continue
-            free.remove(spare)
-            taken[node] = spare.provider
+            if spare is not None:
+                free.remove(spare)
+                chosen[node] = spare
+        return chosen
+
+    def take_over(self, run: _Pass, chosen: Mapping[str, SparePlan]) -> None:
+        """Each node `chosen` gets its spare's provider: the spare's pod is deleted and the
+        node's new pod takes its placement; the lost provider becomes a spare."""
+        taken = {node: spare.provider for node, spare in chosen.items()}
+        for node, spare in chosen.items():
             run.out.do(DeletePod(self.pods[spare.provider]["metadata"]["name"]),
                        Event("TookOver", f"spare {spare.name} (provider {spare.provider}) takes "
                                          f"over the stage of {node}: its pod is placed as that "

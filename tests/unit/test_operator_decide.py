@@ -1084,6 +1084,9 @@ def test_a_running_spare_takes_over_the_stage_of_a_lost_node_on_its_machine(spar
                              f"stage of {victim.name}: its pod is placed as that provider") \
         in d.actions
     assert d.status["recoveries"] == 1 and d.status["rejoining"] == [1]  # its cluster rejoins
+    # (and says which spare took over, as the local runner does)
+    assert f"cluster 1 restarted alone (recovery 1/10); spare {spare.name} took over the " \
+           f"stage of {victim.name}: it takes its state" in _conditions(d)["Recovering"]["message"]
 
     # the next passes: the node's new pod goes on the spare's machine, the lost provider's
     # machine gets the spare pod
@@ -1260,7 +1263,8 @@ def test_a_drained_cluster_is_out_of_the_job_and_a_restart_leaves_it_out(digits)
     assert d.status["membership"] == {"plan": plan.fingerprint, "versions": [
         {"version": 1, "fromRound": 1, "clusters": [0, 1]},
         {"version": 2, "fromRound": 21, "clusters": [1]}]}
-    assert Event("Drained", "cluster 0 drained after round 20: the job goes on without it") \
+    assert Event("Drained", "cluster 0 drained after round 20 (update 40): the job goes on "
+                            "without it") \
         in d.actions and CountDrain() in d.actions
     others = [p for i, p in enumerate(pods) if i in CLUSTER_1]
     d = decide(_drain_edit(digits, [0, 1, 2, 3, 4], _running(drained=drained), others), NOW,
@@ -1353,7 +1357,10 @@ def test_providers_added_to_a_running_job_form_a_cluster_that_joins(digits):
     assert d.status["grown"] == [{"providers": [6, 7], "clusters": [2], "at": AT}]
     assert d.status["rejoining"] == [2] and d.status["clusters"] == "2/3"
     assert "SpecChanged" not in {c["type"] for c in d.status.get("conditions") or []}
-    assert [a.reason for a in d.actions if isinstance(a, Event)] == ["Growing"]
+    assert [a for a in d.actions if isinstance(a, Event)] == [Event(
+        "Growing", "provider(s) 6, 7 added to spec.providers form cluster(s) 2: they join the "
+                   "running job at a round boundary with its latest state, while the others "
+                   "train on")]
     assert not any(isinstance(a, Create | DeletePod) for a in d.actions)
 
     # the next pass reads the grown plan and the edited job as planned: the new pods are made

@@ -175,6 +175,28 @@ def restarted_alone(failure: str, cluster: int, recovery: int, limit: int, whole
             f"while they train on")
 
 
+def taken_over(spares: Mapping[str, str]) -> str:
+    """What both supervisors add to `restarted_alone`'s message when hot spares take lost
+    stages over (`spares`: node -> the spare that takes its stage over); "" when none does."""
+    return "".join(f"; spare {spare} took over the stage of {node}"
+                   for node, spare in spares.items())
+
+
+def drained_out(cluster: int, round_: Any, updates: Any) -> str:
+    """What both supervisors say when cluster `cluster`'s root says it drained after ring round
+    `round_`, at update `updates`."""
+    return (f"cluster {cluster} drained after round {round_} (update {updates}): the job goes on "
+            f"without it")
+
+
+def growing(providers: Iterable[int], clusters: Iterable[int], how: str) -> str:
+    """What both supervisors say when `providers`, added `how` (to spec.providers, by a grow
+    order), form `clusters`, which join the running job."""
+    return (f"provider(s) {_ids(providers)} added {how} form cluster(s) {_ids(clusters)}: they "
+            f"join the running job at a round boundary with its latest state, while the others "
+            f"train on")
+
+
 def abandoned(clusters: Iterable[int], done: Iterable[int], why: str) -> str:
     """What both supervisors say when a job ends without `clusters` (`ended_without`), which
     could not rejoin (`why`) before the clusters `done` finished."""

@@ -469,8 +469,8 @@ class LocalRun:
             said = draining.acknowledged(self.out / draining.DRAIN_DIR, c.id)
             if said is not None:
                 self.drained[c.id] = {"cluster": c.id, **said}
-                log.warning("cluster %d drained after round %s (update %s): the job goes on "
-                            "without it", c.id, said.get("round"), said.get("updates"))
+                log.warning("%s", elastic.drained_out(c.id, said.get("round"),
+                                                      said.get("updates")))
                 self.write_status(Phase.RUNNING, {})
 
     def _grow(self) -> dict[int, _Proc]:
@@ -498,10 +498,9 @@ class LocalRun:
                                "clusters": added, "at": round(time.time(), 3)})
             roots.update({c: p for c in added for p in self.procs
                           if p.node == plan.clusters[c].nodes[0]})
-            self._say("Grown", "True", "Joining",
-                      f"provider(s) {', '.join(str(plan.node(n).provider) for n in new)} form "
-                      f"cluster(s) {', '.join(map(str, added))}, which join the running job at a "
-                      f"round boundary with its latest state")
+            self._say("Grown", "True", "Joining", elastic.growing(
+                [plan.node(n).provider for n in new], added,
+                f"by grow order {self.grow_orders}"))
         return roots
 
     def _grown_metadata(self, job: Job, plan: Plan, new: list[str]) -> list[NodeMetadata]:
@@ -668,7 +667,7 @@ class LocalRun:
         self.recoveries.append({"cluster": cluster, "node": dead.node,
                                 "exitCode": dead.popen.returncode, "at": round(time.time(), 3)})
         spare = self._take_over(next(m for m in metas if m.node == dead.node), cluster)
-        taken = (f"; spare {spare} took over the stage of {dead.node}" if spare else "")
+        taken = elastic.taken_over({dead.node: spare} if spare else {})
         self._say("Recovering", "True", after.reason, after.said(taken))
         self.start([m for m in metas if m.node in mine and (spare is None or m.node != dead.node)],
                    rejoin=True)
