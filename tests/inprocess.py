@@ -129,12 +129,13 @@ def reference(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor,
 
 
 def build(plan: Plan, gm: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor,
-          placement: Placement = CPU) -> tuple[list[NodeRuntime], list[Loopback]]:
+          placement: Placement = CPU, schedule: str = "sync"
+          ) -> tuple[list[NodeRuntime], list[Loopback]]:
     """A runtime per node of `plan`, each with a loopback link to each node it sends to; ring
     reducers are built here and injected. Every stage on the placement's device, in its
     precision (the data stays in host memory, as a root's dataset does)."""
     settings = Settings(epochs=EPOCHS, batch_size=BATCH, microbatches=MICROBATCHES,
-                        update_frequency=UPDATE_FREQUENCY, schedule="sync",
+                        update_frequency=UPDATE_FREQUENCY, schedule=schedule,
                         scheduler_step_on="step", peer_timeout=30.0, reduce_timeout=30.0,
                         device=str(placement.device), precision=placement.precision)
     inboxes = {n: Inbox() for n in plan.names()}

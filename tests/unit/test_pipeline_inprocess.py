@@ -112,6 +112,29 @@ def test_fp16_an_overflow_that_begins_in_the_roots_stage_is_skipped_by_every_sta
     assert leaf.passes.loss_scale.scale == 2.0**16 / 2 ** skipped[leaf.name]
 
 
+def test_fp16_async_an_overflow_that_begins_in_the_roots_stage_backs_the_leafs_scale_off():
+    """The async schedule steps each stage at once: the root drops the updates its own
+    gradients overflowed, the stages after it have stepped them, and the leaf halves its loss
+    scale after each, told so by the root's next forward. (Before, it was never told.)"""
+    torch.manual_seed(SEED)
+    model = DeepMLP()
+    with torch.no_grad():
+        model.inp.weight.div_(100)
+    gm, prof = profile(model, (torch.zeros(BATCH, 1, 8, 8),))
+    xs, ys = data(1)
+    runtimes, links = build(make_plan(prof, 1), gm, xs * 100, ys, Placement(precision="fp16"),
+                            schedule="async")
+    try:
+        run(runtimes)
+    finally:
+        for link in links:
+            link.close()
+    root, stem, leaf = runtimes
+    assert root.optimization.overflows >= 1
+    assert stem.optimization.overflows == leaf.optimization.overflows == 0
+    assert leaf.passes.loss_scale.scale == 2.0**16 / 2**root.optimization.overflows
+
+
 def test_fp16_an_epochs_short_last_update_that_overflows_is_dropped_by_every_stage():
     """An epoch of 5 batches, 2 to an update: its third update is short, and steps when the
     root says so at the epoch's end, having asked every stage whether its gradients are finite
