@@ -683,12 +683,14 @@ class LocalRun:
         """The clusters restarted alone or added whose workers all run again train with the
         others (`supervising.back_again`); once none is left rejoining, Recovering turns False,
         as in the operator."""
+        if not self.rejoining:  # (no process polled nor file read twice a second for nothing)
+            return
         back = supervising.back_again(self.rejoining, self._seen())
         if not back:
             return
         self.rejoining -= back
-        for c in self.conditions:
-            if not self.rejoining and c["type"] == "Recovering" and c["status"] == "True":
+        for c in self.conditions if not self.rejoining else []:
+            if c["type"] == "Recovering" and c["status"] == "True":
                 c.update(status="False", reason=supervising.REJOINED,
                          message=supervising.rejoined(back, c))
         self.write_status(Phase.RUNNING, {})

@@ -293,8 +293,8 @@ def past_deadline(deadline: int | None, seconds_running: float) -> str | None:
 
 
 def recovered(condition: Mapping[str, str]) -> str:
-    """What a supervisor says when the job runs again after what `condition` (Restarting or
-    Recovering, True) said."""
+    """What a supervisor says when the job runs again after what `condition` (Restarting, True)
+    said (Recovering: `rejoined`)."""
     return f"running again after: {condition['message']}"
 
 

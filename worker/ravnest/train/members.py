@@ -94,6 +94,7 @@ class Members:
                  membership: RingMembership | None, outside: Outside) -> None:
         """`membership`: who of its rings' members is there (None: no watch, all are)."""
         self.name = name
+        self.cluster = plan.node(name).cluster
         self.plan = plan
         """This node's plan, with the nodes of clusters added to the running job that
         introduced themselves (`welcome`)."""
@@ -105,10 +106,6 @@ class Members:
         self.leave_after = None
         self.final_clusters = None
         self._joins: list[tuple[str, str, int | None]] = []  # (node, ring, round) to serve
-
-    @property
-    def cluster(self) -> int:
-        return self.plan.node(self.name).cluster
 
     # ------------------------------------------------------------------ the others come and go
 
