@@ -5,6 +5,7 @@ timeout, and members that disagree for a moment on who is present never mix thei
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import socket
 import threading
@@ -403,14 +404,16 @@ def test_a_member_that_answers_again_is_kept_out_until_it_rejoins_only_if_restar
         wiring.wait_ready(30.0)
         wiring.watch_rings(plan, "x0")
         old.stop(grace=0.5)
-        _wait_until(lambda: wiring.membership.absent(0) == {"x1"}, "x1 to be lost")
+        _wait_until(lambda: wiring.membership.absent(0) == {"x1"}, "x1 to be lost",
+                    lambda: _watch_state(wiring, caplog))
         new = Server(f"127.0.0.1:{old.port}", CREDS, Inbox().deliver)
         if restarted:
             new.health.set(assembling.REJOIN_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         new.start()
-        _wait_until(lambda: "peer x1 is back" in caplog.text, "x1 to answer again")
+        _wait_until(lambda: "peer x1 is back" in caplog.text, "x1 to answer again",
+                    lambda: _watch_state(wiring, caplog))
         _wait_until(lambda: "was restarted" in caplog.text or not wiring.membership.absent(0),
-                    "x0 to decide whether x1 restarted")
+                    "x0 to decide whether x1 restarted", lambda: _watch_state(wiring, caplog))
     finally:
         wiring.stop_watching()
         for p in peers.values():
@@ -425,8 +428,23 @@ def test_a_member_that_answers_again_is_kept_out_until_it_rejoins_only_if_restar
         assert "was restarted" not in caplog.text
 
 
-def _wait_until(done: Callable[[], bool], what: str) -> None:
+def _wait_until(done: Callable[[], bool], what: str,
+                describe: Callable[[], str] = lambda: "") -> None:
+    """Wait for `done`; past HANG_GUARD, fail saying what was awaited and what `describe` says
+    (what a rare miss under CI's load needs to be understood), with every thread's stack."""
     deadline = time.monotonic() + HANG_GUARD
     while not done():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if time.monotonic() >= deadline:
+            faulthandler.dump_traceback(all_threads=True)
+            pytest.fail(f"timed out waiting for {what}; {describe()}")
         time.sleep(0.05)
+
+
+def _watch_state(wiring: Wiring, caplog: pytest.LogCaptureFixture) -> str:
+    """The ring watch's view of each peer, and what was logged."""
+    watch = wiring.ring_watch
+    peers = getattr(watch, "_peers", {})
+    state = {n: (w.seen, w.watchable, w.ended, w.call is not None,
+                 w.thread is not None and w.thread.is_alive()) for n, w in peers.items()}
+    return (f"lost {watch.lost if watch else None}; (seen, watchable, ended, streaming, "
+            f"alive) {state}; log:\n{caplog.text}")
