@@ -154,10 +154,11 @@ def run_once(job: Job, addresses: list[str]) -> dict[str, Any]:
         try:
             run.start(metas)
             with scraping(run, scrapes):
-                failed = run.wait()
-            if failed is not None:
-                raise SystemExit(f"{failed.node} failed: see its log\n"
-                                 + failed.log.read_text(errors="replace")[-3000:])
+                decided = run.wait()
+            if not decided.done:
+                log = Path(out) / "logs" / f"{decided.down[0].node}.log"
+                raise SystemExit(f"{decided.down[0].node} failed: see its log\n"
+                                 + log.read_text(errors="replace")[-3000:])
         finally:
             run.stop()
         summary = run.finish(time.time() - started)

@@ -155,7 +155,10 @@ def run_scraped(job: Job, read: Callable[[Path], Any] | None = None) -> dict[str
         try:
             run.start(metas)
             with scraping(run, scrapes):
-                run.wait()
+                decided = run.wait()
+            if not decided.done:  # (a bench measures a run that went through, or nothing)
+                raise SystemExit(f"the run failed: {decided.down[0].node} ended first; see "
+                                 f"the logs in {out}/logs")
         finally:
             run.stop()
         summary = run.finish(time.time() - started)

@@ -46,7 +46,7 @@ from .actions import (
 )
 from .planning import PlannerPod
 from .settings import Settings
-from .statuses import NodeState, Observation, observe, parse_time, set_condition, timestamp
+from .statuses import Observation, observe, parse_time, set_condition, timestamp
 
 NOT_DURABLE = ("checkpoints are on the pods' emptyDir volumes: a restart or a suspend starts over "
                "from step 0; to keep them, set spec.checkpoint.path to an object store "
@@ -512,21 +512,28 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     run.out.do(*(DeletePod(s.pod) for s in stale if not s.deleting))
     if stale:
         return
-    without = _ended_without(run, job, plan, obs, rejoining)
-    if without:
-        obs = Observation({n: s for n, s in obs.nodes.items() if s.cluster not in without})
-        rejoining -= without
-        conditions = run.status.get("conditions") or conditions
+    started = run.status.get("startTime")
     # A worker pod that vanishes (or is being deleted) from a running job, by `kubectl delete pod`,
     # an eviction or a node drain, is lost like a failed one: its peers would wait for it forever.
     # (The pods of a cluster restarted alone are missing until created again: not lost.)
-    lost = [s for s in obs.nodes.values() if s.deleting or (
-        s.phase == "Missing" and s.cluster not in rejoining)] if phase == Phase.RUNNING else []
-    if obs.failed or lost:
-        _lost(run, job, plan, obs, lost, recoveries, rejoining, conditions, spares)
+    decided = supervising.decide_running(
+        plan, job.spec.run_policy, {n: s.seen(n) for n, s in obs.nodes.items()},
+        supervising.Memory.of_status(run.status),
+        lambda down: "; ".join(obs.nodes[s.node].failure() for s in down),
+        rejoining=rejoining, drained=run.drained,
+        abandoned={int(c) for c in run.status.get("abandoned") or []},
+        recovered=[c for c, n in recoveries.items() if n],
+        seconds_running=(run.now - parse_time(started)).total_seconds() if started else 0.0,
+        vanished_lost=phase == Phase.RUNNING)
+    if decided.ends is not None:
+        conditions = _ended_without(run, plan, obs, decided.ends, rejoining)
+    obs = Observation({n: s for n, s in obs.nodes.items() if s.cluster not in decided.away})
+    rejoining -= decided.away
+    if decided.loss is not None:
+        _lost(run, job, plan, obs, decided, recoveries, rejoining, conditions, spares)
         return
     run.out.do(*(DeletePod(name) for name in spares.unwanted()))
-    if obs.all_succeeded:
+    if decided.done:
         run.out.do(*(DeletePod(name) for name in spares.running()))  # training is over
         if job.spec.output.uri:
             _finish(run, job, plan, phase, conditions)
@@ -534,28 +541,20 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
             _succeeded(run, plan, phase, conditions)
         return
     _create_missing(run, job, plan, obs, restarts, recoveries, runs_on, spares)
-    conditions, rejoining = _rejoined(run, plan, obs, rejoining, conditions)
-    _watch(run, plan, obs, phase, conditions, rejoining)
+    conditions, rejoining = _rejoined(run, plan, decided.back, rejoining, conditions)
+    _watch(run, plan, obs, phase, conditions, rejoining, decided.past)
 
 
-def _lost(run: _Pass, job: Job, plan: Plan, obs: Observation, lost: list[NodeState],
+def _lost(run: _Pass, job: Job, plan: Plan, obs: Observation, decided: supervising.Running,
           recoveries: dict[int, int], rejoining: set[int],
           conditions: list[dict[str, Any]], spares: _Spares) -> None:
-    """Pods failed (`obs.failed`) or were lost (`lost`: deleted, or gone): do what
-    `supervising.after_loss` says, restart their cluster alone, or every pod (free hot spares
+    """Pods failed or were lost (deleted, or gone: `decided.down`): do what
+    `supervising.after_loss` said, restart their cluster alone, or every pod (free hot spares
     that hold a lost node's stage take it over), or fail the job, or wait for the clusters
-    finishing (the job then ends without the lost one: `_ended_without`)."""
-    message = "; ".join(filter(None, [obs.failure_message(),
-                                      *(f"pod {s.pod} was deleted" for s in lost)]))
-    down = [*obs.failed, *lost]
-    seen = {n: s.seen(n) for n, s in obs.nodes.items()}
-    by_pod = {s.pod: n for n, s in obs.nodes.items()}
-    after = supervising.after_loss(plan, job.spec.run_policy, seen,
-                                   [seen[by_pod[s.pod]] for s in down], message,
-                                   supervising.Memory.of_status(run.status),
-                                   rejoining=rejoining, drained=run.drained)
-    pods = {s.pod for s in down}
-    taking = spares.choose(plan, [n for n, st in obs.nodes.items() if st.pod in pods]) if (
+    finishing (the job then ends without the lost one: `supervising.ends_without`)."""
+    after = decided.loss
+    assert after is not None
+    taking = spares.choose(plan, [s.node for s in decided.down]) if (
         after.act in (supervising.Act.RESTART_CLUSTER, supervising.Act.RESTART_JOB)) else {}
     if after.act == supervising.Act.RESTART_CLUSTER:
         _recover(run, plan, obs, after, recoveries, rejoining, conditions,
@@ -580,19 +579,11 @@ def _still_rejoining(run: _Pass, plan: Plan, obs: Observation,
         c.id for c in plan.clusters if all(obs.nodes[n].phase == "Succeeded" for n in c.nodes)}
 
 
-def _ended_without(run: _Pass, job: Job, plan: Plan, obs: Observation,
-                   rejoining: set[int]) -> set[int]:
-    """The clusters the job ends without (status.abandoned), as `supervising.ends_without`
-    decides. Those new to it: their pods still running are deleted (failed ones are kept), and
-    the job finishes with the others."""
-    before = {int(c) for c in run.status.get("abandoned") or []}
-    recovered = [c for c, n in _cluster_recoveries(run.status, plan).items() if n]
-    ends = supervising.ends_without(plan, job.spec.run_policy,
-                                    {n: s.seen(n) for n, s in obs.nodes.items()},
-                                    recovered=recovered, rejoining=rejoining,
-                                    drained=run.drained, abandoned=before)
-    if ends is None:
-        return before
+def _ended_without(run: _Pass, plan: Plan, obs: Observation, ends: supervising.EndsWithout,
+                   rejoining: set[int]) -> list[dict[str, Any]]:
+    """The job ends without the clusters `ends` names (status.abandoned): the pods still running
+    of those new to it are deleted (failed ones are kept), and the job finishes with the others.
+    The conditions as they stand."""
     text = ends.said()
     rest = set(ends.clusters)
     conditions = set_condition(run.status.get("conditions") or [], "Recovering", False,
@@ -603,7 +594,7 @@ def _ended_without(run: _Pass, job: Job, plan: Plan, obs: Observation,
     run.out.do(Event("Abandoned", text, warning=True),
                *(DeletePod(s.pod) for s in obs.nodes.values() if s.cluster in ends.new
                  and s.phase in ("Running", "Pending") and not s.deleting))  # failed: kept
-    return rest
+    return conditions
 
 
 def _active(run: _Pass, plan: Plan, away: set[int]) -> str:
@@ -644,11 +635,11 @@ def _recover(run: _Pass, plan: Plan, obs: Observation, after: supervising.AfterL
     run.out.do(Event("Recovering", text, warning=True), CountRecovery())
 
 
-def _rejoined(run: _Pass, plan: Plan, obs: Observation, rejoining: set[int],
+def _rejoined(run: _Pass, plan: Plan, back: frozenset[int], rejoining: set[int],
               conditions: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], set[int]]:
-    """Clusters restarted alone whose pods all run again are no longer rejoining; once none is,
-    Recovering turns False. The conditions as they stand, and the clusters still rejoining."""
-    back = supervising.back_again(rejoining, {n: s.seen(n) for n, s in obs.nodes.items()})
+    """Clusters restarted alone whose pods all run again (`back`) are no longer rejoining; once
+    none is, Recovering turns False. The conditions as they stand, and the clusters still
+    rejoining."""
     if not back:
         return conditions, rejoining
     left = rejoining - back
@@ -946,8 +937,10 @@ def _final_rate(observed: Observed, plan: Plan, started: str | None) -> float | 
 
 
 def _watch(run: _Pass, plan: Plan, obs: Observation, phase: str,
-           conditions: list[dict[str, Any]], rejoining: set[int] | None = None) -> None:
-    """Running once every pod runs, progress from the roots' metrics, and the deadline."""
+           conditions: list[dict[str, Any]], rejoining: set[int] | None = None,
+           past: str | None = None) -> None:
+    """Running once every pod runs, progress from the roots' metrics, and the deadline (`past`:
+    why the job fails now, `supervising.past_deadline`)."""
     started = run.status.get("startTime")
     if obs.all_running:
         if phase != Phase.RUNNING:
@@ -965,8 +958,6 @@ def _watch(run: _Pass, plan: Plan, obs: Observation, phase: str,
         _progress(run, plan, obs, started, rejoining or set())
     elif rejoining and started:  # the others train on: their progress goes on
         _progress(run, plan, obs, started, rejoining)
-    running = (run.now - parse_time(started)).total_seconds() if started else 0.0
-    past = supervising.past_deadline(run.run_policy.get("activeDeadlineSeconds"), running)
     if past:
         run.fail(supervising.DEADLINE_EXCEEDED, past)
         run.clean("All")

@@ -54,6 +54,14 @@ class NodeState:
         """The node as the supervisor's rules (`ravnest.run.supervising`) take it."""
         return Seen(node, self.cluster, NodePhase.of(self.phase), self.ending, self.deleting)
 
+    def failure(self) -> str:
+        """How the pod failed (its phase Failed) or was lost (deleted, or gone)."""
+        if self.phase != "Failed":
+            return f"pod {self.pod} was deleted"
+        return (f"pod {self.pod} failed with exit code {self.exit_code}"
+                + (f" ({self.reason})" if self.reason else "")
+                + (f": {self.said}" if self.said else ""))
+
     def to_status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"pod": self.pod, "phase": self.phase}
         if self.exit_code is not None:
@@ -85,10 +93,7 @@ class Observation:
         return [name for name, n in self.nodes.items() if n.phase == "Missing"]
 
     def failure_message(self) -> str:
-        parts = [f"pod {n.pod} failed with exit code {n.exit_code}"
-                 + (f" ({n.reason})" if n.reason else "") + (f": {n.said}" if n.said else "")
-                 for n in self.failed]
-        return "; ".join(parts)
+        return "; ".join(n.failure() for n in self.failed)
 
 
 def _int(value: Any) -> int:

@@ -6,7 +6,9 @@ files, through `local.ending_of`), and both must come to the same decision."""
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from ravnest.run.supervising import (
     after_loss,
     back_again,
     clusters_active,
+    decide_running,
     ends_without,
     failed_as,
     past_deadline,
@@ -64,8 +67,9 @@ def finished(final: list[int] | None = None) -> tuple[int, str]:
     return 0, json.dumps({} if final is None else {"final_clusters": final})
 
 
-def _pod(node: str, state: Any) -> dict[str, Any]:
-    """The pod of `node` in `state`, as the API returns it (its container's termination)."""
+def _pod(node: str, state: Any, ended: float | None = None) -> dict[str, Any]:
+    """The pod of `node` in `state`, as the API returns it (its container's termination; `ended`:
+    when, in seconds after 07:00)."""
     pod: dict[str, Any] = {"metadata": {"name": resources.pod_name("digits", node)},
                            "spec": {"containers": [{"name": "worker"}]}, "status": {}}
     if state == RUNNING:
@@ -73,18 +77,23 @@ def _pod(node: str, state: Any) -> dict[str, Any]:
         return pod
     code, message = (0, "{}") if state == SUCCEEDED else (137, "") if state == KILLED else state
     reason = "Completed" if code == 0 else "Error"
+    terminated = {"exitCode": code, "reason": reason, "message": message}
+    if ended is not None:
+        terminated["finishedAt"] = f"2026-11-28T07:{int(ended) // 60:02d}:{int(ended) % 60:02d}Z"
     pod["status"] = {"phase": "Succeeded" if code == 0 else "Failed", "containerStatuses": [
-        {"name": "worker", "state": {"terminated": {"exitCode": code, "reason": reason,
-                                                    "message": message}}}]}
+        {"name": "worker", "state": {"terminated": terminated}}]}
     return pod
 
 
-def by_operator(plan, states: dict[str, Any]) -> dict[str, Any]:
-    obs = statuses.observe("digits", plan, [_pod(n, states.get(n, RUNNING)) for n in plan.names()])
+def by_operator(plan, states: dict[str, Any], ended: dict[str, float] | None = None
+                ) -> dict[str, Any]:
+    obs = statuses.observe("digits", plan, [_pod(n, states.get(n, RUNNING), (ended or {}).get(n))
+                                            for n in plan.names()])
     return {n: s.seen(n) for n, s in obs.nodes.items()}
 
 
-def by_local_runner(plan, states: dict[str, Any], tmp: Path) -> dict[str, Any]:
+def by_local_runner(plan, states: dict[str, Any], tmp: Path,
+                    ended: dict[str, float] | None = None) -> dict[str, Any]:
     seen = {}
     for node in plan.names():
         state = states.get(node, RUNNING)
@@ -103,8 +112,11 @@ def by_local_runner(plan, states: dict[str, Any], tmp: Path) -> dict[str, Any]:
             code, said = state
             termination.write(said, env)
             code = code or 0
+        if node in (ended or {}):  # (its log's last write: when it ended)
+            at = dt.datetime(2026, 11, 28, 7, tzinfo=dt.UTC).timestamp() + (ended or {})[node]
+            os.utime(log, (at, at))
         seen[node] = seen_in_process(node, plan.node(node).cluster, code,
-                                     local.ending_of(log, code))
+                                     local.ending_of(log, code, finished=True))
     return seen
 
 
@@ -303,3 +315,83 @@ def test_what_a_supervisor_remembers_goes_through_a_job_status_unchanged():
     assert Memory().last_failures() is None and Memory.of_status({}) == Memory()
     # what is not of its type is ignored (a status edited by hand)
     assert Memory.of_status({"lastFailures": {"job": 7, "clusters": {"0": "x"}}}) == Memory()
+
+
+# (scenario, node states, when nodes ended (s), runPolicy, rejoining, drained, abandoned before,
+#  seconds running) -> (clusters newly ended without, nodes down, act, done, clusters back, past)
+PASSES: list[tuple[str, dict[str, Any], dict[str, float], dict[str, Any], set[int], set[int],
+                   set[int], float, Any]] = [
+    ("every worker runs: watch on", {}, {}, {}, set(), set(), set(), 5.0,
+     (None, (), None, False, set(), None)),
+    ("one killed: its cluster alone", {"node_2": KILLED}, {}, {}, set(), set(), set(), 5.0,
+     (None, ("node_2",), Act.RESTART_CLUSTER, False, set(), None)),
+    ("two failed: every one is down, the first to end first (its words are the failure's)",
+     {"node_2": failed(1, "ValueError: late"), "node_3": failed(1, "OSError: first")},
+     {"node_2": 30, "node_3": 10}, {}, set(), set(), set(), 5.0,
+     (None, ("node_3", "node_2"), Act.RESTART_CLUSTER, False, set(), None)),
+    ("all succeeded: done", dict.fromkeys(("node_0", "node_1", "node_2", "node_3", "node_4",
+                                           "node_5"), SUCCEEDED), {}, {}, set(), set(), set(),
+     5.0, (None, (), None, True, set(), None)),
+    ("cluster 1 failed after cluster 0 finished: ended without it, and so done",
+     {**DONE, "node_3": failed()}, {}, {}, set(), set(), set(), 5.0,
+     ({1}, (), None, True, set(), None)),
+    ("cluster 1 restarted alone runs again: back", {}, {}, {}, {1}, set(), set(), 5.0,
+     (None, (), None, False, {1}, None)),
+    ("a failure in a drained cluster is none", {"node_3": failed()}, {}, {}, set(), {1}, set(),
+     5.0, (None, (), None, False, set(), None)),
+    ("a failure in a cluster left out before is none", {**DONE, "node_3": failed()}, {}, {},
+     set(), set(), {1}, 5.0, (None, (), None, True, set(), None)),
+    ("past the deadline", {}, {}, {"activeDeadlineSeconds": 60}, set(), set(), set(), 61.0,
+     (None, (), None, False, set(), "job ran longer than activeDeadlineSeconds=60")),
+    ("a loss comes before the deadline", {"node_2": KILLED}, {},
+     {"activeDeadlineSeconds": 60}, set(), set(), set(), 61.0,
+     (None, ("node_2",), Act.RESTART_CLUSTER, False, set(), None)),
+]
+
+
+@pytest.mark.parametrize(("name", "states", "ended", "policy", "rejoining", "drained",
+                          "abandoned", "seconds", "expected"), PASSES,
+                         ids=[p[0] for p in PASSES])
+def test_both_supervisors_decide_a_pass_alike(plan, tmp_path, name, states, ended, policy,
+                                              rejoining, drained, abandoned, seconds, expected):
+    """One pass over a running job (`decide_running`): the same decision from the operator's
+    pods and the local runner's processes, in the same order."""
+    run_policy = RunPolicy.model_validate(policy)
+    told: list[tuple[str, ...]] = []
+    decided = []
+    for seen in (by_operator(plan, states, ended), by_local_runner(plan, states, tmp_path, ended)):
+        decided.append(decide_running(
+            plan, run_policy, seen, Memory(), lambda down: told.append(
+                tuple(s.node for s in down)) or "lost", rejoining=rejoining, drained=drained,
+            abandoned=abandoned, recovered=rejoining, seconds_running=seconds))
+    operator, runner = decided
+    new, down, act, done, back, past = expected
+    for d in decided:
+        assert (d.ends.new if d.ends else None, tuple(s.node for s in d.down),
+                d.loss.act if d.loss else None, d.done, d.back, d.past) == (
+            new, down, act, done, back, past), name
+    assert operator.loss == runner.loss and operator.ends == runner.ends, name
+    assert told == ([down, down] if down else []), name
+    if down and isinstance(states[down[0]], tuple):  # (killed: known by nothing)
+        # the first to end is the one whose words the failure is known by
+        assert runner.loss is not None and runner.loss.memory.cluster_failed_as == {
+            1: f"exit code 1: {states[down[0]][1]}"}, name
+
+
+def test_a_pod_deleted_or_gone_is_lost_once_the_job_runs_a_process_ends(plan):
+    """A pod being deleted, or gone, from a running job is lost like a failed one; before the job
+    runs it is one still being made (or an earlier attempt's), and a local worker's process never
+    vanishes (`vanished_lost`)."""
+    pods = [_pod(n, RUNNING) for n in plan.names() if n != "node_4"]
+    pods[1]["metadata"]["deletionTimestamp"] = "2026-11-28T07:00:00Z"  # node_1's
+    seen = {n: s.seen(n) for n, s in statuses.observe("digits", plan, pods).nodes.items()}
+    decided = decide_running(plan, RunPolicy(), seen, Memory(), lambda down: "lost")
+    assert [s.node for s in decided.down] == ["node_1", "node_4"]
+    assert decided.loss is not None and decided.loss.act == Act.RESTART_CLUSTER
+    assert decided.loss.cluster == 1
+    quiet = decide_running(plan, RunPolicy(), seen, Memory(), lambda down: "lost",
+                           vanished_lost=False)
+    assert quiet.down == () and quiet.loss is None and not quiet.done
+    # a cluster restarted alone has no pods until they are made again: not lost
+    back = decide_running(plan, RunPolicy(), seen, Memory(), lambda down: "lost", rejoining={1})
+    assert [s.node for s in back.down] == ["node_1"]

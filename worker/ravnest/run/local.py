@@ -21,8 +21,9 @@ SIGTERM or SIGHUP stops the workers and records the run as Failed (`ravnest run`
 the signal's number); if the runner dies outright (SIGKILL), the kernel kills its workers (Linux's
 parent-death signal, see `ravnest.run.worker.exit_with_runner`).
 
-What to do when a worker dies is decided by `supervising.after_loss`, as the operator decides it
-for a job's pods; this runner carries it out with processes. If a worker dies in a job of several
+What to do on each pass over the running workers (twice a second) is decided by
+`supervising.decide_running`, as the operator decides it for a job's pods; this runner carries it
+out with processes. If a worker dies in a job of several
 clusters (`spec.runPolicy.recovery: cluster`, the default),
 only its cluster is stopped and started again: the other clusters train on, their ring rounds
 going without it, and the restarted workers take their stages' state from the nodes that hold the
@@ -48,6 +49,8 @@ on in.
 
 from __future__ import annotations
 
+import contextlib
+import datetime as dt
 import json
 import logging
 import os
@@ -422,13 +425,13 @@ class LocalRun:
                 _signal_group(p.popen.pid, signal.SIGKILL)
                 p.popen.wait()
 
-    def wait(self) -> _Proc | None:
-        """Watch the workers until all succeeded (None) or one died (the first that died).
-        Raises when the job runs past its deadline."""
+    def wait(self) -> supervising.Running:
+        """Watch the workers, a pass every 0.5 s, until one's decision
+        (`supervising.decide_running`) is to act on a loss or to finish, and return it. Ends the
+        job without the clusters the decision says; raises when the job runs past its deadline."""
         assert self.plan is not None
         roots = {c.id: p for c in self.plan.clusters for p in self.procs
                  if p.node == c.nodes[0]}  # (a drained cluster's are gone after a restart)
-        deadline = self.job.spec.run_policy.active_deadline_seconds
         bar = _Progress(self.progress)
         try:
             while True:
@@ -436,20 +439,21 @@ class LocalRun:
                 self._note_drained()
                 self._note_joined()
                 roots.update(self._grow())
-                self._rejoined()
                 roots = {c: p for c, p in roots.items() if c not in self.drained}
-                codes = {p.node: p.popen.poll() for p in self.procs}
-                if any(c is not None for c in codes.values()) and self._abandon():
-                    continue
-                failed = [p for p in self.procs if codes[p.node] not in (None, 0)
-                          and self.plan.node(p.node).cluster not in self.drained]
-                if failed:
-                    return min(failed, key=lambda p: p.log.stat().st_mtime)
-                if all(c == 0 for c in codes.values()):
-                    return None
-                past = supervising.past_deadline(deadline, time.monotonic() - self._started)
-                if past:
-                    raise WorkerFailed(past)
+                decided = supervising.decide_running(
+                    self.plan, self.job.spec.run_policy, self._seen(), self.memory,
+                    self._failure, rejoining=self.rejoining, drained=self.drained,
+                    abandoned=self.abandoned,
+                    recovered=(r["cluster"] for r in self.recoveries),
+                    seconds_running=time.monotonic() - self._started, vanished_lost=False)
+                if decided.ends is not None:
+                    self._abandon(decided.ends)
+                    continue  # (decided again without them)
+                if decided.loss is not None or decided.done:
+                    return decided
+                if decided.past:
+                    raise WorkerFailed(decided.past)
+                self._rejoined(decided.back)
                 now = bar.update(roots, self._started)
                 if now:
                     self._recovered()
@@ -457,6 +461,11 @@ class LocalRun:
                 time.sleep(0.5)
         finally:
             bar.close()
+
+    @staticmethod
+    def _failure(down: Sequence[supervising.Seen]) -> str:
+        """How a loss came about, in the local runner's words: the worker that ended first."""
+        return f"worker {down[0].node} exited with code {down[0].ending.exit_code}"
 
     def _note_drained(self) -> None:
         """A cluster whose root acknowledged a drain order drained: the job goes on, and ends,
@@ -566,14 +575,12 @@ class LocalRun:
         `backoffLimit` times), or fail the run (WorkerFailed)."""
         self.metas = list(metas)
         self.start(metas)
-        while (dead := self.wait()) is not None:
-            assert self.plan is not None  # (the plan as it is now: a grown job's has more nodes)
-            failure = f"worker {dead.node} exited with code {dead.popen.returncode}"
-            after = supervising.after_loss(self.plan, self.job.spec.run_policy, self._seen(),
-                                           [self._seen_of(dead)], failure, self.memory,
-                                           drained=self.drained)
+        while not (decided := self.wait()).done:
+            after, down = decided.loss, decided.down
+            assert after is not None
+            dead = next(p for p in self.procs if p.node == down[0].node)
             if after.act == supervising.Act.RESTART_CLUSTER:
-                self._recover(dead, self.metas, after)
+                self._recover(down, self.metas, after)
                 continue
             if after.act == supervising.Act.WAIT:  # (`wait` ends the run without it once done)
                 said = after.said()
@@ -608,7 +615,7 @@ class LocalRun:
         assert self.plan is not None
         code = proc.popen.poll()
         return supervising.seen_in_process(proc.node, self.plan.node(proc.node).cluster, code,
-                                           ending_of(proc.log, code))
+                                           ending_of(proc.log, code, finished=True))
 
     def _seen(self) -> dict[str, supervising.Seen]:
         """Every node of the plan not drained, as its process shows it (Missing: none runs it)."""
@@ -633,44 +640,38 @@ class LocalRun:
         plan = self.plan
         return [m for m in metas if plan.node(m.node).cluster not in self.drained]
 
-    def _abandon(self) -> bool:
-        """End the run without the clusters that `supervising.ends_without` says cannot finish
-        with the others, which have (failed, or restarted and running again too late): their
-        workers are stopped, and the others' outputs are the job's (the final round averaged
-        them). False: nothing to end without."""
+    def _abandon(self, ends: supervising.EndsWithout) -> None:
+        """End the run without the clusters `ends` names (`supervising.ends_without`: they cannot
+        finish with the others, which have): the workers of those new to it are stopped, and the
+        others' outputs are the job's (the final round averaged them)."""
         assert self.plan is not None
-        ends = supervising.ends_without(
-            self.plan, self.job.spec.run_policy, self._seen(),
-            recovered=(r["cluster"] for r in self.recoveries), drained=self.drained,
-            abandoned=self.abandoned)
-        if ends is None:
-            return False
         mine = [p for p in self.procs if self.plan.node(p.node).cluster in ends.new]
         self.stop(mine)
         self.procs = [p for p in self.procs if p not in mine]
         self.abandoned |= ends.new
+        self.rejoining -= ends.new
         self._say("Recovering", "False", "Abandoned", ends.said())
-        return True
 
-    def _recover(self, dead: _Proc, metas: list[NodeMetadata],
+    def _recover(self, down: Sequence[supervising.Seen], metas: list[NodeMetadata],
                  after: supervising.AfterLoss) -> None:
-        """Restart only the cluster of `dead` (`after`, from `supervising.after_loss`); a free hot
-        spare that holds the stage of `dead` takes it over."""
+        """Restart only the cluster of the nodes `down` (`after`, from `supervising.after_loss`);
+        a free hot spare that holds the stage of one of them takes it over."""
         assert self.plan is not None and after.cluster is not None
         cluster, mine = after.cluster, {n.name for n in self.plan.cluster_nodes(after.cluster)}
         procs = [p for p in self.procs if p.node in mine]
+        codes = {p.node: p.popen.returncode for p in procs}
         # killed at once: they have nothing to save, and their ports are wanted back now
         self.stop(procs, grace=0)
         self.procs = [p for p in self.procs if p.node not in mine]
         self.memory = after.memory
         self.rejoining.add(cluster)
-        self.recoveries.append({"cluster": cluster, "node": dead.node,
-                                "exitCode": dead.popen.returncode, "at": round(time.time(), 3)})
-        spare = self._take_over(next(m for m in metas if m.node == dead.node), cluster)
-        taken = elastic.taken_over({dead.node: spare} if spare else {})
-        self._say("Recovering", "True", after.reason, after.said(taken))
-        self.start([m for m in metas if m.node in mine and (spare is None or m.node != dead.node)],
-                   rejoin=True)
+        self.recoveries.append({"cluster": cluster, "node": down[0].node,
+                                "exitCode": codes.get(down[0].node),
+                                "at": round(time.time(), 3)})
+        taken = {s.node: spare for s in down if s.cluster == cluster and (
+            spare := self._take_over(next(m for m in metas if m.node == s.node), cluster))}
+        self._say("Recovering", "True", after.reason, after.said(elastic.taken_over(taken)))
+        self.start([m for m in metas if m.node in mine and m.node not in taken], rejoin=True)
 
     def _recovered(self) -> None:
         """Running again after a whole restart: Restarting turns False, as in the operator."""
@@ -679,13 +680,9 @@ class LocalRun:
                 c.update(status="False", reason="Recovered",
                          message=supervising.recovered(c))
 
-    def _rejoined(self) -> None:
-        """The clusters restarted alone or added whose workers all run again train with the
-        others (`supervising.back_again`); once none is left rejoining, Recovering turns False,
-        as in the operator."""
-        if not self.rejoining:  # (no process polled nor file read twice a second for nothing)
-            return
-        back = supervising.back_again(self.rejoining, self._seen())
+    def _rejoined(self, back: frozenset[int]) -> None:
+        """The clusters restarted alone or added whose workers all run again (`back`) train with
+        the others; once none is left rejoining, Recovering turns False, as in the operator."""
         if not back:
             return
         self.rejoining -= back
@@ -819,14 +816,22 @@ def _spare_phase(proc: _Proc | None) -> str:
     return "Running" if proc.popen.poll() is None else "Exited"
 
 
-def ending_of(log_file: Path, exit_code: int | None) -> termination.Ending:
+def ending_of(log_file: Path, exit_code: int | None,
+              finished: bool = False) -> termination.Ending:
     """How a local worker that logs to `log_file` ended: its exit code and termination message
     (`termination.of_local`), else, when it left none, its log's last lines (as the kubelet's
-    FallbackToLogsOnError has it for a pod)."""
+    FallbackToLogsOnError has it for a pod); with `finished`, when (its log's last write, as an
+    RFC 3339 time). One still running (`exit_code` None) has not ended: nothing is read."""
+    if exit_code is None:
+        return termination.NOT_ENDED
     ending = termination.of_local(log_file, exit_code)
-    if exit_code is None or ending.message.strip():
-        return ending
-    return termination.Ending(exit_code, message=_tail(log_file, 5))
+    if not ending.message.strip():
+        ending = termination.Ending(exit_code, message=_tail(log_file, 5))
+    if finished:
+        with contextlib.suppress(OSError):
+            at = dt.datetime.fromtimestamp(log_file.stat().st_mtime, dt.UTC)
+            ending = replace(ending, finished_at=at.isoformat(timespec="microseconds"))
+    return ending
 
 
 def _tail(path: Path, lines: int = 25) -> str:

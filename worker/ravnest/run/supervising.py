@@ -3,17 +3,21 @@ local runner (`ravnest.run.local`, which sees its worker processes) and the oper
 (`ravnest_operator.deciding`, which sees the job's pods).
 
 Each supervisor turns what it sees into the same typed observations (`Seen`: a node's phase, how
-its process ended, parsed once by `ravnest.termination`), keeps the same memory between decisions
-(`Memory`: restarts, recoveries, how the last failures read), and asks `after_loss`, a pure
-function, what to do: restart the lost cluster alone, restart the whole job from its last
-checkpoint, or fail the job. It then carries the answer out its own way (processes and files;
-pods, status and Events) and says the message the answer holds.
+its process ended and when, parsed once by `ravnest.termination`), keeps the same memory between
+decisions (`Memory`: restarts, recoveries, how the last failures read), and on each pass over a
+running job asks `decide_running`, a pure function, what to do, in one order for both: the
+clusters the job ends without (`ends_without`), then every node failed or lost, the first to end
+first, and what to do about them (`after_loss`: restart the lost cluster alone, restart the whole
+job from its last checkpoint, wait for the clusters finishing, or fail the job), else whether the
+job is done, which clusters rejoining are back, and whether it ran past its deadline. It then
+carries the answer out its own way (processes and files; pods, status and Events) and says the
+message the answer holds.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -316,6 +320,70 @@ def rejoined(back: Collection[int], condition: Mapping[str, str]) -> str:
     (Recovering, True) said, and none is left rejoining."""
     return (f"cluster(s) {', '.join(map(str, sorted(back)))} running again after: "
             f"{condition['message']}")
+
+
+@dataclass(frozen=True)
+class Running:
+    """What a supervisor does in one pass over a running job (`decide_running`)."""
+
+    ends: EndsWithout | None = None
+    """The job ends without some clusters from now on: stop the workers of the new ones, and
+    say it (`EndsWithout.said`)."""
+    away: frozenset[int] = frozenset()
+    """The clusters the job ends without (before this pass, or from it): the rest of the pass,
+    and the job, go on without them."""
+    down: tuple[Seen, ...] = ()
+    """The nodes that failed or were lost, the first to end first."""
+    loss: AfterLoss | None = None
+    """What to do about `down` (`after_loss`)."""
+    done: bool = False
+    """Every worker succeeded: finish the job."""
+    back: frozenset[int] = frozenset()
+    """The clusters rejoining that train with the others again (`back_again`)."""
+    past: str | None = None
+    """The job ran past its deadline: it fails (reason `DEADLINE_EXCEEDED`), saying this."""
+
+
+def decide_running(plan: Plan, policy: RunPolicy, nodes: Mapping[str, Seen], memory: Memory,
+                   describe: Callable[[Sequence[Seen]], str], *,
+                   rejoining: Collection[int] = (), drained: Collection[int] = (),
+                   abandoned: Collection[int] = (), recovered: Iterable[int] = (),
+                   seconds_running: float = 0.0, vanished_lost: bool = True) -> Running:
+    """One pass of a supervisor over a running job, for both supervisors, in this order:
+
+    1. the clusters it ends without from now on (`ends_without`); the rest of the pass leaves
+       them out, as it leaves out the drained ones;
+    2. the nodes failed or lost (failed; or, with `vanished_lost`, being deleted or gone
+       although their cluster is not rejoining: the operator's pods once the job runs, not
+       while they are being made; a local worker's process never vanishes, it ends), the first
+       to end first: what to do about them
+       (`after_loss`; `describe` puts their failure in the supervisor's words);
+    3. else, every worker succeeded: the job is done;
+    4. else, the clusters rejoining that are back (`back_again`), and whether the job ran past
+       its deadline (`past_deadline`, after `seconds_running` seconds).
+
+    `nodes`: the plan's nodes as seen; `rejoining`: clusters restarted alone or added and not
+    running again yet; `drained`: clusters that left the job; `abandoned`: those it ended
+    without before this pass; `recovered`: clusters restarted alone in this attempt."""
+    nodes = {n: s for n, s in nodes.items() if s.cluster not in drained}
+    ends = ends_without(plan, policy, nodes, recovered=recovered, rejoining=rejoining,
+                        drained=drained, abandoned=abandoned)
+    away = ends.clusters if ends is not None else frozenset(abandoned)
+    nodes = {n: s for n, s in nodes.items() if s.cluster not in away}
+    rejoining = set(rejoining) - away
+    failed = sorted((s for s in nodes.values() if s.phase == NodePhase.FAILED),
+                    key=lambda s: (s.ending.finished_at is None, s.ending.finished_at or ""))
+    lost = [s for s in nodes.values() if vanished_lost and s.phase != NodePhase.FAILED and (
+        s.deleting or (s.phase == NodePhase.MISSING and s.cluster not in rejoining))]
+    down = (*failed, *lost)
+    if down:
+        loss = after_loss(plan, policy, nodes, down, describe(down), memory,
+                          rejoining=rejoining, drained=drained)
+        return Running(ends, away, down, loss)
+    if nodes and all(s.phase == NodePhase.SUCCEEDED for s in nodes.values()):
+        return Running(ends, away, done=True)
+    return Running(ends, away, back=frozenset(back_again(rejoining, nodes)),
+                   past=past_deadline(policy.active_deadline_seconds, seconds_running))
 
 
 def clusters_active(plan: Plan, away: Collection[int]) -> str:
