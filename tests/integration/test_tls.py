@@ -161,7 +161,7 @@ def test_a_local_job_with_tls_trains_over_tls(tmp_path, digits_doc) -> None:
             time.sleep(1)
         error = _health(metas[0].listen, None)
         assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
-        assert run.wait() is None, "a worker died"
+        assert run.wait().done, "a worker died"
     finally:
         run.stop()
     summary = run.finish(1.0)

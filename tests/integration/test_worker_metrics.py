@@ -65,6 +65,6 @@ def test_workers_export_training_metrics(tmp_path, digits_doc):
         assert got["forward"] > 0
         loss = seen["ravnest_loss"].samples[0].value
         assert 0 < loss < 5
-        run.wait()
+        assert run.wait().done, "a worker died"
     finally:
         run.stop()
