@@ -101,30 +101,21 @@ def test_clusters_of_one_provider_all_join_the_final_reduce(tmp_path, digits_doc
             torch.testing.assert_close(other[k].float(), v.float(), rtol=0, atol=1e-6)
 
 
-def test_worker_failure_is_reported_and_nothing_is_left_running(tmp_path, digits_doc,
-                                                                worker_env):
-    digits_doc["spec"]["data"]["entrypoint"] = "models:data_missing_on_providers"
-    digits_doc["spec"]["runPolicy"] = {"backoffLimit": 1}
-    with pytest.raises(WorkerFailed) as err:
-        run_job(parse_job(digits_doc), tmp_path, progress=False)
-    message = str(err.value)
-    # a worker exits 2 on a spec error, which names the field
-    assert "exited with code 2 after 1 restart(s), backoffLimit 1" in message
-    assert "spec.data.entrypoint" in message and "dataset shard missing" in message
-    assert pids_with(str(tmp_path)) == []
-
-
-def test_a_failure_that_repeats_identically_is_not_restarted_again(tmp_path, digits_doc,
-                                                                   worker_env):
+def test_a_failure_that_repeats_identically_is_reported_not_restarted_again_and_nothing_left(
+        tmp_path, digits_doc, worker_env):
     """Issue 19 item 7: restarting cannot cure a worker that fails the same way every time; the
-    run stops after the first restart shows it, not after backoffLimit restarts."""
+    run stops after the first restart shows it, not after backoffLimit restarts, saying how the
+    worker failed, and leaves no process running. (Which failure is taken for a repeat, and what
+    is said, are decided in `supervising.after_loss`: tests/unit/test_supervising.py.)"""
     digits_doc["spec"]["data"]["entrypoint"] = "models:data_missing_on_providers"
     digits_doc["spec"]["runPolicy"] = {"backoffLimit": 3}
     with pytest.raises(WorkerFailed) as err:
         run_job(parse_job(digits_doc), tmp_path, progress=False)
     message = str(err.value)
-    assert "after 1 restart(s), backoffLimit 3; it failed the same way" in message, message
-    assert "dataset shard missing" in message
+    # a worker exits 2 on a spec error, which names the field
+    assert "exited with code 2 after 1 restart(s), backoffLimit 3; it failed the same way" \
+        in message, message
+    assert "spec.data.entrypoint" in message and "dataset shard missing" in message
     assert json.loads((tmp_path / "status.json").read_text())["restarts"] == 1
     assert pids_with(str(tmp_path)) == []
 
