@@ -556,11 +556,11 @@ def _lost(run: _Pass, job: Job, plan: Plan, obs: Observation, decided: supervisi
     assert after is not None
     taking = spares.choose(plan, [s.node for s in decided.down]) if (
         after.act in (supervising.Act.RESTART_CLUSTER, supervising.Act.RESTART_JOB)) else {}
+    taken = elastic.taken_over({n: sp.name for n, sp in taking.items()})
     if after.act == supervising.Act.RESTART_CLUSTER:
-        _recover(run, plan, obs, after, recoveries, rejoining, conditions,
-                 elastic.taken_over({n: sp.name for n, sp in taking.items()}))
+        _recover(run, plan, obs, after, recoveries, rejoining, conditions, taken)
     elif after.act == supervising.Act.RESTART_JOB:
-        _restart(run, job, obs, after, conditions)
+        _restart(run, job, obs, after, conditions, taken)
     elif after.act == supervising.Act.WAIT:
         run.out.set({"conditions": set_condition(conditions, "Recovering", True, after.reason,
                                                  after.said(), run.at)})
@@ -733,17 +733,11 @@ class _Spares:
 
     def choose(self, plan: Plan, lost: list[str]) -> dict[str, SparePlan]:
         """The running spare that takes over the stage of each node in `lost` (its pod failed
-        or gone, and to be created again) whose stage one holds (`elastic.spare_for`)."""
+        or gone, and to be created again) whose stage one holds (`elastic.choose_spares`)."""
         ram = [p.ram for p in self.job.spec.expanded_providers()]
-        free = [SparePlan(spare_name(i), i, ram[i]) for i in self.providers
-                if self._phase(i) == "Running"]
-        chosen: dict[str, SparePlan] = {}
-        for node in lost:
-            spare = elastic.spare_for(plan, node, free)
-            if spare is not None:
-                free.remove(spare)
-                chosen[node] = spare
-        return chosen
+        return elastic.choose_spares(plan, lost, [SparePlan(spare_name(i), i, ram[i])
+                                                  for i in self.providers
+                                                  if self._phase(i) == "Running"])
 
     def take_over(self, run: _Pass, chosen: Mapping[str, SparePlan]) -> None:
         """Each node `chosen` gets its spare's provider: the spare's pod is deleted and the
@@ -800,11 +794,12 @@ def _suspend(run: _Pass, phase: str | None, conditions: list[dict[str, Any]],
 
 
 def _restart(run: _Pass, job: Job, obs: Observation, after: supervising.AfterLoss,
-             conditions: list[dict[str, Any]]) -> None:
-    """Restart every pod from the last checkpoint (`after`: a whole restart)."""
+             conditions: list[dict[str, Any]], taken: str = "") -> None:
+    """Restart every pod from the last checkpoint (`after`: a whole restart; `taken`: which
+    spares take lost stages over, `elastic.taken_over`)."""
     run.out.do(*(DeletePod(s.pod) for s in obs.nodes.values()
                  if s.phase != "Missing" and not s.deleting))
-    text = after.said(resumes=_resumes(job))
+    text = after.said(taken, resumes=_resumes(job))
     run.out.set({"restarts": after.memory.restarts, "phase": Phase.RESTARTING, "rejoining": [],
                  "clusterRecoveries": [], "lastFailures": after.memory.last_failures(),
                  "conditions": set_condition(conditions, "Restarting", True, after.reason, text,

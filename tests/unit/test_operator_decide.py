@@ -1126,6 +1126,10 @@ def test_a_spare_takes_over_at_a_whole_restart_too(spared):
     d = decide(_observed(spared, _running(), pods, runPolicy=WHOLE), NOW, SETTINGS)
     assert d.status["phase"] == "Restarting" and d.status["restarts"] == 1
     assert d.status["takeovers"] == {plan.nodes[0].name: spare.provider}
+    # (and says so, as the local runner does: tests/unit/test_supervising.py)
+    (restarting,) = [c for c in d.status["conditions"] if c["type"] == "Restarting"]
+    assert restarting["message"].endswith(
+        f"; spare {spare.name} took over the stage of {plan.nodes[0].name}")
 
 
 def test_spare_pods_are_let_go_when_training_ends_whatever_the_clean_policy(spared):

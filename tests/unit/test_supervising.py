@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from ravnest import parse_job, plan_job, termination
-from ravnest.run import local
+from ravnest.run import elastic, local
 from ravnest.run.supervising import (
     FAILED_AFTER,
     NOT_BACK,
@@ -395,3 +395,42 @@ def test_a_pod_deleted_or_gone_is_lost_once_the_job_runs_a_process_ends(plan):
     # a cluster restarted alone has no pods until they are made again: not lost
     back = decide_running(plan, RunPolicy(), seen, Memory(), lambda down: "lost", rejoining={1})
     assert [s.node for s in back.down] == ["node_1"]
+
+
+def test_both_supervisors_give_a_lost_stage_to_a_free_spare_at_a_whole_restart(tmp_path):
+    """At a whole restart (runPolicy.recovery: job), a free hot spare that holds a lost node's
+    stage runs it from then on, and the lost provider becomes a spare: the local runner as the
+    operator (tests/unit/test_operator_decide.py), and both say so alike."""
+    import subprocess
+    import sys
+
+    doc = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
+    doc["spec"]["plan"]["spares"] = 1
+    doc["spec"]["runPolicy"] = {"recovery": "job"}
+    run = local.LocalRun(parse_job(doc), tmp_path, progress=False)
+    run.prepare()
+    assert run.plan is not None
+    (spare,) = run.spares
+    victim = run.plan.nodes[0]
+    held = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        run.spare_procs = {spare.name: local._Proc(spare.name, held, tmp_path / "s.log", 0)}
+        taken = run._reassign([seen_in_process(victim.name, victim.cluster, -9,
+                                               termination.Ending(-9))])
+    finally:
+        held.kill()
+        held.wait()
+    assert taken == {victim.name: spare.name}
+    assert run._runs_on(victim.name) == spare.provider  # its worker starts there
+    assert [sp.provider for sp in run.spares] == [victim.provider]  # the lost one: a spare
+    assert run.takeovers[0]["node"] == victim.name and run.takeovers[0]["lost"] == \
+        victim.provider
+    after = after_loss(run.plan, run.job.spec.run_policy, {}, [], "worker node_0 exited with "
+                       "code -9", Memory())
+    assert after.act == Act.RESTART_JOB
+    assert after.said(elastic.taken_over(taken), resumes="resumes from the start") == (
+        f"worker node_0 exited with code -9; restart 1/3 resumes from the start; spare "
+        f"{spare.name} took over the stage of node_0")
+    # a spare not running (its process ended) takes nothing over
+    run.spare_procs = {}
+    assert run._reassign([seen_in_process("node_1", 1, -9, termination.Ending(-9))]) == {}

@@ -75,6 +75,23 @@ def spare_for(plan: Plan, node: str, free: Iterable[SparePlan]) -> SparePlan | N
     return min(fits, key=lambda s: (s.ram_gb, s.provider), default=None)
 
 
+def choose_spares(plan: Plan, lost: Iterable[str], free: Iterable[SparePlan]
+                  ) -> dict[str, SparePlan]:
+    """The free hot spare that takes over the stage of each node in `lost` whose stage one
+    holds (`spare_for`), a spare for one node only, in the order of `lost`; what both
+    supervisors do when they restart lost nodes, alone with their cluster or with the whole job:
+    the node's worker runs as the spare's provider from then on, and the lost provider becomes a
+    spare."""
+    left = list(free)
+    chosen: dict[str, SparePlan] = {}
+    for node in lost:
+        spare = spare_for(plan, node, left)
+        if spare is not None:
+            left.remove(spare)
+            chosen[node] = spare
+    return chosen
+
+
 def removed_providers(planned: Sequence[Provider], now: Sequence[Provider]) -> list[int] | None:
     """The providers (indices into `planned`, the job's providers as planned, replicas expanded)
     that an edited spec no longer has (`now`, expanded too), when removing them is the edit: `now`
@@ -176,8 +193,9 @@ def restarted_alone(failure: str, cluster: int, recovery: int, limit: int, whole
 
 
 def taken_over(spares: Mapping[str, str]) -> str:
-    """What both supervisors add to `restarted_alone`'s message when hot spares take lost
-    stages over (`spares`: node -> the spare that takes its stage over); "" when none does."""
+    """What both supervisors add to the message of a restart (a cluster's alone,
+    `restarted_alone`, or the whole job's) when hot spares take lost stages over (`spares`: node
+    -> the spare that takes its stage over); "" when none does."""
     return "".join(f"; spare {spare} took over the stage of {node}"
                    for node, spare in spares.items())
 

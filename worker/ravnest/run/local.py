@@ -42,7 +42,9 @@ With `spec.plan.spares`, the providers the planner set aside run as hot spares (
 --spare`: started with the workers, the job's model built, waiting on stdin). When a cluster is
 restarted alone, the free spare whose RAM holds the lost node's stage (`elastic.spare_for`) takes
 that stage over at once, its metadata named on its stdin, while the cluster's other workers
-start again; the lost provider becomes a spare in its turn (started again, cold). ``status.json``
+start again; the lost provider becomes a spare in its turn (started again, cold). At a whole
+restart a free spare's provider runs the lost node's stage from then on in the same way, as the
+operator places that node's new pod (`elastic.choose_spares`, for both). ``status.json``
 lists the spares and each takeover, and ``logs/<node>.log`` says which spare's log the node goes
 on in.
 """
@@ -366,16 +368,26 @@ class LocalRun:
                 umask=PRIVATE_UMASK)
         self.spare_procs[spare.name] = _Proc(spare.name, popen, logfile, 0)
 
-    def _take_over(self, meta: NodeMetadata, cluster: int) -> str | None:
-        """Hand the lost node's stage (`meta`) to a hot spare that holds it, if one is free: the
+    def _free_spares(self) -> list[SparePlan]:
+        """The hot spares whose processes run (held, waiting for an order)."""
+        return [sp for sp in self.spares if sp.name in self.spare_procs]
+
+    def _hand_over(self, node: str, cluster: int, spare: SparePlan) -> None:
+        """From now on `node`'s worker runs as `spare`'s provider, and the provider that ran it
+        is a spare (recorded in status.json's takeovers)."""
+        lost = self._runs_on(node)
+        self.spares.remove(spare)
+        self.spares.append(SparePlan(spare_name(lost), lost, self._ram[lost]))
+        self.takeovers.append({"node": node, "cluster": cluster, "spare": spare.name,
+                               "provider": spare.provider, "lost": lost,
+                               "at": round(time.time(), 3)})
+
+    def _take_over(self, meta: NodeMetadata, cluster: int, spare: SparePlan) -> bool:
+        """Hand the lost node's stage (`meta`) to the hot spare `spare`, which holds it: the
         spare's process becomes that node's worker (it rejoins with its cluster), and the lost
-        provider becomes a spare, started again. The spare's name, or None."""
-        assert self.plan is not None
+        provider becomes a spare, started again. False: the spare could not be told."""
         node = meta.node
-        spare = elastic.spare_for(self.plan, node, [sp for sp in self.spares
-                                                    if sp.name in self.spare_procs])
-        if spare is None:
-            return None
+        assert self.plan is not None
         proc = self.spare_procs.pop(spare.name)
         gone = elastic.gone_nodes(self.plan, self.drained)
         order = json.dumps({"metadata": str(self.out / "nodes" / f"{node}.json"), "rejoin": True,
@@ -388,21 +400,28 @@ class LocalRun:
             log.warning("spare %s could not be told to take over %s", spare.name, node)
             self.stop([proc], grace=0)
             self.spares.remove(spare)
-            return None
+            return False
         self.procs.append(_Proc(node, proc.popen, proc.log, meta.metrics_port,
                                 host_of(meta.listen)))
         lost = self._runs_on(node)
-        self.spares.remove(spare)
-        self.spares.append(SparePlan(spare_name(lost), lost, self._ram[lost]))
-        self.takeovers.append({"node": node, "cluster": cluster, "spare": spare.name,
-                               "provider": spare.provider, "lost": lost,
-                               "at": round(time.time(), 3)})
+        self._hand_over(node, cluster, spare)
         with open(self.out / "logs" / f"{node}.log", "a") as fh:
             fh.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} provider {lost} lost: spare "
                      f"{spare.name} (provider {spare.provider}) took over {node}; its log goes on "
                      f"in {proc.log.name}\n")
         self._start_spare(self.spares[-1])
-        return spare.name
+        return True
+
+    def _reassign(self, down: Sequence[supervising.Seen]) -> dict[str, str]:
+        """At a whole restart, as the operator places the lost nodes' new pods: each node of
+        `down` whose stage a free hot spare holds (`elastic.choose_spares`) runs as that spare's
+        provider from the restart on, and its provider becomes a spare (every worker and spare
+        starts again). Node -> the spare that took its stage over."""
+        assert self.plan is not None
+        chosen = elastic.choose_spares(self.plan, [s.node for s in down], self._free_spares())
+        for node, spare in chosen.items():
+            self._hand_over(node, self.plan.node(node).cluster, spare)
+        return {node: spare.name for node, spare in chosen.items()}
 
     def _runs_on(self, node: str) -> int:
         """The provider that runs `node` now (its planned one, until a spare took it over)."""
@@ -592,6 +611,7 @@ class LocalRun:
             if after.act == supervising.Act.FAIL:
                 raise WorkerFailed(f"{after.said()}; last lines of {dead.log}:\n"
                                    f"{_tail(dead.log)}")
+            taken = self._reassign(down)
             self.stop()
             self.procs = []
             self.rejoining = set()
@@ -601,7 +621,8 @@ class LocalRun:
             step = checkpointing.latest(self.checkpoint_dir(), [m.node for m in planned])
             where = f"checkpoint at step {step}" if step is not None else "the start"
             self._say("Restarting", "True", after.reason,
-                      after.said(resumes=f"resumes from {where}"), phase=Phase.RESTARTING)
+                      after.said(elastic.taken_over(taken), resumes=f"resumes from {where}"),
+                      phase=Phase.RESTARTING)
             self.start(metas)
 
     @property
@@ -668,8 +689,10 @@ class LocalRun:
         self.recoveries.append({"cluster": cluster, "node": down[0].node,
                                 "exitCode": codes.get(down[0].node),
                                 "at": round(time.time(), 3)})
-        taken = {s.node: spare for s in down if s.cluster == cluster and (
-            spare := self._take_over(next(m for m in metas if m.node == s.node), cluster))}
+        chosen = elastic.choose_spares(self.plan, [s.node for s in down if s.cluster == cluster],
+                                       self._free_spares())
+        taken = {node: spare.name for node, spare in chosen.items() if self._take_over(
+            next(m for m in metas if m.node == node), cluster, spare)}
         self._say("Recovering", "True", after.reason, after.said(elastic.taken_over(taken)))
         self.start([m for m in metas if m.node in mine and m.node not in taken], rejoin=True)
 

@@ -172,7 +172,8 @@ class AfterLoss:
             return elastic.restarted_alone(self.failure, self.cluster, self.memory.recoveries,
                                            self.limit, self.whole, taken)
         if self.act == Act.RESTART_JOB:
-            return f"{self.failure}; restart {self.memory.restarts}/{self.limit} {resumes}"
+            return (f"{self.failure}; restart {self.memory.restarts}/{self.limit} {resumes}"
+                    f"{taken}")
         used = (f" after {self.memory.restarts} restart(s), backoffLimit {self.limit}"
                 if self.limit else "")
         why = ("; it failed the same way as before its last restart, so it is not restarted "
