@@ -55,12 +55,16 @@ class NodeState:
         return Seen(node, self.cluster, NodePhase.of(self.phase), self.ending, self.deleting)
 
     def failure(self) -> str:
-        """How the pod failed (its phase Failed) or was lost (deleted, or gone)."""
-        if self.phase != "Failed":
-            return f"pod {self.pod} was deleted"
-        return (f"pod {self.pod} failed with exit code {self.exit_code}"
-                + (f" ({self.reason})" if self.reason else "")
-                + (f": {self.said}" if self.said else ""))
+        """How the pod failed (its phase Failed) or was lost (deleted, or gone): a pod deleted
+        says so first, as its deletion is why it failed (`kubectl delete pod` ends its worker
+        with SIGTERM, exit code 143)."""
+        failed = "" if self.phase != "Failed" else (
+            f"failed with exit code {self.exit_code}"
+            + (f" ({self.reason})" if self.reason else "")
+            + (f": {self.said}" if self.said else ""))
+        if self.deleting or self.phase == "Missing":
+            return f"pod {self.pod} was deleted" + (f" and {failed}" if failed else "")
+        return f"pod {self.pod} {failed or 'was lost'}"
 
     def to_status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"pod": self.pod, "phase": self.phase}

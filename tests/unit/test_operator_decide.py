@@ -537,6 +537,19 @@ def test_a_pod_lost_from_a_running_job_restarts_it(digits):
     assert d.actions[:-2] == [DeletePod(p["metadata"]["name"]) for p in pods[1:]]
 
 
+def test_a_pod_deleted_and_failed_meanwhile_is_said_to_be_deleted(digits):
+    """`kubectl delete pod` ends the worker with SIGTERM (143): the pod is then both being
+    deleted and Failed, and what the operator says names the deletion, the cause, first."""
+    _, _, plan = digits
+    pods = _pods(plan, "Running")
+    pods[2] = _pod(plan, 2, "Failed", code=143, deleting=True)
+    d = decide(_observed(digits, _running(), pods), NOW, SETTINGS)
+    name = pods[2]["metadata"]["name"]
+    assert _conditions(d)["Recovering"]["message"].startswith(
+        f"pod {name} was deleted and failed with exit code 143 (Error); cluster 1 restarted "
+        f"alone")
+
+
 # --- elastic: a lost cluster restarted alone ----------------------------------------------------
 # digits plans 2 clusters: cluster 0 is node_0 (root) and node_5 (leaf), cluster 1 node_1..node_4;
 # each of cluster 0's nodes shares a ring with cluster 1.
