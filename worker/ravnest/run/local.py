@@ -372,15 +372,16 @@ class LocalRun:
         """The hot spares whose processes run (held, waiting for an order)."""
         return [sp for sp in self.spares if sp.name in self.spare_procs]
 
-    def _hand_over(self, node: str, cluster: int, spare: SparePlan) -> None:
+    def _hand_over(self, node: str, cluster: int, spare: SparePlan) -> int:
         """From now on `node`'s worker runs as `spare`'s provider, and the provider that ran it
-        is a spare (recorded in status.json's takeovers)."""
+        is a spare (recorded in status.json's takeovers); that provider."""
         lost = self._runs_on(node)
         self.spares.remove(spare)
         self.spares.append(SparePlan(spare_name(lost), lost, self._ram[lost]))
         self.takeovers.append({"node": node, "cluster": cluster, "spare": spare.name,
                                "provider": spare.provider, "lost": lost,
                                "at": round(time.time(), 3)})
+        return lost
 
     def _take_over(self, meta: NodeMetadata, cluster: int, spare: SparePlan) -> bool:
         """Hand the lost node's stage (`meta`) to the hot spare `spare`, which holds it: the
@@ -403,8 +404,7 @@ class LocalRun:
             return False
         self.procs.append(_Proc(node, proc.popen, proc.log, meta.metrics_port,
                                 host_of(meta.listen)))
-        lost = self._runs_on(node)
-        self._hand_over(node, cluster, spare)
+        lost = self._hand_over(node, cluster, spare)
         with open(self.out / "logs" / f"{node}.log", "a") as fh:
             fh.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} provider {lost} lost: spare "
                      f"{spare.name} (provider {spare.provider}) took over {node}; its log goes on "
@@ -680,14 +680,13 @@ class LocalRun:
         assert self.plan is not None and after.cluster is not None
         cluster, mine = after.cluster, {n.name for n in self.plan.cluster_nodes(after.cluster)}
         procs = [p for p in self.procs if p.node in mine]
-        codes = {p.node: p.popen.returncode for p in procs}
         # killed at once: they have nothing to save, and their ports are wanted back now
         self.stop(procs, grace=0)
         self.procs = [p for p in self.procs if p.node not in mine]
         self.memory = after.memory
         self.rejoining.add(cluster)
         self.recoveries.append({"cluster": cluster, "node": down[0].node,
-                                "exitCode": codes.get(down[0].node),
+                                "exitCode": down[0].ending.exit_code,
                                 "at": round(time.time(), 3)})
         chosen = elastic.choose_spares(self.plan, [s.node for s in down if s.cluster == cluster],
                                        self._free_spares())
