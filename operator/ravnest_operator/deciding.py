@@ -23,7 +23,7 @@ from ravnest.plan import growth
 from ravnest.plan.handoff import decode
 from ravnest.plan.plans import Plan, ProviderInfo, SparePlan, spare_name
 from ravnest.run import elastic, progress, supervising
-from ravnest.run.jobstatus import FINISHED, Phase
+from ravnest.run.jobstatus import FINISHED, Phase, set_condition
 from ravnest.spec import Job, parse_job
 
 from . import resources
@@ -46,7 +46,7 @@ from .actions import (
 )
 from .planning import PlannerPod
 from .settings import Settings
-from .statuses import Observation, observe, parse_time, set_condition, timestamp
+from .statuses import Observation, observe, parse_time, timestamp
 
 NOT_DURABLE = ("checkpoints are on the pods' emptyDir volumes: a restart or a suspend starts over "
                "from step 0; to keep them, set spec.checkpoint.path to an object store "
@@ -113,10 +113,9 @@ class _Pass:
 
     def fail(self, reason: str, message: str) -> None:
         """Phase Failed, with a Warning Event."""
-        conds = set_condition(self.status.get("conditions") or [], "Failed", True, reason,
-                              message, self.at)
         self.out.set({"phase": Phase.FAILED, "completionTime": self.at,
-                      "conditions": set_condition(conds, "Running", False, reason, "", self.at)})
+                      "conditions": supervising.failed(self.status.get("conditions") or [],
+                                                       reason, message, self.at)})
         self.out.do(Event(reason, message, warning=True),
                     CountFinished(self.status.get("phase"), Phase.FAILED,
                                   self.status.get("startTime")))
@@ -542,7 +541,7 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
         return
     _create_missing(run, job, plan, obs, restarts, recoveries, runs_on, spares)
     conditions, rejoining = _rejoined(run, plan, decided.back, rejoining, conditions)
-    _watch(run, plan, obs, phase, conditions, rejoining, decided.past)
+    _watch(run, plan, obs, phase, conditions, rejoining, decided.past, decided.up)
 
 
 def _lost(run: _Pass, job: Job, plan: Plan, obs: Observation, decided: supervising.Running,
@@ -562,8 +561,7 @@ def _lost(run: _Pass, job: Job, plan: Plan, obs: Observation, decided: supervisi
     elif after.act == supervising.Act.RESTART_JOB:
         _restart(run, job, obs, after, conditions, taken)
     elif after.act == supervising.Act.WAIT:
-        run.out.set({"conditions": set_condition(conditions, "Recovering", True, after.reason,
-                                                 after.said(), run.at)})
+        run.out.set({"conditions": supervising.on_loss(conditions, after, after.said(), run.at)})
     else:
         run.fail(after.reason, after.said())
         run.clean(run.run_policy.get("cleanPodPolicy", "Running"))
@@ -586,12 +584,11 @@ def _ended_without(run: _Pass, plan: Plan, obs: Observation, ends: supervising.E
     The conditions as they stand."""
     text = ends.said()
     rest = set(ends.clusters)
-    conditions = set_condition(run.status.get("conditions") or [], "Recovering", False,
-                               "Abandoned", text, run.at)
+    conditions = supervising.on_ends_without(run.status.get("conditions") or [], ends, run.at)
     run.status.update(conditions=conditions, abandoned=sorted(rest))
     run.out.set({"abandoned": sorted(rest), "rejoining": sorted(rejoining - rest),
                  "clusters": _active(run, plan, rest), "conditions": conditions})
-    run.out.do(Event("Abandoned", text, warning=True),
+    run.out.do(Event(supervising.ABANDONED, text, warning=True),
                *(DeletePod(s.pod) for s in obs.nodes.values() if s.cluster in ends.new
                  and s.phase in ("Running", "Pending") and not s.deleting))  # failed: kept
     return conditions
@@ -630,8 +627,7 @@ def _recover(run: _Pass, plan: Plan, obs: Observation, after: supervising.AfterL
                                        for i in range(max(recoveries) + 1)],
                  "rejoining": sorted(rejoining),
                  "clusters": _active(run, plan, rejoining),
-                 "conditions": set_condition(conditions, "Recovering", True, after.reason,
-                                             text, run.at)})
+                 "conditions": supervising.on_loss(conditions, after, text, run.at)})
     run.out.do(Event("Recovering", text, warning=True), CountRecovery())
 
 
@@ -643,10 +639,7 @@ def _rejoined(run: _Pass, plan: Plan, back: frozenset[int], rejoining: set[int],
     if not back:
         return conditions, rejoining
     left = rejoining - back
-    recovering = next((c for c in conditions if c["type"] == "Recovering"), None)
-    if not left and recovering is not None and recovering["status"] == "True":
-        conditions = set_condition(conditions, "Recovering", False, supervising.REJOINED,
-                                   supervising.rejoined(back, recovering), run.at)
+    conditions = supervising.on_back(conditions, back, left, run.at)
     run.out.set({"rejoining": sorted(left), "conditions": conditions,
                  "clusters": _active(run, plan, left)})
     new = {c for c in back if plan.grown(c)}  # (added to the job: never ran before)
@@ -802,8 +795,7 @@ def _restart(run: _Pass, job: Job, obs: Observation, after: supervising.AfterLos
     text = after.said(taken, resumes=_resumes(job))
     run.out.set({"restarts": after.memory.restarts, "phase": Phase.RESTARTING, "rejoining": [],
                  "clusterRecoveries": [], "lastFailures": after.memory.last_failures(),
-                 "conditions": set_condition(conditions, "Restarting", True, after.reason, text,
-                                             run.at)})
+                 "conditions": supervising.on_loss(conditions, after, text, run.at)})
     run.out.do(Event("Restarting", after.failure, warning=True), CountRestart())
 
 
@@ -933,18 +925,14 @@ def _final_rate(observed: Observed, plan: Plan, started: str | None) -> float | 
 
 def _watch(run: _Pass, plan: Plan, obs: Observation, phase: str,
            conditions: list[dict[str, Any]], rejoining: set[int] | None = None,
-           past: str | None = None) -> None:
-    """Running once every pod runs, progress from the roots' metrics, and the deadline (`past`:
-    why the job fails now, `supervising.past_deadline`)."""
+           past: str | None = None, up: bool = False) -> None:
+    """Running once every pod runs (`up`), progress from the roots' metrics, and the deadline
+    (`past`: why the job fails now, `supervising.past_deadline`)."""
     started = run.status.get("startTime")
-    if obs.all_running:
+    if up:
         if phase != Phase.RUNNING:
-            conds = set_condition(conditions, "Running", True, "PodsRunning",
-                                  f"{len(obs.nodes)} worker pods running", run.at)
-            restarting = next((c for c in conds if c["type"] == "Restarting"), None)
-            if restarting and restarting["status"] == "True":  # keep what it recovered from
-                conds = set_condition(conds, "Restarting", False, "Recovered",
-                                      supervising.recovered(restarting), run.at)
+            conds = supervising.all_running(conditions, "PodsRunning",
+                                            f"{len(obs.nodes)} worker pods running", run.at)
             run.out.set({"phase": Phase.RUNNING, "conditions": conds})
             if not started:
                 started = run.at

@@ -131,28 +131,6 @@ def observe(job: str, plan: Plan, pods: list[dict[str, Any]]) -> Observation:
     return obs
 
 
-def set_condition(conditions: list[dict[str, Any]], type_: str, status: bool, reason: str,
-                  message: str = "", at: str | None = None) -> list[dict[str, Any]]:
-    """Conditions with `type_` set; lastTransitionTime (`at`, or now) only moves when the status
-    changes."""
-    value = "True" if status else "False"
-    at = at or now()
-    out = []
-    found = False
-    for c in conditions:
-        if c.get("type") == type_:
-            found = True
-            changed = c.get("status") != value
-            c = {**c, "status": value, "reason": reason, "message": message}
-            if changed:
-                c["lastTransitionTime"] = at
-        out.append(c)
-    if not found:
-        out.append({"type": type_, "status": value, "reason": reason, "message": message,
-                    "lastTransitionTime": at})
-    return out
-
-
 def progress(samples: list[dict[str, float]], started: str | None) -> dict[str, Any]:
     """Job progress from the roots' metrics (see ravnest.run.progress)."""
     elapsed = (dt.datetime.now(dt.UTC) - parse_time(started)).total_seconds() if started else None

@@ -54,7 +54,9 @@ def _start_training(tmp_path: Path, digits_doc: dict[str, Any],
             [sys.executable, "-m", "ravnest", "run", str(job), "-o", str(out), "--no-progress"],
             stdout=subprocess.DEVNULL, stderr=err, text=True)
     deadline = time.monotonic() + GENEROUS
-    while not (_status(out).get("phase") == "Running" and len(_workers(out)) == WORKERS):
+    # (Running: every worker process runs; progress: the roots have trained)
+    while not (_status(out).get("phase") == "Running" and _status(out).get("progress")
+               and len(_workers(out)) == WORKERS):
         if runner.poll() is not None:
             raise AssertionError(f"the run ended before training:\n{_stderr(tmp_path)}")
         if time.monotonic() > deadline:

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from ravnest import parse_job, plan_job
+from ravnest.run import jobstatus
 from ravnest.run.metadata import NodeMetadata
 from ravnest_operator import crds, resources, statuses
 
@@ -141,12 +142,12 @@ def test_observe_names_the_failing_pod_and_exit_code(job_and_plan):
 
 
 def test_conditions_keep_transition_time_until_status_changes():
-    c = statuses.set_condition([], "Running", True, "PodsRunning")
+    c = jobstatus.set_condition([], "Running", True, "PodsRunning")
     t0 = c[0]["lastTransitionTime"]
     c[0]["lastTransitionTime"] = "2000-01-01T00:00:00Z"
-    c = statuses.set_condition(c, "Running", True, "PodsRunning", "still")
+    c = jobstatus.set_condition(c, "Running", True, "PodsRunning", "still")
     assert c[0]["lastTransitionTime"] == "2000-01-01T00:00:00Z" and c[0]["message"] == "still"
-    c = statuses.set_condition(c, "Running", False, "Completed")
+    c = jobstatus.set_condition(c, "Running", False, "Completed")
     assert c[0]["status"] == "False" and c[0]["lastTransitionTime"] >= t0
 
 

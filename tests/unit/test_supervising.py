@@ -16,21 +16,27 @@ import pytest
 import yaml
 
 from ravnest import parse_job, plan_job, termination
-from ravnest.run import elastic, local
+from ravnest.run import elastic, local, supervising
 from ravnest.run.supervising import (
     FAILED_AFTER,
     NOT_BACK,
+    RECOVERED,
     REJOINED,
     TOO_LATE,
     Act,
+    AfterLoss,
     Memory,
     NodePhase,
     after_loss,
+    all_running,
     back_again,
     clusters_active,
     decide_running,
     ends_without,
     failed_as,
+    on_back,
+    on_ends_without,
+    on_loss,
     past_deadline,
     rejoined,
     seen_in_process,
@@ -434,3 +440,76 @@ def test_both_supervisors_give_a_lost_stage_to_a_free_spare_at_a_whole_restart(t
     # a spare not running (its process ended) takes nothing over
     run.spare_procs = {}
     assert run._reassign([seen_in_process("node_1", 1, -9, termination.Ending(-9))]) == {}
+
+
+def test_a_pass_says_whether_every_worker_runs(plan, tmp_path):
+    """`Running.up`, from both supervisors' observations: every worker of the job runs or
+    finished (the clusters the job ends without left out), when Restarting turns False in both."""
+    for seen in (by_operator(plan, {}, {}), by_local_runner(plan, {}, tmp_path, {})):
+        assert decide_running(plan, RunPolicy(), seen, Memory(), lambda down: "lost").up
+    pods = [_pod(n, RUNNING) for n in plan.names()]
+    pods[2]["status"]["phase"] = "Pending"
+    seen = {n: s.seen(n) for n, s in statuses.observe("digits", plan, pods).nodes.items()}
+    assert not decide_running(plan, RunPolicy(), seen, Memory(), lambda down: "lost").up
+    # cluster 1 restarted alone, its pods not made again yet: the job is not all up
+    pods = [_pod(n, RUNNING) for n in plan.names() if n in plan.clusters[0].nodes]
+    seen = {n: s.seen(n) for n, s in statuses.observe("digits", plan, pods).nodes.items()}
+    decided = decide_running(plan, RunPolicy(), seen, Memory(), lambda down: "lost",
+                             rejoining={1}, recovered=[1])
+    assert decided.loss is None and not decided.up
+    # ... but a job that ends without a cluster is up once the others run
+    decided = decide_running(plan, RunPolicy(), seen, Memory(), lambda down: "lost",
+                             abandoned={1})
+    assert decided.up and decided.away == {1}
+
+
+def _types(conditions):
+    return {c["type"]: (c["status"], c["reason"], c["message"], c["lastTransitionTime"])
+            for c in conditions}
+
+
+def test_both_supervisors_turn_a_decision_into_the_same_conditions(plan):
+    """The conditions each decision sets (the operator's job status and the local runner's
+    status.json take them from here): a job running, restarted whole, running again; a cluster
+    restarted alone and back; one the job waits on and then ends without; a job that fails."""
+    policy = RunPolicy()
+    conds = all_running([], "WorkersRunning", "6 worker processes running", "T0")
+    assert _types(conds) == {"Running": ("True", "WorkersRunning", "6 worker processes running",
+                                         "T0")}
+    whole = after_loss(plan, policy, {}, [], "worker node_0 exited with code -9", Memory())
+    assert whole.act == Act.RESTART_JOB
+    conds = on_loss(conds, whole, "restart 1/3", "T1")
+    assert _types(conds)["Restarting"] == ("True", "WorkerFailed", "restart 1/3", "T1")
+    conds = all_running(conds, "WorkersRunning", "6 worker processes running", "T2")
+    assert _types(conds) == {
+        "Running": ("True", "WorkersRunning", "6 worker processes running", "T0"),
+        "Restarting": ("False", RECOVERED, "running again after: restart 1/3", "T2")}
+    alone = AfterLoss(Act.RESTART_CLUSTER, Memory(recoveries=1), "lost", cluster=1,
+                      whole=(0,), limit=3)
+    conds = on_loss(conds, alone, "cluster 1 restarted alone", "T3")
+    assert _types(conds)["Recovering"] == ("True", "WorkerFailed", "cluster 1 restarted alone",
+                                           "T3")
+    assert on_back(conds, {1}, {2}, "T4") == conds  # (one still rejoining)
+    assert on_back(conds, set(), set(), "T4") == conds
+    back = on_back(conds, {1}, set(), "T4")
+    assert _types(back)["Recovering"] == (
+        "False", REJOINED, "cluster(s) 1 running again after: cluster 1 restarted alone", "T4")
+    assert on_back(back, {1}, set(), "T5") == back  # (said once)
+    wait = AfterLoss(Act.WAIT, Memory(), "lost", whole=(0,))
+    conds = on_loss(back, wait, wait.said(), "T5")
+    assert _types(conds)["Recovering"][:2] == ("True", "OthersFinishing")
+    ends = ends_without(plan, policy, by_operator(plan, {**DONE, "node_3": failed()}, {}),
+                        recovered=[])
+    assert ends is not None
+    conds = on_ends_without(conds, ends, "T6")
+    assert _types(conds)["Recovering"] == ("False", "Abandoned", ends.said(), "T6")
+    final = AfterLoss(Act.FAIL, Memory(restarts=3), "lost", limit=3)
+    conds = on_loss(conds, final, final.said(), "T7")
+    assert _types(conds)["Failed"] == ("True", "BackoffLimitExceeded",
+                                       "lost after 3 restart(s), backoffLimit 3", "T7")
+    assert _types(conds)["Running"] == ("False", "BackoffLimitExceeded", "", "T7")
+    assert supervising.failed([], "DeadlineExceeded", "too long", "T8") == [
+        {"type": "Failed", "status": "True", "reason": "DeadlineExceeded",
+         "message": "too long", "lastTransitionTime": "T8"},
+        {"type": "Running", "status": "False", "reason": "DeadlineExceeded", "message": "",
+         "lastTransitionTime": "T8"}]

@@ -190,6 +190,39 @@ def timestamp(seconds: float) -> str:
     return time.strftime(TIME_FORMAT, time.gmtime(seconds))
 
 
+def set_condition(conditions: list[dict[str, Any]], type_: str, status: bool, reason: str,
+                  message: str = "", at: str | None = None) -> list[dict[str, Any]]:
+    """Conditions with `type_` set (a new list); its lastTransitionTime (`at`, or now) only moves
+    when its status changes, as Kubernetes' conventions have it."""
+    value = "True" if status else "False"
+    at = at or timestamp(time.time())
+    out = []
+    found = False
+    for c in conditions:
+        if c.get("type") == type_:
+            found = True
+            changed = c.get("status") != value
+            c = {**c, "status": value, "reason": reason, "message": message}
+            if changed:
+                c["lastTransitionTime"] = at
+        out.append(c)
+    if not found:
+        out.append({"type": type_, "status": value, "reason": reason, "message": message,
+                    "lastTransitionTime": at})
+    return out
+
+
+def condition(conditions: list[dict[str, Any]], type_: str) -> dict[str, Any] | None:
+    """The condition of type `type_`, if set."""
+    return next((c for c in conditions if c.get("type") == type_), None)
+
+
+def is_true(conditions: list[dict[str, Any]], type_: str) -> bool:
+    """Whether the condition of type `type_` is set and True."""
+    found = condition(conditions, type_)
+    return found is not None and found.get("status") == "True"
+
+
 class StatusError(ValueError):
     """A status the schema does not take: each problem with its field path."""
 

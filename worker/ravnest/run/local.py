@@ -210,7 +210,8 @@ class LocalRun:
         """Clusters that failed once every other one had finished: the run ends without them."""
         self.resumed_from = 0
         """The checkpoint step the run started from (0: from scratch)."""
-        self.conditions: list[dict[str, str]] = []
+        self.conditions: supervising.Conditions = []
+        """The run's conditions, as the operator keeps a job's (`supervising`'s transitions)."""
         self._lock: int | None = None
         self.outputs: dict[str, str] = {}
         """Where `finish` wrote each output (status.json's outputs)."""
@@ -471,11 +472,18 @@ class LocalRun:
                 if decided.loss is not None or decided.done:
                     return decided
                 if decided.past:
+                    self.conditions = supervising.failed(
+                        self.conditions, supervising.DEADLINE_EXCEEDED, decided.past, _now())
                     raise WorkerFailed(decided.past)
                 self._rejoined(decided.back)
+                if decided.up and (not jobstatus.is_true(self.conditions, "Running")
+                                   or jobstatus.is_true(self.conditions, "Restarting")):
+                    self.conditions = supervising.all_running(
+                        self.conditions, "WorkersRunning",
+                        f"{len(self.procs)} worker processes running", _now())
+                    self.write_status(Phase.RUNNING, {})
                 now = bar.update(roots, self._started)
                 if now:
-                    self._recovered()
                     self.write_status(Phase.RUNNING, now)
                 time.sleep(0.5)
         finally:
@@ -512,8 +520,9 @@ class LocalRun:
             try:
                 job, plan = growing.grown_plan(self.plan, order)
             except (PlanError, SpecError) as e:
-                self._say("Grown", "False", "NotApplied",
-                          f"grow order {self.grow_orders} refused: {e}", logging.ERROR)
+                text = f"grow order {self.grow_orders} refused: {e}"
+                self._say(jobstatus.set_condition(self.conditions, "Grown", False, "NotApplied",
+                                                  text, _now()), text, logging.ERROR)
                 continue
             new = [n.name for n in plan.nodes if n.name not in self.plan.names()]
             metas = self._grown_metadata(job, plan, new)
@@ -526,9 +535,10 @@ class LocalRun:
                                "clusters": added, "at": round(time.time(), 3)})
             roots.update({c: p for c in added for p in self.procs
                           if p.node == plan.clusters[c].nodes[0]})
-            self._say("Grown", "True", "Joining", elastic.growing(
-                [plan.node(n).provider for n in new], added,
-                f"by grow order {self.grow_orders}"))
+            text = elastic.growing([plan.node(n).provider for n in new], added,
+                                   f"by grow order {self.grow_orders}")
+            self._say(jobstatus.set_condition(self.conditions, "Grown", True, "Joining", text,
+                                              _now()), text)
         return roots
 
     def _grown_metadata(self, job: Job, plan: Plan, new: list[str]) -> list[NodeMetadata]:
@@ -603,12 +613,14 @@ class LocalRun:
                 continue
             if after.act == supervising.Act.WAIT:  # (`wait` ends the run without it once done)
                 said = after.said()
-                if self.conditions[-1:] != [{"type": "Recovering", "status": "True",
-                                             "reason": after.reason, "message": said}]:
-                    self._say("Recovering", "True", after.reason, said)  # (said once)
+                waiting = supervising.on_loss(self.conditions, after, said, _now())
+                if waiting != self.conditions:
+                    self._say(waiting, said)  # (said once)
                 time.sleep(0.5)
                 continue
             if after.act == supervising.Act.FAIL:
+                self.conditions = supervising.on_loss(self.conditions, after, after.said(),
+                                                      _now())
                 raise WorkerFailed(f"{after.said()}; last lines of {dead.log}:\n"
                                    f"{_tail(dead.log)}")
             taken = self._reassign(down)
@@ -620,8 +632,8 @@ class LocalRun:
             planned = [m for m in metas if not m.plan.grown(m.plan.node(m.node).cluster)]
             step = checkpointing.latest(self.checkpoint_dir(), [m.node for m in planned])
             where = f"checkpoint at step {step}" if step is not None else "the start"
-            self._say("Restarting", "True", after.reason,
-                      after.said(elastic.taken_over(taken), resumes=f"resumes from {where}"),
+            said = after.said(elastic.taken_over(taken), resumes=f"resumes from {where}")
+            self._say(supervising.on_loss(self.conditions, after, said, _now()), said,
                       phase=Phase.RESTARTING)
             self.start(metas)
 
@@ -646,12 +658,11 @@ class LocalRun:
                 supervising.Seen(n.name, n.cluster, supervising.NodePhase.MISSING)
                 for n in self.plan.nodes if n.cluster not in self.drained}
 
-    def _say(self, type_: str, status: str, reason: str, message: str,
+    def _say(self, conditions: supervising.Conditions, message: str,
              level: int = logging.WARNING, phase: Phase = Phase.RUNNING) -> None:
-        """Log `message`, make it the run's one condition, and write the status."""
+        """Log `message`, take `conditions` as the run's, and write the status."""
         log.log(level, "%s", message)
-        self.conditions = [{"type": type_, "status": status, "reason": reason,
-                            "message": message}]
+        self.conditions = conditions
         self.write_status(phase, {})
 
     def _not_drained(self, metas: list[NodeMetadata]) -> list[NodeMetadata]:
@@ -671,7 +682,7 @@ class LocalRun:
         self.procs = [p for p in self.procs if p not in mine]
         self.abandoned |= ends.new
         self.rejoining -= ends.new
-        self._say("Recovering", "False", "Abandoned", ends.said())
+        self._say(supervising.on_ends_without(self.conditions, ends, _now()), ends.said())
 
     def _recover(self, down: Sequence[supervising.Seen], metas: list[NodeMetadata],
                  after: supervising.AfterLoss) -> None:
@@ -692,15 +703,9 @@ class LocalRun:
                                        self._free_spares())
         taken = {node: spare.name for node, spare in chosen.items() if self._take_over(
             next(m for m in metas if m.node == node), cluster, spare)}
-        self._say("Recovering", "True", after.reason, after.said(elastic.taken_over(taken)))
+        said = after.said(elastic.taken_over(taken))
+        self._say(supervising.on_loss(self.conditions, after, said, _now()), said)
         self.start([m for m in metas if m.node in mine and m.node not in taken], rejoin=True)
-
-    def _recovered(self) -> None:
-        """Running again after a whole restart: Restarting turns False, as in the operator."""
-        for c in self.conditions:
-            if c["type"] == "Restarting" and c["status"] == "True":
-                c.update(status="False", reason="Recovered",
-                         message=supervising.recovered(c))
 
     def _rejoined(self, back: frozenset[int]) -> None:
         """The clusters restarted alone or added whose workers all run again (`back`) train with
@@ -708,10 +713,7 @@ class LocalRun:
         if not back:
             return
         self.rejoining -= back
-        for c in self.conditions if not self.rejoining else []:
-            if c["type"] == "Recovering" and c["status"] == "True":
-                c.update(status="False", reason=supervising.REJOINED,
-                         message=supervising.rejoined(back, c))
+        self.conditions = supervising.on_back(self.conditions, back, self.rejoining, _now())
         self.write_status(Phase.RUNNING, {})
 
     def checkpoint_dir(self) -> Location:
@@ -785,8 +787,10 @@ class LocalRun:
         try:
             self.supervise(metas)
         except BaseException as e:
-            self.conditions = [{"type": "Failed", "status": "True", "reason": type(e).__name__,
-                                "message": str(e).splitlines()[0] if str(e) else ""}]
+            if not jobstatus.is_true(self.conditions, "Failed"):  # (else: said why already)
+                self.conditions = supervising.failed(
+                    self.conditions, type(e).__name__,
+                    str(e).splitlines()[0] if str(e) else "", _now())
             self.write_status(Phase.FAILED, {})
             raise
         finally:
@@ -822,6 +826,11 @@ def memory_warning(plan: Plan, physical: int) -> str | None:
             f"plus {WORKER_BASE_BYTES / 2**20:.0f} MiB per process), more than this machine's "
             f"{physical / 2**30:.3g} GiB of memory: the run may swap or be killed; use fewer "
             "providers (spec.providers)")
+
+
+def _now() -> str:
+    """The time now, as a status writes it."""
+    return jobstatus.timestamp(time.time())
 
 
 def _signal_group(pid: int, sig: int) -> None:

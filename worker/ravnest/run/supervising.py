@@ -24,6 +24,7 @@ from typing import Any
 
 from ravnest.plan.plans import Plan
 from ravnest.run import elastic
+from ravnest.run.jobstatus import set_condition
 from ravnest.spec import RunPolicy
 from ravnest.termination import NOT_ENDED, Ending
 
@@ -341,6 +342,9 @@ class Running:
     """Every worker succeeded: finish the job."""
     back: frozenset[int] = frozenset()
     """The clusters rejoining that train with the others again (`back_again`)."""
+    up: bool = False
+    """Every worker of the job (those of the clusters away left out) runs, or finished: the job
+    runs (`all_running`)."""
     past: str | None = None
     """The job ran past its deadline: it fails (reason `DEADLINE_EXCEEDED`), saying this."""
 
@@ -383,7 +387,9 @@ def decide_running(plan: Plan, policy: RunPolicy, nodes: Mapping[str, Seen], mem
         return Running(ends, away, down, loss)
     if nodes and all(s.phase == NodePhase.SUCCEEDED for s in nodes.values()):
         return Running(ends, away, done=True)
-    return Running(ends, away, back=frozenset(back_again(rejoining, nodes)),
+    up = bool(nodes) and all(s.phase in (NodePhase.RUNNING, NodePhase.SUCCEEDED)
+                             for s in nodes.values())
+    return Running(ends, away, back=frozenset(back_again(rejoining, nodes)), up=up,
                    past=past_deadline(policy.active_deadline_seconds, seconds_running))
 
 
@@ -392,3 +398,62 @@ def clusters_active(plan: Plan, away: Collection[int]) -> str:
     drained, or that the job ends without)."""
     return f"{len(plan.clusters) - len(set(away))}/{len(plan.clusters)}"
 
+
+
+# What a decision does to the job's conditions, the same for both supervisors (each then writes
+# them its own way: the job's status; status.json). `at`: the time of the pass (RFC 3339).
+Conditions = list[dict[str, Any]]
+
+
+def on_loss(conditions: Conditions, after: AfterLoss, said: str, at: str) -> Conditions:
+    """The conditions once a loss is acted on as `after` says (`said`: its message,
+    `AfterLoss.said`): Recovering (a cluster restarted alone, or waiting for the clusters
+    finishing), Restarting (a whole restart), or the job failed (`failed`)."""
+    if after.act in (Act.RESTART_CLUSTER, Act.WAIT):
+        return set_condition(conditions, "Recovering", True, after.reason, said, at)
+    if after.act == Act.RESTART_JOB:
+        return set_condition(conditions, "Restarting", True, after.reason, said, at)
+    return failed(conditions, after.reason, said, at)
+
+
+def failed(conditions: Conditions, reason: str, message: str, at: str) -> Conditions:
+    """The conditions of a job that failed (`reason`: why, as a condition's reason): Failed, and
+    Running no more."""
+    conditions = set_condition(conditions, "Failed", True, reason, message, at)
+    return set_condition(conditions, "Running", False, reason, "", at)
+
+
+ABANDONED = "Abandoned"
+"""The reason Recovering turns False with when the job ends without the clusters it was about."""
+
+
+def on_ends_without(conditions: Conditions, ends: EndsWithout, at: str) -> Conditions:
+    """The conditions once the job ends without the clusters `ends` names: Recovering, False."""
+    return set_condition(conditions, "Recovering", False, ABANDONED, ends.said(), at)
+
+
+RECOVERED = "Recovered"
+"""The reason Restarting turns False with: every worker runs again after a whole restart."""
+
+
+def all_running(conditions: Conditions, reason: str, message: str, at: str) -> Conditions:
+    """The conditions once every worker runs (`Running.up`; `reason` and `message`: the Running
+    condition's, in the supervisor's words): Running, and Restarting False after a whole
+    restart, keeping what it recovered from (`recovered`)."""
+    conditions = set_condition(conditions, "Running", True, reason, message, at)
+    restarting = next((c for c in conditions if c.get("type") == "Restarting"), None)
+    if restarting is not None and restarting.get("status") == "True":
+        conditions = set_condition(conditions, "Restarting", False, RECOVERED,
+                                   recovered(restarting), at)
+    return conditions
+
+
+def on_back(conditions: Conditions, back: Collection[int], left: Collection[int],
+            at: str) -> Conditions:
+    """The conditions once the clusters `back` train with the others again (`left`: those still
+    rejoining): with none left, Recovering turns False (`REJOINED`, `rejoined`)."""
+    recovering = next((c for c in conditions if c.get("type") == "Recovering"), None)
+    if not back or left or recovering is None or recovering.get("status") != "True":
+        return conditions
+    return set_condition(conditions, "Recovering", False, REJOINED, rejoined(back, recovering),
+                         at)
