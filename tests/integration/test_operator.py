@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -171,10 +170,16 @@ def _kill_when(kube, kubelet, operator, job: str, pod: str, step: int) -> None:
 def test_a_job_on_s3_resumes_from_the_bucket_and_hands_back_its_model(cluster, tmp_path,
                                                                      s3_server):
     """Checkpoints and outputs on a real S3 store (MinIO): the pods' own data volumes are
-    emptyDirs, so after a worker is killed the restarted pods (runPolicy.recovery: job, every
-    pod) can only resume from the bucket; on success a finishing pod writes the model there and
-    status.outputs says where. (A restart from checkpoints on a volume has its real run in the
-    kind tier: tests/e2e/test_cluster.py, a deleted worker pod.)"""
+    emptyDirs, so after a worker is killed the restarted pods (every pod: runPolicy.recovery:
+    job, set by an edit of the running job) can only resume from the bucket; on success a
+    finishing pod writes the model there and status.outputs says where. (A restart from
+    checkpoints on a volume has its real run in the kind tier: tests/e2e/test_cluster.py, a
+    deleted worker pod.)
+
+    The edit, `kubectl apply` of the running job with its providers reordered and one added (not
+    an addition after its own, which is how a running job grows) and runPolicy edited: the job
+    says the providers edit is not applied (SpecChanged), the runPolicy edit is, and its pods are
+    made again from the spec as planned."""
     kube, kubelet, operator = cluster
     bucket = f"op-{uuid.uuid4().hex[:12]}"
     s3_server.make_bucket(bucket)
@@ -185,14 +190,27 @@ def test_a_job_on_s3_resumes_from_the_bucket_and_hands_back_its_model(cluster, t
                   checkpoint={"path": f"s3://{bucket}/ckpt", "everySteps": 10},
                   output={"uri": f"s3://{bucket}/out"},
                   storage={"s3": {"endpointUrl": s3_server.endpoint_url, "region": "us-east-1",
-                                  "credentialsSecret": "s3-creds"}},
-                  runPolicy={"recovery": "job"})
+                                  "credentialsSecret": "s3-creds"}})
     assert apply(kube, doc, tmp_path).returncode == 0
+    wait_for("stored running", lambda: phase_of(kube, "stored") == "Running", 120, kube,
+             operator)
+    doc["spec"]["providers"] = [*doc["spec"]["providers"][::-1], {"ram": 4}]
+    doc["spec"]["runPolicy"] = {"recovery": "job"}
+    assert apply(kube, doc, tmp_path).returncode == 0
+
+    def said() -> dict[str, Any] | None:
+        conds = (get(kube, "rj", "stored") or {}).get("status", {}).get("conditions") or []
+        return next((c for c in conds if c["type"] == "SpecChanged"), None)
+    wait_for("SpecChanged", lambda: (said() or {}).get("status") == "True", 60, kube, operator)
+    assert said()["reason"] == "NotApplied" and said()["message"].startswith("spec.providers ")
     _kill_when(kube, kubelet, operator, "stored", "stored-node-3", 30)
     wait_for("stored to succeed", lambda: phase_of(kube, "stored") == "Succeeded", 500, kube,
              operator)
     status = get(kube, "rj", "stored")["status"]
-    assert status["restarts"] == 1
+    assert status["restarts"] == 1 and status.get("recoveries", 0) == 0  # the edited runPolicy
+    assert kubelet.started.count("stored-node-5") == 2  # every pod made again ...
+    assert get(kube, "pod", "stored-node-5")["metadata"]["annotations"][
+        "ravnest.io/provider"] == "5"  # ... as planned
     conds = {c["type"]: c for c in status["conditions"]}
     assert "pod stored-node-3 failed with exit code 137" in conds["Restarting"]["message"]
     assert (conds["DurableCheckpoints"]["status"], conds["DurableCheckpoints"]["reason"]) == (
@@ -357,36 +375,6 @@ def _step_at_least(kube, operator, job: str, step: int) -> None:
     wait_for(f"{job} step {step}", far_enough, 300, kube, operator)
 
 
-def test_an_edited_spec_is_not_applied_and_the_job_runs_on_as_planned(cluster, tmp_path):
-    """`kubectl apply` of a running job with its providers reordered and one added (not an addition
-    after its own, which is how a running job grows) and runPolicy edited: the job says the
-    providers edit is not applied (SpecChanged), the runPolicy edit is (recovery: job), and after a
-    worker is killed its pods are made again from the spec as planned, and the job succeeds."""
-    kube, kubelet, operator = cluster
-    doc = job_doc("edited", epochs=4)
-    assert apply(kube, doc, tmp_path).returncode == 0
-    wait_for("edited running", lambda: phase_of(kube, "edited") == "Running", 120, kube,
-             operator)
-    doc["spec"]["providers"] = [*doc["spec"]["providers"][::-1], {"ram": 4}]
-    doc["spec"]["runPolicy"] = {"recovery": "job"}
-    assert apply(kube, doc, tmp_path).returncode == 0
-
-    def said() -> dict[str, Any] | None:
-        conds = (get(kube, "rj", "edited") or {}).get("status", {}).get("conditions") or []
-        return next((c for c in conds if c["type"] == "SpecChanged"), None)
-    wait_for("SpecChanged", lambda: (said() or {}).get("status") == "True", 60, kube, operator)
-    assert said()["reason"] == "NotApplied" and said()["message"].startswith("spec.providers ")
-    _kill_when(kube, kubelet, operator, "edited", "edited-node-5", 5)
-    wait_for("edited to succeed", lambda: phase_of(kube, "edited") == "Succeeded", 300, kube,
-             operator)
-    status = get(kube, "rj", "edited")["status"]
-    assert status["restarts"] == 1 and status.get("recoveries", 0) == 0  # the edited runPolicy
-    assert kubelet.started.count("edited-node-5") == 2
-    assert get(kube, "pod", "edited-node-5")["metadata"]["annotations"][
-        "ravnest.io/provider"] == "5"
-    assert status["result"]["updates"] > 0
-
-
 def test_backoff_limit_zero_fails_naming_pod_and_exit_code(cluster, tmp_path):
     kube, kubelet, operator = cluster
     doc = job_doc("fragile", epochs=4, runPolicy__backoffLimit=0, runPolicy__recovery="job")
@@ -424,22 +412,6 @@ def test_suspend_then_resume_continues_from_checkpoint(cluster, tmp_path):
              operator)
     logs = kubelet.log_of("pause-node-0")
     assert any("resumed from checkpoint at step" in line for line in logs.splitlines())
-
-
-def test_operator_restart_mid_job_creates_no_duplicates(cluster, tmp_path):
-    kube, kubelet, operator = cluster
-    assert apply(kube, job_doc("survivor", epochs=3), tmp_path).returncode == 0
-    wait_for("survivor running", lambda: phase_of(kube, "survivor") == "Running", 120, kube,
-             operator)
-    operator.stop(kill=True)
-    time.sleep(2)
-    operator.start()
-    wait_for("survivor to succeed", lambda: phase_of(kube, "survivor") == "Succeeded", 400,
-             kube, operator)
-    # the planner once, then each of the 6 workers once; its ConfigMap beside the plan's and 6
-    started = [p for p in kubelet.started if p.startswith("survivor-")]
-    assert started[0] == "survivor-planner" and len(started) == 7
-    assert len(get(kube, "configmaps", selector="ravnest.io/job=survivor")["items"]) == 8
 
 
 def test_deleting_a_running_job_leaves_nothing_behind(cluster, tmp_path):

@@ -2,8 +2,9 @@
 with the harness kubelet running real worker processes (see test_operator.py).
 
 - The operator killed with SIGKILL many times in a row, at seeded random moments while jobs are
-  being created, planned and started: every job completes, with each of its objects created once
-  and no restart of its workers.
+  being created, planned, started and while they run: every job completes, with each of its
+  objects created once and no restart of its workers (the operator tier's one real run of an
+  operator lost mid-job).
 - 50 RavnestJobs created at once: all reconcile, and the test prints the reconcile latency
   percentiles (create -> Planned, create -> Suspended).
 """
