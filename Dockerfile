@@ -57,6 +57,9 @@ RUN groupadd --gid "$WORKER_UID" ravnest \
     && install -d -o "$WORKER_UID" -g "$WORKER_UID" -m 0755 /work
 
 # torch first, in its own layer: it is most of the image and changes far less often than our code.
+# Without triton, which the cuda wheel pulls in (about 1 GB of the image's 6): it compiles GPU
+# kernels for torch.compile, which the workers never call, and every node pulls the image. (A
+# user image whose own model code calls torch.compile: `pip install triton` in it.)
 RUN set -eu; \
     case "$TORCH_VARIANT" in \
         cpu) [ -n "$TORCH_INDEX_URL" ] || [ "$PIP_NO_INDEX" = 1 ] || { echo \
@@ -67,14 +70,17 @@ RUN set -eu; \
         *) echo "TORCH_VARIANT must be 'cpu' or 'cuda', not '$TORCH_VARIANT'" >&2; exit 1 ;; \
     esac; \
     python3 -m venv /opt/venv; \
-    /opt/venv/bin/pip install $index "torch${TORCH_VERSION:+==$TORCH_VERSION}"
+    /opt/venv/bin/pip install $index "torch${TORCH_VERSION:+==$TORCH_VERSION}"; \
+    /opt/venv/bin/pip uninstall --yes triton
 
 # Then the project's dependencies (and the operator's), read from pyproject.toml, so that a change
-# of our code alone reinstalls only our code.
+# of our code alone reinstalls only our code. Not torch, which is in (pip would resolve it again,
+# and bring triton back).
 COPY pyproject.toml /tmp/ravnest/
-RUN /opt/venv/bin/python -c "import tomllib; \
+RUN /opt/venv/bin/python -c "import re, tomllib; \
 p = tomllib.load(open('/tmp/ravnest/pyproject.toml', 'rb'))['project']; \
-print(*p['dependencies'], *p['optional-dependencies']['operator'], sep='\n')" \
+print(*(d for d in p['dependencies'] if not re.match(r'torch\s*([<>=!~;\[]|$)', d)), \
+      *p['optional-dependencies']['operator'], sep='\n')" \
         > /tmp/ravnest/requirements.txt \
     && /opt/venv/bin/pip install -r /tmp/ravnest/requirements.txt \
     && rm -rf /tmp/ravnest
