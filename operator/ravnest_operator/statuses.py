@@ -16,10 +16,6 @@ from ravnest.termination import NOT_ENDED, Ending
 from .resources import ATTEMPT_ANNOTATION, RECOVERY_ANNOTATION, pod_name
 
 
-def now() -> str:
-    return timestamp(dt.datetime.now(dt.UTC))
-
-
 def timestamp(at: dt.datetime) -> str:
     """A time as the job's status writes it (`jobstatus.TIME_FORMAT`)."""
     return at.strftime(TIME_FORMAT)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -156,7 +157,7 @@ def test_progress_from_root_metrics():
                 "ravnest_loss": 0.25, "ravnest_validation_metric": 0.93,
                 "ravnest_samples_total": 1280},
                {"ravnest_step": 38, "ravnest_samples_total": 1216}]
-    p = statuses.progress(samples, statuses.now())
+    p = statuses.progress(samples, jobstatus.timestamp(time.time()))
     assert p["step"] == 38 and p["totalSteps"] == 176 and p["display"] == "38/176"
     assert p["epoch"] == 2 and p["loss"] == 0.25 and p["validationMetric"] == 0.93
 

@@ -23,7 +23,7 @@ from enum import StrEnum
 from typing import Any
 
 from ravnest.plan.plans import Plan
-from ravnest.run import elastic
+from ravnest.run import elastic, jobstatus
 from ravnest.run.jobstatus import set_condition
 from ravnest.spec import RunPolicy
 from ravnest.termination import NOT_ENDED, Ending
@@ -399,7 +399,6 @@ def clusters_active(plan: Plan, away: Collection[int]) -> str:
     return f"{len(plan.clusters) - len(set(away))}/{len(plan.clusters)}"
 
 
-
 # What a decision does to the job's conditions, the same for both supervisors (each then writes
 # them its own way: the job's status; status.json). `at`: the time of the pass (RFC 3339).
 Conditions = list[dict[str, Any]]
@@ -441,7 +440,7 @@ def all_running(conditions: Conditions, reason: str, message: str, at: str) -> C
     condition's, in the supervisor's words): Running, and Restarting False after a whole
     restart, keeping what it recovered from (`recovered`)."""
     conditions = set_condition(conditions, "Running", True, reason, message, at)
-    restarting = next((c for c in conditions if c.get("type") == "Restarting"), None)
+    restarting = jobstatus.condition(conditions, "Restarting")
     if restarting is not None and restarting.get("status") == "True":
         conditions = set_condition(conditions, "Restarting", False, RECOVERED,
                                    recovered(restarting), at)
@@ -452,7 +451,7 @@ def on_back(conditions: Conditions, back: Collection[int], left: Collection[int]
             at: str) -> Conditions:
     """The conditions once the clusters `back` train with the others again (`left`: those still
     rejoining): with none left, Recovering turns False (`REJOINED`, `rejoined`)."""
-    recovering = next((c for c in conditions if c.get("type") == "Recovering"), None)
+    recovering = jobstatus.condition(conditions, "Recovering")
     if not back or left or recovering is None or recovering.get("status") != "True":
         return conditions
     return set_condition(conditions, "Recovering", False, REJOINED, rejoined(back, recovering),
