@@ -23,6 +23,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ravnest.comm import watching
 from ravnest.comm.framing import Frame
 from ravnest.comm.transport import Credentials, Peer
 from ravnest.comm.watching import PeerWatch
@@ -226,10 +227,14 @@ def test_closing_the_peer_ends_its_watch_without_a_report(child: Child) -> None:
 
 
 @pytest.mark.parametrize("child", [30.0], indirect=True)
-def test_a_busy_peer_is_not_reported_but_its_death_is(child: Child) -> None:
+def test_a_busy_peer_is_not_reported_but_its_death_is(child: Child,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Every thread of the peer's server is held by a frame it takes 30 s to deliver, and more
     frames wait: the watch says nothing for 10 s (longer than a silent peer takes to be
-    reported: its pings are answered), then reports the peer once it is killed."""
+    reported: its pings are answered), though its stream is renewed every 2 s here and no thread
+    of the peer's server is free to serve the new one, then reports the peer once it is
+    killed."""
+    monkeypatch.setattr(watching, "RENEW_SECONDS", 2.0)
     watch = child.watch()
     try:
         for step in range(8):

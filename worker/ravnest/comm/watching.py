@@ -7,7 +7,10 @@ connection of its own that gRPC pings every second (`transport.Peer.watch_channe
 has answered SERVING, one health Watch stream per peer stays open, costing no RPC and no thread of
 the peer's server while all is well. The stream ends when the peer's process dies (its kernel
 closes the connection at once) or when a ping goes unanswered for 2 s (the peer's machine was cut
-off or froze: nothing comes back, not even a refusal). The watch then asks Check a few times a
+off or froze: nothing comes back, not even a refusal), and each stream is renewed every
+`RENEW_SECONDS` whatever happens, so that no stream a peer's server failed to end (one was seen
+left open, in-process, after its server stopped) hides the peer's end for longer: a stopped
+server refuses the new one. The watch then asks Check a few times a
 second, and reports the peer lost when it stays unreachable for `lost_after` seconds (connection
 refused: nothing listens there any more), or stays silent for `silent_after` seconds (no answer at
 all, not even a refusal), or its health service turns NOT_SERVING (its server is shutting down). A
@@ -28,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -44,6 +47,8 @@ FALLBACK_POLL_SECONDS = 1.0
 SILENT_AFTER = 3.0
 """Seconds a peer whose connection broke must stay silent (every Check timing out, none refused)
 to count as lost: its watch stream's pings went unanswered for 2 s before that."""
+RENEW_SECONDS = 15.0
+"""Lifetime of one health Watch stream: then it ends (DEADLINE_EXCEEDED) and a new one begins."""
 CHECK_TIMEOUT = 1.0
 """Deadline of one Check: one that runs out is silence, a loss only after a broken connection."""
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -187,11 +192,13 @@ class PeerWatch:
 
     def _run(self, w: _Watched) -> None:
         while not self._finished(w):
-            stopped_serving = self._follow(w) if w.watchable else False
+            ended = self._follow(w) if w.watchable else "ended"
             if self._finished(w):
                 return
             reason = None
-            if stopped_serving:
+            if ended == "renew":
+                continue
+            if ended == "not serving":
                 reason = (f"{w.address} began shutting down (its health service says "
                           "NOT_SERVING)")
             elif not w.seen and w.watchable:  # not up yet, or gone before it was seen
@@ -223,16 +230,18 @@ class PeerWatch:
             self._stopping.wait(self._poll)
         return False
 
-    def _follow(self, w: _Watched) -> bool:
-        """Follow the peer's health Watch stream until it ends (False) or says NOT_SERVING after
-        SERVING (True). A stream the peer refuses turns this peer over to Check."""
+    def _follow(self, w: _Watched) -> Literal["ended", "not serving", "renew"]:
+        """Follow the peer's health Watch stream until it ends ("ended"), says NOT_SERVING after
+        SERVING ("not serving"), or has lasted RENEW_SECONDS while the peer was seen ("renew": a
+        new stream is due). A stream the peer refuses turns this peer over to Check."""
         try:
             # a peer not seen yet is waited for; one seen that cannot be reached fails the call
             # at once, and is asked (`_confirm`) until it answers or counts as lost
-            call = w.stub.Watch(health_pb2.HealthCheckRequest(), wait_for_ready=not w.seen)
+            call = w.stub.Watch(health_pb2.HealthCheckRequest(), wait_for_ready=not w.seen,
+                                timeout=RENEW_SECONDS)
         except ValueError:  # the channel is closed
             w.closed = True
-            return False
+            return "ended"
         with self._lock:
             w.call = call
             if self._finished(w):
@@ -242,8 +251,10 @@ class PeerWatch:
                 if response.status == _SERVING:
                     w.seen = True
                 elif w.seen and response.status == _NOT_SERVING:
-                    return True
+                    return "not serving"
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and w.seen:
+                return "renew"
             w.ended = " ".join(str(e.details() or e.code()).split())[:200]
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 log.info("%s holds too many health watches; asking it once a second", w.name)
@@ -251,7 +262,7 @@ class PeerWatch:
         finally:
             with self._lock:
                 w.call = None
-        return False
+        return "ended"
 
     def _confirm(self, w: _Watched) -> str | None:
         """Ask the peer's health Check until it answers SERVING (None: it may be watched again;
