@@ -76,24 +76,8 @@ class Observation:
     nodes: dict[str, NodeState] = field(default_factory=dict)
 
     @property
-    def failed(self) -> list[NodeState]:
-        return [n for n in self.nodes.values() if n.phase == "Failed"]
-
-    @property
-    def all_succeeded(self) -> bool:
-        return bool(self.nodes) and all(n.phase == "Succeeded" for n in self.nodes.values())
-
-    @property
-    def all_running(self) -> bool:
-        return bool(self.nodes) and all(n.phase in ("Running", "Succeeded")
-                                        for n in self.nodes.values())
-
-    @property
     def missing(self) -> list[str]:
         return [name for name, n in self.nodes.items() if n.phase == "Missing"]
-
-    def failure_message(self) -> str:
-        return "; ".join(n.failure() for n in self.failed)
 
 
 def _int(value: Any) -> int:

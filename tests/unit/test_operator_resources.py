@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from ravnest import parse_job, plan_job
-from ravnest.run import jobstatus
+from ravnest.run import jobstatus, supervising
 from ravnest.run.metadata import NodeMetadata
 from ravnest_operator import crds, resources, statuses
 
@@ -131,15 +131,20 @@ def test_observe_names_the_failing_pod_and_exit_code(job_and_plan):
     pods = [_pod(resources.pod_name("digits", n), "Running") for n in plan.names()]
     pods[2] = _pod(resources.pod_name("digits", plan.names()[2]), "Failed", code=137)
     obs = statuses.observe("digits", plan, pods)
-    assert obs.failure_message() == "pod digits-node-2 failed with exit code 137 (Error)"
-    assert not obs.all_running and not obs.all_succeeded
+    failed = obs.nodes[plan.names()[2]]
+    assert failed.failure() == "pod digits-node-2 failed with exit code 137 (Error)"
+    assert [name for name, n in obs.nodes.items()
+            if n.seen(name).phase == supervising.NodePhase.FAILED] == [plan.names()[2]]
     obs = statuses.observe("digits", plan, pods[:3])
     assert obs.missing == plan.names()[3:]
+    assert obs.nodes[plan.names()[3]].failure() == "pod digits-node-3 was deleted"
     pods[2]["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = "OOM\n"
     obs = statuses.observe("digits", plan, pods)
-    assert obs.failure_message() == "pod digits-node-2 failed with exit code 137 (Error): OOM"
+    assert obs.nodes[plan.names()[2]].failure() == \
+        "pod digits-node-2 failed with exit code 137 (Error): OOM"
     pods[2]["status"]["phase"] = "Running"  # (a message of a container that did not fail: none)
-    assert statuses.observe("digits", plan, pods).failure_message() == ""
+    assert statuses.observe("digits", plan, pods).nodes[plan.names()[2]].failure() == \
+        "pod digits-node-2 was lost"
 
 
 def test_conditions_keep_transition_time_until_status_changes():
