@@ -293,9 +293,8 @@ def _drains(run: _Pass, job: Job, plan: Plan) -> str | None:
         elif (ended.get("status") or {}).get("phase") == "Succeeded":
             ordered.remove(d)  # (asked too near the end: the worker says so in its log)
             late.append(d)
-            run.out.do(Event("NotDrained", f"cluster {d['cluster']} finished training with the "
-                                           f"others before it could drain: it stays in the job's "
-                                           f"model", warning=True))
+            run.out.do(Event("NotDrained", elastic.not_drained(int(d["cluster"])),
+                             warning=True))
     refused = None
     if run.observed.removed is not None:
         ordered, refused = _order_drains(run, job, plan, ordered, [*drained, *late])

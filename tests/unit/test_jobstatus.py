@@ -143,3 +143,43 @@ def test_a_drain_reads_the_takeovers_of_the_runs_status(tmp_path) -> None:
         with pytest.raises(RavnestError, match=f"provider {lost}"):
             draining.order_drain(tmp_path, [lost], running=True)  # (it runs no stage now)
     assert draining.order_drain(tmp_path, [6], running=True) == [1]
+
+
+def test_a_local_runs_status_shows_its_drain_orders_as_the_operators_does(tmp_path) -> None:
+    """A cluster told to drain (`ravnest drain`) is `draining` while the run goes on, `drained`
+    (with its order's providers and time, and the round and update it left after) once its root
+    said so, and `notDrained` when the run succeeded first (told too near the end), as a
+    RavnestJob's status shows them."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from ravnest import parse_job
+    from ravnest.run import draining, local
+
+    root = Path(__file__).resolve().parents[2]
+    job = parse_job(yaml.safe_load((root / "examples" / "digits.yaml").read_text()))
+    run = local.LocalRun(job, tmp_path, progress=False)
+    run.prepare()
+    assert run.plan is not None
+    provider = run.plan.node(run.plan.clusters[1].nodes[-1]).provider
+    assert draining.order_drain(tmp_path, [provider], running=True) == [1]
+
+    def written(phase: Phase) -> dict:
+        run.write_status(phase, {})
+        status = json.loads((tmp_path / "status.json").read_text())
+        assert JobStatus.model_validate(status)
+        return status
+
+    running = written(Phase.RUNNING)
+    (order,) = running["draining"]
+    assert order["cluster"] == 1 and order["providers"] == [provider]
+    assert order["orderedAt"].endswith("Z") and "notDrained" not in running
+    late = written(Phase.SUCCEEDED)
+    assert late["notDrained"] == [order] and "draining" not in late and "drained" not in late
+    draining.acknowledge(tmp_path / draining.DRAIN_DIR, 1, {"round": 7, "updates": 14})
+    run._note_drained()
+    drained = written(Phase.SUCCEEDED)
+    assert drained["drained"] == [{**order, "round": 7, "updates": 14}]
+    assert "notDrained" not in drained and "draining" not in drained

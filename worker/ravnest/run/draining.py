@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ravnest.run import elastic, metadata
+from ravnest.run import elastic, jobstatus, metadata
 
 DRAIN_DIR = "drain"
 """The folder in a run folder that holds the drain orders and their acknowledgements."""
@@ -72,6 +72,23 @@ def ordered(folder: Path, cluster: int) -> bool:
         return bool(order_file(folder, cluster).read_text().strip())
     except OSError:
         return False
+
+
+def order(folder: Path, cluster: int) -> dict[str, Any]:
+    """The drain order of `cluster` as the job's status shows it (`jobstatus.Drain`: cluster,
+    providers, orderedAt); an order that cannot be read gives the cluster only."""
+    try:
+        said = json.loads(order_file(folder, cluster).read_text())
+    except (OSError, ValueError):
+        said = None
+    if not isinstance(said, dict):
+        return {"cluster": cluster}
+    providers = said.get("providers")
+    at = said.get("at")
+    return {"cluster": cluster,
+            **({"providers": providers} if isinstance(providers, list)
+               and all(isinstance(p, int) and p >= 0 for p in providers) else {}),
+            **({"orderedAt": jobstatus.timestamp(at)} if isinstance(at, int | float) else {})}
 
 
 def acknowledge(folder: Path, cluster: int, said: dict[str, Any]) -> None:

@@ -207,6 +207,13 @@ def drained_out(cluster: int, round_: Any, updates: Any) -> str:
             f"without it")
 
 
+def not_drained(cluster: int) -> str:
+    """What both supervisors say of a cluster told to drain that finished training with the
+    others before it could (told too near the end)."""
+    return (f"cluster {cluster} finished training with the others before it could drain: it "
+            f"stays in the job's model")
+
+
 def growing(providers: Iterable[int], clusters: Iterable[int], how: str) -> str:
     """What both supervisors say when `providers`, added `how` (to spec.providers, by a grow
     order), form `clusters`, which join the running job."""

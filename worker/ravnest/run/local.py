@@ -502,9 +502,10 @@ class LocalRun:
         for c in self.plan.clusters:
             if c.id in self.drained:
                 continue
-            said = draining.acknowledged(self.out / draining.DRAIN_DIR, c.id)
+            folder = self.out / draining.DRAIN_DIR
+            said = draining.acknowledged(folder, c.id)
             if said is not None:
-                self.drained[c.id] = {"cluster": c.id, **said}
+                self.drained[c.id] = {**said, **draining.order(folder, c.id)}
                 log.warning("%s", elastic.drained_out(c.id, said.get("round"),
                                                       said.get("updates")))
                 self.write_status(Phase.RUNNING, {})
@@ -735,8 +736,12 @@ class LocalRun:
             "spares": {sp.name: _spare_phase(self.spare_procs.get(sp.name))
                        for sp in self.spares} or None,
             "takeovers": {t["node"]: t["provider"] for t in self.takeovers} or None,
-            "drained": [{k: d[k] for k in ("cluster", "round", "updates") if k in d}
+            "drained": [{k: d[k] for k in ("cluster", "providers", "orderedAt", "round",
+                                           "updates") if k in d}
                         for d in self.drained.values()] or None,
+            # told to drain, not drained: still on the way, or (the run succeeded) too late
+            ("notDrained" if phase == Phase.SUCCEEDED else "draining"): self._pending_drains()
+            or None,
             "abandoned": sorted(self.abandoned) or None,
             "rejoining": sorted(self.rejoining) or None,
             "grown": [{**g, "at": jobstatus.timestamp(g["at"])} for g in self.grown] or None,
@@ -796,9 +801,19 @@ class LocalRun:
         finally:
             self.stop()
         summary = self.finish(time.time() - started)
+        for late in self._pending_drains():
+            log.warning("%s", elastic.not_drained(late["cluster"]))
         done = final_progress({}, summary, summary["samples_per_second"])
         self.write_status(Phase.SUCCEEDED, done, result=summary, outputs=self.outputs)
         return summary
+
+    def _pending_drains(self) -> list[dict[str, Any]]:
+        """The drain orders (`ravnest drain`) of the clusters that did not drain (yet)."""
+        folder = self.out / draining.DRAIN_DIR
+        if self.plan is None or not folder.is_dir():
+            return []
+        return [draining.order(folder, c) for c in sorted(draining.ordered_clusters(folder))
+                if c not in self.drained and draining.ordered(folder, c)]
 
     def finish(self, seconds: float) -> dict[str, Any]:
         """Fuse and write the outputs (`finishing`) in the job's output location."""
