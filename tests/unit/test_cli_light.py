@@ -101,6 +101,11 @@ def test_the_public_api_still_resolves_every_name_on_use() -> None:
       "drained": [{"cluster": 2, "round": 40, "updates": 80, "samples": 2560}]},
      ["clusters: 2/3 (training/planned)", "membership v2 from round 41: clusters 0, 1",
       "cluster 2 drained after round 40 (update 80)"]),
+    ({"phase": "Running", "draining": [{"cluster": 1, "providers": [3, 4]}]},
+     ["cluster 1 draining: provider(s) 3, 4 removed"]),
+    ({"phase": "Succeeded", "notDrained": [{"cluster": 1, "providers": [3]}]},
+     ["cluster 1 finished training with the others before it could drain: it stays in the "
+      "job's model"]),
     ({"phase": "Running", "clusters": "3/3",
       "membership": {"plan": "ab12", "versions": [
           {"version": 1, "fromRound": 1, "clusters": [0, 1]},

@@ -153,10 +153,14 @@ def _drain_lines(status: dict[str, Any]) -> list[str]:
         v = versions[-1]
         lines.append(f"membership v{v.get('version')} from round {v.get('fromRound')}: clusters "
                      f"{', '.join(map(str, v.get('clusters') or []))}")
-    for d in status.get("draining") or []:  # (on Kubernetes: ordered, not drained yet)
+    for d in status.get("draining") or []:  # (ordered, not drained yet)
         if isinstance(d, dict):
             lines.append(f"cluster {d.get('cluster')} draining: provider(s) "
                          f"{', '.join(map(str, d.get('providers') or []))} removed")
+    for d in status.get("notDrained") or []:
+        if isinstance(d, dict) and isinstance(d.get("cluster"), int):
+            from ravnest.run.elastic import not_drained
+            lines.append(not_drained(d["cluster"]))
     for d in status.get("drained") or []:
         if isinstance(d, dict):
             lines.append(f"cluster {d.get('cluster')} drained after round {d.get('round')} "
