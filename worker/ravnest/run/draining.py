@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ravnest.run import elastic, jobstatus, metadata
+from ravnest.run import elastic, jobstatus, locking, metadata
 
 DRAIN_DIR = "drain"
 """The folder in a run folder that holds the drain orders and their acknowledgements."""
@@ -36,17 +36,16 @@ def order_drain(out: Path, providers: Sequence[int], running: bool) -> list[int]
     whether a runner holds the folder (nothing is ordered when none does). Raises RavnestError
     for a provider that runs no stage, when no cluster would be left, or with no run."""
     plan = metadata.of_run(out, running, "drain removes providers from").plan
-    runs_on = {n.name: n.provider for n in plan.nodes} | taken_over(_status(out))
     folder = out / DRAIN_DIR
-    # (the orders stay for the whole run: a drained cluster's among them)
-    clusters = elastic.drain_for(plan, providers, runs_on, ordered_clusters(folder))
-    folder.mkdir(exist_ok=True)
-    for c in sorted(clusters):
-        order = {"providers": elastic.drained_by(plan, c, providers, runs_on),
-                 "at": round(time.time(), 3)}
-        tmp = folder / f".cluster_{c}.tmp"
-        tmp.write_text(json.dumps(order))
-        tmp.replace(order_file(folder, c))
+    with locking.orders_locked(out):  # (two drains at once: the second sees the first's order)
+        runs_on = {n.name: n.provider for n in plan.nodes} | taken_over(_status(out))
+        # (the orders stay for the whole run: a drained cluster's among them)
+        clusters = elastic.drain_for(plan, providers, runs_on, ordered_clusters(folder))
+        folder.mkdir(exist_ok=True)
+        for c in sorted(clusters):
+            order = {"providers": elastic.drained_by(plan, c, providers, runs_on),
+                     "at": round(time.time(), 3)}
+            locking.write_whole(order_file(folder, c), json.dumps(order))
     return sorted(clusters)
 
 
@@ -60,34 +59,51 @@ def taken_over(status: Mapping[str, Any]) -> dict[str, int]:
         if isinstance(taken, dict) else {}
 
 
-def ordered_clusters(folder: Path) -> set[int]:
-    """The clusters a drain was ordered for in the drain folder `folder`."""
-    return {int(p.name.split("_", 1)[1]) for p in folder.glob("cluster_*")
+def _order_files(folder: Path) -> dict[int, Path]:
+    return {int(p.name.split("_", 1)[1]): p for p in folder.glob("cluster_*")
             if p.name.split("_", 1)[1].isdigit()}
 
 
+def ordered_clusters(folder: Path) -> set[int]:
+    """The clusters a drain was ordered for in the drain folder `folder`."""
+    return {c for c in _order_files(folder) if ordered(folder, c)}
+
+
+def refused(folder: Path) -> dict[str, str]:
+    """The files in the drain folder `folder` that are no drain order (`problem`): name -> why.
+    Their clusters are not drained."""
+    return {p.name: why for c, p in sorted(_order_files(folder).items())
+            if (why := problem(folder, c)) is not None}
+
+
 def ordered(folder: Path, cluster: int) -> bool:
-    """Whether `cluster` was told to drain: its order is there and says something."""
+    """Whether `cluster` was told to drain: its order is there and is one (`problem`)."""
+    return order_file(folder, cluster).exists() and problem(folder, cluster) is None
+
+
+def problem(folder: Path, cluster: int) -> str | None:
+    """Why the drain order of `cluster` is none (it cannot be read, is no JSON object, or names
+    no providers: not written by `ravnest drain`), or None."""
     try:
-        return bool(order_file(folder, cluster).read_text().strip())
-    except OSError:
-        return False
+        said = json.loads(order_file(folder, cluster).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"[:300]
+    providers = said.get("providers") if isinstance(said, dict) else None
+    if not isinstance(providers, list) or not all(type(p) is int and p >= 0 for p in providers):
+        return "not a drain order (no list of providers in it)"
+    return None
 
 
 def order(folder: Path, cluster: int) -> dict[str, Any]:
     """The drain order of `cluster` as the job's status shows it (`jobstatus.Drain`: cluster,
     providers, orderedAt); an order that cannot be read gives the cluster only."""
-    try:
+    said: Any = None
+    if problem(folder, cluster) is None:
         said = json.loads(order_file(folder, cluster).read_text())
-    except (OSError, ValueError):
-        said = None
     if not isinstance(said, dict):
         return {"cluster": cluster}
-    providers = said.get("providers")
     at = said.get("at")
-    return {"cluster": cluster,
-            **({"providers": providers} if isinstance(providers, list)
-               and all(isinstance(p, int) and p >= 0 for p in providers) else {}),
+    return {"cluster": cluster, "providers": said["providers"],
             **({"orderedAt": jobstatus.timestamp(at)} if isinstance(at, int | float) else {})}
 
 

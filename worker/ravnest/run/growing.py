@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from ravnest.errors import SpecError
 from ravnest.plan import growth
 from ravnest.plan.plans import Plan, ProviderInfo
-from ravnest.run import elastic, metadata
+from ravnest.run import elastic, locking, metadata
 from ravnest.spec import Job, parse_job
 
 GROW_DIR = "grow"
@@ -50,31 +51,62 @@ def _without_providers(job: Job) -> dict[str, Any]:
 def order_growth(out: Path, edited: Job, running: bool) -> list[int]:
     """Order the run in `out` to add the providers that `edited` lists after its own; returns
     their indices. Raises RavnestError with no run going on, SpecError for an edit that is not
-    such an addition (nothing is ordered)."""
+    such an addition (nothing is ordered). Orders given at once take turns (the run folder's
+    order lock): each is checked against the job as every order before it left it."""
     job = metadata.of_run(out, running, "grow adds providers to").job
     assert job is not None
     folder = out / GROW_DIR
-    done = [json.loads(p.read_text()) for p in sorted(folder.glob("order-*.json"))]
-    if done:  # (the job as the last order left it)
-        job = parse_job(done[-1]["job"])
-    added = added_providers(job, edited)
-    folder.mkdir(exist_ok=True)
-    tmp = folder / ".order.tmp"
-    tmp.write_text(json.dumps({"job": edited.to_dict(), "providers": added,
-                               "at": round(time.time(), 3)}))
-    tmp.replace(folder / f"order-{len(done):04d}.json")
+    with locking.orders_locked(out):
+        given = [order for _, order in orders(folder, set()) if isinstance(order, dict)]
+        if given:  # (the job as the last order left it)
+            job = parse_job(given[-1]["job"])
+        added = added_providers(job, edited)
+        folder.mkdir(exist_ok=True)
+        number = 1 + max((int(p.name[6:-5]) for p in folder.glob(ORDER_GLOB)
+                          if p.name[6:-5].isdigit()), default=-1)
+        locking.write_whole(folder / f"order-{number:04d}.json", json.dumps(
+            {"job": edited.to_dict(), "providers": added, "at": round(time.time(), 3)}))
     return added
 
 
-def orders(folder: Path, seen: int) -> list[dict[str, Any]]:
-    """The grow orders in `folder` after the first `seen`, in order."""
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("order-*.json"))[seen:]]
+ORDER_GLOB = "order-*.json"
+"""The grow orders in the grow folder: order-0000.json, order-0001.json, ..."""
 
 
-def grown_plan(plan: Plan, order: dict[str, Any]) -> tuple[Job, Plan]:
-    """The job and plan after a grow order. Raises PlanError when its providers cannot form new
-    clusters of the running job."""
+def orders(folder: Path, seen: Collection[str]) -> list[tuple[str, dict[str, Any] | SpecError]]:
+    """The grow orders in `folder` not among `seen` (file names), in order: each file's name and
+    its order, or the SpecError saying why it is no order (it cannot be read, is no JSON, or
+    lacks the job and the providers it adds)."""
+    got: list[tuple[str, dict[str, Any] | SpecError]] = []
+    for path in sorted(folder.glob(ORDER_GLOB)):
+        if path.name not in seen:
+            got.append((path.name, _read_order(path)))
+    return got
+
+
+def _read_order(path: Path) -> dict[str, Any] | SpecError:
+    try:
+        order = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return SpecError([f"{path.name}: not a grow order ({type(e).__name__}: {e})"])
+    if not isinstance(order, dict) or not isinstance(order.get("job"), dict):
+        return SpecError([f"{path.name}: not a grow order (no job in it)"])
+    providers = order.get("providers")
+    if not isinstance(providers, list) or not providers or not all(
+            type(p) is int and p >= 0 for p in providers):
+        return SpecError([f"{path.name}.providers: a list of provider indices, got "
+                          f"{providers!r}"[:300]])
+    return order
+
+
+def grown_plan(running: Job, plan: Plan, order: dict[str, Any]) -> tuple[Job, Plan]:
+    """The job and plan after a grow order to the `running` job. Raises SpecError when the
+    order's job is not the running one with the order's providers added after its own,
+    PlanError when those cannot form new clusters of the running job."""
     job = parse_job(order["job"])
+    if added_providers(running, job) != order["providers"]:
+        raise SpecError([f"providers: the order adds provider(s) {order['providers']}, its job "
+                         f"adds {added_providers(running, job)}"])
     pool = job.spec.expanded_providers()
     added = [(i, ProviderInfo(pool[i].ram, pool[i].bandwidth, pool[i].compute))
              for i in order["providers"]]

@@ -232,7 +232,11 @@ class LocalRun:
         self.metas: list[NodeMetadata] = []
         """The node metadata of every node of the plan (those of clusters added since too)."""
         self.grow_orders = 0
-        """The grow orders (`ravnest grow`) acted on so far."""
+        """The grow orders (`ravnest grow`) read so far, each acted on or refused."""
+        self.grow_seen: set[str] = set()
+        """Their file names."""
+        self.orders_refused: set[str] = set()
+        """The files in the drain folder refused as no drain order (said once each)."""
         self.grown: list[dict[str, Any]] = []
         """The grow orders acted on: the providers added, the clusters they form, when."""
         self.joined: dict[int, dict[str, Any]] = {}
@@ -499,6 +503,12 @@ class LocalRun:
         without it (its workers may still be closing their links; how they exit does not
         matter any more)."""
         assert self.plan is not None
+        for name, why in draining.refused(self.out / draining.DRAIN_DIR).items():
+            if name not in self.orders_refused:
+                self.orders_refused.add(name)
+                text = f"drain order {name} refused: {why}"
+                self._say(jobstatus.set_condition(self.conditions, "Drained", False,
+                                                  "NotApplied", text, _now()), text, logging.ERROR)
         for c in self.plan.clusters:
             if c.id in self.drained:
                 continue
@@ -516,12 +526,15 @@ class LocalRun:
         providers cannot form clusters of the job is refused, logged and in the status."""
         assert self.plan is not None
         roots: dict[int, _Proc] = {}
-        for order in growing.orders(self.out / growing.GROW_DIR, self.grow_orders):
+        for name, order in growing.orders(self.out / growing.GROW_DIR, self.grow_seen):
+            self.grow_seen.add(name)
             self.grow_orders += 1
             try:
-                job, plan = growing.grown_plan(self.plan, order)
+                if isinstance(order, SpecError):
+                    raise order
+                job, plan = growing.grown_plan(self.job, self.plan, order)
             except (PlanError, SpecError) as e:
-                text = f"grow order {self.grow_orders} refused: {e}"
+                text = f"grow order {self.grow_orders} ({name}) refused: {e}"
                 self._say(jobstatus.set_condition(self.conditions, "Grown", False, "NotApplied",
                                                   text, _now()), text, logging.ERROR)
                 continue
