@@ -169,13 +169,17 @@ def _drain(out: Path, *providers: int) -> subprocess.CompletedProcess[str]:
                            *flags], capture_output=True, text=True, timeout=60)
 
 
-def test_a_drained_cluster_leaves_at_a_round_boundary_and_the_others_train_on(tmp_path,
-                                                                              undisturbed):
+def test_a_drained_cluster_leaves_at_a_round_boundary_and_a_whole_restart_leaves_it_out(
+        tmp_path, undisturbed):
     """`ravnest drain` (issue 20, shrink): the providers' cluster leaves at a round the others
     agree on; they never stop, no round of theirs waits for it or is given up, and the job ends
-    with their model; bad orders are refused and order nothing."""
+    with their model; bad orders are refused and order nothing. Then (runPolicy.recovery: job) a
+    killed worker restarts the job from its newest checkpoint, complete without the drained
+    nodes (written after the drain): cluster 2 is not started again, and the others' rounds do
+    not wait for it."""
     out = tmp_path / "out"
-    with local_run(elastic_job(tmp_path, EPOCHS, {"everySteps": 0}), out) as run:
+    job = elastic_job(tmp_path, EPOCHS, {"everySteps": 20}, {"recovery": "job"})
+    with local_run(job, out) as run:
         plan, leaving, survivors = _at_step(run, out, 60)
         nodes = plan["nodes"]
 
@@ -190,34 +194,49 @@ def test_a_drained_cluster_leaves_at_a_round_boundary_and_the_others_train_on(tm
         ordered = _drain(out, provider)
         assert ordered.returncode == 0 and "cluster(s) 2 drain" in ordered.stdout, ordered
         samples = [steps(survivors)]
-        while not (out / "drain" / "cluster_2.done").exists():
+        done = out / "drain" / "cluster_2.done"
+        while not done.exists():
             assert run.poll() is None, "the run ended before the cluster drained"
             samples.append(steps(survivors))
             time.sleep(0.25)
-        for _ in range(40):  # and on, after it left
-            samples.append(steps(survivors))
+        left = json.loads(done.read_text())["updates"]
+        # and on, after it left, until a checkpoint without it is complete
+        while not ((s := steps(survivors)) and len(s) == len(survivors)
+                   and min(s.values()) >= left + 45):
+            assert run.poll() is None, "the run ended before a checkpoint after the drain"
+            samples.append(s)
             time.sleep(0.25)
+        pid = worker_pid(out / "nodes" / "node_0.json")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
         _, err = run.communicate(timeout=900)
     assert run.returncode == 0, err[-3000:]
 
     status = json.loads((out / "status.json").read_text())
-    assert status["phase"] == "Succeeded" and status["restarts"] == 0
+    assert status["phase"] == "Succeeded" and status["restarts"] == 1, status
     assert status["recoveries"] == 0 and status["clusters"] == "2/3"
     (drained,) = status["drained"]
     leave = drained["round"]
-    assert drained["cluster"] == 2 and drained["updates"] == 2 * leave  # (reduceFactor 2)
+    assert drained["cluster"] == 2 and drained["updates"] == left == 2 * leave  # reduceFactor 2
+    assert drained["providers"] == [provider] and "notDrained" not in status
     assert status["membership"]["versions"][1:] == [
         {"version": 2, "fromRound": leave + 1, "clusters": [0, 1]}]
     for n in survivors:
         seen = [s[n] for s in samples if n in s]
         assert seen == sorted(seen) and seen[-1] >= seen[0] + 20, (n, seen)
+    resumed = re.search(r"restart 1/\d+ resumes from checkpoint at step (\d+)", err)
+    assert resumed, err[-3000:]
+    assert int(resumed[1]) > left  # a checkpoint the drained nodes took no part in
 
     logs = {n.stem: n.read_text() for n in (out / "logs").glob("*.log")}
     for n in leaving:
         assert f"{n} drained after round {leave} at update {2 * leave}" in logs[n], logs[n][-2000:]
+        assert logs[n].count("drained after round") == 1 and "resumed from" not in logs[n]
     for n in survivors:
         assert "within 30s" not in logs[n] and "skipped" not in logs[n], logs[n][-3000:]
+        assert "does not answer" not in logs[n], logs[n][-3000:]
         assert all(f"{m} was lost" not in logs[n] for m in leaving), logs[n][-3000:]
+        assert f"resumed from checkpoint at step {resumed[1]}" in logs[n], logs[n][-3000:]
     # every member of a leaving node's rings was told the round after which it goes without it
     for ring in plan["rings"]:
         for m in set(ring["members"]) & leaving:
@@ -230,9 +249,9 @@ def test_a_drained_cluster_leaves_at_a_round_boundary_and_the_others_train_on(tm
     assert not [n for n in leaving if (out / "stages" / f"{n}.pt").exists()]
     accuracy, reference = summary["fused_val_metric"], undisturbed["fused_val_metric"]
     assert abs(accuracy - reference) <= 0.01, (accuracy, reference)
-    print(f"\ncluster 2 drained after round {leave} (update {2 * leave} of {TOTAL}); accuracy "
-          f"{accuracy:.4f} (undisturbed {reference:.4f}); partial rounds "
-          f"{summary['rounds_partial']}")
+    print(f"\ncluster 2 drained after round {leave} (update {2 * leave} of {TOTAL}), the job "
+          f"restarted from step {resumed[1]}; accuracy {accuracy:.4f} (undisturbed "
+          f"{reference:.4f}); partial rounds {summary['rounds_partial']}")
 
 
 def test_a_cluster_back_too_late_for_the_final_round_is_left_out_when_the_others_finish(
@@ -301,42 +320,6 @@ def _same_model_of_clusters_0_and_1(out: Path) -> dict[str, Any]:
     for k, v in copies[0].items():
         torch.testing.assert_close(copies[1][k].float(), v.float(), rtol=0, atol=1e-6, msg=k)
     return dict(summary)
-
-
-def test_a_whole_restart_after_a_drain_leaves_the_drained_cluster_out(tmp_path):
-    """runPolicy.recovery: job: once cluster 2 drained, a killed worker restarts the job from
-    its newest checkpoint, complete without the drained nodes (written after the drain); cluster
-    2 is not started again, and the others' rounds do not wait for it."""
-    out, epochs = tmp_path / "out", 30
-    job = elastic_job(tmp_path, epochs, {"everySteps": 20}, {"recovery": "job"})
-    with local_run(job, out) as run:
-        plan, leaving, survivors = _at_step(run, out, 40)
-        nodes = plan["nodes"]
-        root2 = next(n for n in nodes if n["cluster"] == 2 and n["role"] == "root")
-        assert _drain(out, root2["provider"]).returncode == 0
-        done = out / "drain" / "cluster_2.done"
-        wait("the drain", done.exists, run)
-        left = json.loads(done.read_text())["updates"]
-        wait("a checkpoint after the drain",
-             lambda: (s := steps(survivors)) and min(s.values()) >= left + 45, run)
-        pid = worker_pid(out / "nodes" / "node_0.json")
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
-        _, err = run.communicate(timeout=900)
-    assert run.returncode == 0, err[-3000:]
-    status = json.loads((out / "status.json").read_text())
-    assert status["phase"] == "Succeeded" and status["restarts"] == 1, status
-    assert status["clusters"] == "2/3" and [d["cluster"] for d in status["drained"]] == [2]
-    resumed = re.search(r"restart 1/\d+ resumes from checkpoint at step (\d+)", err)
-    assert resumed, err[-3000:]
-    assert int(resumed[1]) > left  # a checkpoint the drained nodes took no part in
-    logs = {n.stem: n.read_text() for n in (out / "logs").glob("*.log")}
-    for n in leaving:
-        assert logs[n].count("drained after round") == 1 and "resumed from" not in logs[n]
-    for n in survivors:
-        assert f"resumed from checkpoint at step {resumed[1]}" in logs[n], logs[n][-3000:]
-        assert "within 30s" not in logs[n] and "does not answer" not in logs[n]
-    assert _same_model_of_clusters_0_and_1(out)["updates"] == epochs * PER_EPOCH
 
 
 def _at_step_40(run: subprocess.Popen[str], out: Path, job: Path
