@@ -61,5 +61,5 @@ def test_the_seed_api_builds_its_settings_through_the_spec_models() -> None:
     assert alone.validation_frequency == 2**62 and alone.metric == "none"
     stem = Trainer(node=_seed_node(False), epochs=1)._settings()
     assert stem.metric == "accuracy" and stem.validation_frequency == 1
-    with pytest.raises(SpecError, match="epochs: must be greater than 0"):
+    with pytest.raises(SpecError, match="Trainer: epochs=0: expected a whole number, 1 or more"):
         Trainer(node=node, train_loader=[], epochs=0)._settings()

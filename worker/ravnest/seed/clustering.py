@@ -39,6 +39,7 @@ from ravnest.plan.partitioning import build_stage, profile
 from ravnest.plan.planning import make_plan
 from ravnest.plan.plans import Plan, ProviderInfo
 from ravnest.run.metadata import NodeMetadata, host_of, ring_address
+from ravnest.seed.arguments import Arguments
 from ravnest.seed.console import say
 from ravnest.spec import SecuritySpec, TrainingSpec, parse_section
 
@@ -90,13 +91,22 @@ def clusterize(model: nn.Module | None = None, example_args: tuple[Any, ...] = (
     security.tls do; the seed API's default is `grpc`, so a provider needs no port beyond the one
     `node_configs.json` names. Returns the plan (also printed).
     """
-    training = parse_section(TrainingSpec, {"ringTransport": ring_transport})
-    if model is None:
-        raise PlanError("clusterize: pass the model to split")
+    given = Arguments("clusterize")
+    given.model("model", model)
+    given.inputs("example_args", example_args)
     if example_kwargs:
-        raise PlanError("clusterize: example_kwargs are not supported; pass inputs positionally")
-    if not example_args:
-        raise PlanError("clusterize: pass example_args, e.g. (torch.rand(64, 3, 28, 28),)")
+        given.problems.append("clusterize: example_kwargs are not supported; pass inputs "
+                              "positionally in example_args")
+    given.flag("pass_data", pass_data)
+    given.path("node_data", node_data)
+    given.whole("clusters", clusters, optional=True)
+    given.whole("batch_size", batch_size, optional=True)
+    given.whole("microbatches", microbatches)
+    given.optimizer_name("optimizer", optimizer)
+    given.flag("tls", tls)
+    given.check()
+    training = parse_section(TrainingSpec, {"ringTransport": ring_transport})
+    assert model is not None
     root = Path(node_data)
     addresses, pool = read_node_configs(root / "node_configs.json")
     address_map = {f"node_{i}": a for i, a in enumerate(addresses)}

@@ -26,6 +26,7 @@ from ravnest.errors import PlanError, RavnestError, SpecError
 from ravnest.plan.partitioning import Stage, profile
 from ravnest.run.assembling import connect, cut_stage
 from ravnest.run.metadata import TOKEN_ENV, NodeMetadata, host_of, with_host
+from ravnest.seed.arguments import Arguments
 from ravnest.seed.console import say
 from ravnest.spec import TrainingSpec, parse_section
 from ravnest.train import devices, heap
@@ -46,8 +47,32 @@ class Node:
                  compression: bool | str = False, average_optim: bool = False,
                  node_data: str | Path = "node_data", token: str | None = None,
                  example_args: tuple[torch.Tensor, ...] = (), **kwargs: Any) -> None:
-        if not name or not name.startswith("node_") or not name[5:].isdigit():
+        if not isinstance(name, str) or not name.startswith("node_") or not name[5:].isdigit():
             raise SpecError([f"name: must look like 'node_0', 'node_17', got {name!r}"])
+        given = Arguments(f"Node({name!r})")
+        given.model("model", model, optional=True)
+        given.optimizer_class("optimizer", optimizer)
+        given.mapping("optimizer_params", optimizer_params)
+        given.function("lr_scheduler", lr_scheduler,
+                       "a scheduler class such as torch.optim.lr_scheduler.StepLR, or None")
+        given.mapping("lr_scheduler_params", lr_scheduler_params)
+        given.flag("lr_step_on_epoch_change", lr_step_on_epoch_change)
+        given.function("criterion", criterion,
+                       "a loss function such as torch.nn.functional.cross_entropy or "
+                       "torch.nn.CrossEntropyLoss(), or None")
+        given.whole("update_frequency", update_frequency)
+        given.whole("reduce_factor", reduce_factor, optional=True)
+        given.loader("labels", labels)
+        given.loader("test_labels", test_labels)
+        given.path("loss_filename", loss_filename)
+        if not isinstance(compression, bool | str):
+            given.problems.append(f"Node({name!r}): compression={compression!r}: expected True, "
+                                  f"False or a wire format ('bf16', 'fp16')")
+        given.flag("average_optim", average_optim)
+        given.path("node_data", node_data)
+        given.text("token", token, optional=True)
+        given.inputs("example_args", example_args, optional=True)
+        given.check()
         self.device = devices.resolve(device, f"Node({name!r}, device={str(device)!r})")
         root = Path(node_data)
         self.meta = _metadata(root, name, kwargs.get("listen_host"))
