@@ -38,7 +38,8 @@ class Arguments:
                       + (", or None" if optional else ""))
 
     def flag(self, name: str, value: Any) -> None:
-        if not isinstance(value, bool):
+        """True or False (1 and 0 too, as Python takes them)."""
+        if not isinstance(value, bool) and not (type(value) is int and value in (0, 1)):
             self._bad(name, value, "True or False")
 
     def text(self, name: str, value: Any, optional: bool = False) -> None:
