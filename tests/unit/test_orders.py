@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -20,15 +21,20 @@ from ravnest import parse_job
 from ravnest.run import draining, growing, jobstatus, local
 
 ROOT = Path(__file__).resolve().parents[2]
-PAIRS = 6
-"""Orders given at once, pairs of processes (before the lock, 2 of 10 drain pairs and 6 of 15
+PAIRS = 10
+"""Orders given at once, by pairs of processes (before the lock, 2 of 10 drain pairs and 6 of 15
 grow pairs went wrong)."""
-AT_ONCE = """
-import sys
+RACER = """
+import contextlib, io, json, sys
 import ravnest.cli, ravnest.run.draining, ravnest.run.growing, ravnest.spec
+args = json.loads(sys.argv[1])
 print("ready", flush=True)
-sys.stdin.readline()
-sys.exit(ravnest.cli.main(sys.argv[1:]))
+for _ in sys.stdin:  # one order per line read
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = ravnest.cli.main(args)
+    print(json.dumps({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}),
+          flush=True)
 """
 
 
@@ -44,25 +50,36 @@ def running(tmp_path: Path) -> Iterator[local.LocalRun]:
         run.release()
 
 
-def _at_once(*commands: list[str]) -> list[subprocess.CompletedProcess[str]]:
-    """Run `ravnest COMMAND` for each command in a process of its own, all let go together once
-    each has imported what it needs."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
-        str(ROOT / "worker"), os.environ.get("PYTHONPATH")]))}
-    procs = [subprocess.Popen([sys.executable, "-c", AT_ONCE, *c], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for c in commands]
-    for p in procs:
-        assert p.stdout is not None and p.stdout.readline() == "ready\n"
-    for p in procs:
-        assert p.stdin is not None
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    done = []
-    for p, c in zip(procs, commands, strict=True):
-        out, err = p.communicate(timeout=60)
-        done.append(subprocess.CompletedProcess(c, p.returncode, out, err))
-    return done
+class Racers:
+    """One process per command, each giving its order (`ravnest COMMAND`) once per `race()`,
+    all let go together: processes of their own, started once (their imports done)."""
+
+    def __init__(self, *commands: list[str]) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+            str(ROOT / "worker"), os.environ.get("PYTHONPATH")]))}
+        self.procs = [subprocess.Popen([sys.executable, "-c", RACER, json.dumps(c)], env=env,
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                      for c in commands]
+        for p in self.procs:
+            assert p.stdout is not None and p.stdout.readline() == "ready\n"
+
+    def race(self) -> list[dict[str, Any]]:
+        """Each process's order, given at once: its exit code, stdout and stderr."""
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.flush()
+        return [json.loads(p.stdout.readline()) for p in self.procs if p.stdout is not None]
+
+    def __enter__(self) -> Racers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.kill()
+            p.communicate()  # (and closes its pipes)
 
 
 def test_drains_given_at_once_never_order_every_cluster_away(running: local.LocalRun) -> None:
@@ -71,15 +88,16 @@ def test_drains_given_at_once_never_order_every_cluster_away(running: local.Loca
     assert running.plan is not None
     first, second = (running.plan.node(c.nodes[-1]).provider for c in running.plan.clusters)
     folder = running.out / draining.DRAIN_DIR
-    for _ in range(PAIRS):
-        shutil.rmtree(folder, ignore_errors=True)
-        done = _at_once(*(["drain", "digits", "-o", str(running.out), "--provider", str(p)]
-                          for p in (first, second)))
-        assert sorted(d.returncode for d in done) == [0, 1], [(d.stdout, d.stderr) for d in done]
-        (refused,) = [d for d in done if d.returncode == 1]
-        assert "would leave no cluster to train" in refused.stderr, refused.stderr
-        assert len(draining.ordered_clusters(folder)) == 1
-        assert not list(folder.glob(".*"))  # (no temporary file left)
+    with Racers(*(["drain", "digits", "-o", str(running.out), "--provider", str(p)]
+                  for p in (first, second))) as racers:
+        for _ in range(PAIRS):
+            shutil.rmtree(folder, ignore_errors=True)
+            done = racers.race()
+            assert sorted(d["code"] for d in done) == [0, 1], done
+            (refused,) = [d for d in done if d["code"] == 1]
+            assert "would leave no cluster to train" in refused["stderr"], refused
+            assert len(draining.ordered_clusters(folder)) == 1
+            assert not list(folder.glob(".*"))  # (no temporary file left)
 
 
 def test_grows_given_at_once_are_each_checked_against_the_other(running: local.LocalRun,
@@ -91,18 +109,19 @@ def test_grows_given_at_once_are_each_checked_against_the_other(running: local.L
     grown = tmp_path / "grown.yaml"
     grown.write_text(yaml.safe_dump(doc))
     folder = running.out / growing.GROW_DIR
-    for _ in range(PAIRS):
-        shutil.rmtree(folder, ignore_errors=True)
-        done = _at_once(*(["grow", str(grown), "-o", str(running.out)] for _ in range(2)))
-        assert sorted(d.returncode for d in done) == [0, 2], [(d.stdout, d.stderr) for d in done]
-        (refused,) = [d for d in done if d.returncode == 2]
-        # (checked against the job as the order given first left it: 6 providers and 2 added)
-        assert "a running job grows by providers listed after its 8" in refused.stderr, \
-            refused.stderr
-        ((name, order),) = growing.orders(folder, ())
-        assert name == "order-0000.json" and isinstance(order, dict)
-        assert order["providers"] == [6, 7]
-        assert not list(folder.glob(".*"))
+    with Racers(*(["grow", str(grown), "-o", str(running.out)] for _ in range(2))) as racers:
+        for _ in range(PAIRS):
+            shutil.rmtree(folder, ignore_errors=True)
+            done = racers.race()
+            assert sorted(d["code"] for d in done) == [0, 2], done
+            (refused,) = [d for d in done if d["code"] == 2]
+            # (checked against the job as the order given first left it: 6 providers and 2 added)
+            assert "a running job grows by providers listed after its 8" in refused["stderr"], \
+                refused
+            ((name, order),) = growing.orders(folder, ())
+            assert name == "order-0000.json" and isinstance(order, dict)
+            assert order["providers"] == [6, 7]
+            assert not list(folder.glob(".*"))
 
 
 def test_the_runner_refuses_a_file_that_is_no_order_and_trains_on(running: local.LocalRun
