@@ -49,30 +49,7 @@ class Node:
                  example_args: tuple[torch.Tensor, ...] = (), **kwargs: Any) -> None:
         if not isinstance(name, str) or not name.startswith("node_") or not name[5:].isdigit():
             raise SpecError([f"name: must look like 'node_0', 'node_17', got {name!r}"])
-        given = Arguments(f"Node({name!r})")
-        given.model("model", model, optional=True)
-        given.optimizer_class("optimizer", optimizer)
-        given.mapping("optimizer_params", optimizer_params)
-        given.function("lr_scheduler", lr_scheduler,
-                       "a scheduler class such as torch.optim.lr_scheduler.StepLR, or None")
-        given.mapping("lr_scheduler_params", lr_scheduler_params)
-        given.flag("lr_step_on_epoch_change", lr_step_on_epoch_change)
-        given.function("criterion", criterion,
-                       "a loss function such as torch.nn.functional.cross_entropy or "
-                       "torch.nn.CrossEntropyLoss(), or None")
-        given.whole("update_frequency", update_frequency)
-        given.whole("reduce_factor", reduce_factor, optional=True)
-        given.loader("labels", labels)
-        given.loader("test_labels", test_labels)
-        given.path("loss_filename", loss_filename)
-        if not isinstance(compression, bool | str):
-            given.problems.append(f"Node({name!r}): compression={compression!r}: expected True, "
-                                  f"False or a wire format ('bf16', 'fp16')")
-        given.flag("average_optim", average_optim)
-        given.path("node_data", node_data)
-        given.text("token", token, optional=True)
-        given.inputs("example_args", example_args, optional=True)
-        given.check()
+        _check_arguments(name, locals())
         self.device = devices.resolve(device, f"Node({name!r}, device={str(device)!r})")
         root = Path(node_data)
         self.meta = _metadata(root, name, kwargs.get("listen_host"))
@@ -127,6 +104,36 @@ class Node:
 
     def close(self) -> None:
         self.wiring.close()
+
+
+
+def _check_arguments(name: str, a: dict[str, Any]) -> None:
+    """Node's arguments (`a`: its locals on entry) checked as a job file's fields are
+    (`seed.arguments`): a SpecError names each wrong one."""
+    given = Arguments(f"Node({name!r})")
+    given.model("model", a["model"], optional=True)
+    given.optimizer_class("optimizer", a["optimizer"])
+    given.mapping("optimizer_params", a["optimizer_params"])
+    given.function("lr_scheduler", a["lr_scheduler"],
+                   "a scheduler class such as torch.optim.lr_scheduler.StepLR, or None")
+    given.mapping("lr_scheduler_params", a["lr_scheduler_params"])
+    given.flag("lr_step_on_epoch_change", a["lr_step_on_epoch_change"])
+    given.function("criterion", a["criterion"],
+                   "a loss function such as torch.nn.functional.cross_entropy or "
+                   "torch.nn.CrossEntropyLoss(), or None")
+    given.whole("update_frequency", a["update_frequency"])
+    given.whole("reduce_factor", a["reduce_factor"], optional=True)
+    given.loader("labels", a["labels"])
+    given.loader("test_labels", a["test_labels"])
+    given.path("loss_filename", a["loss_filename"])
+    if not isinstance(a["compression"], bool | str):
+        given.problems.append(f"Node({name!r}): compression={a['compression']!r}: expected "
+                              f"True, False or a wire format ('bf16', 'fp16')")
+    given.flag("average_optim", a["average_optim"])
+    given.path("node_data", a["node_data"])
+    given.text("token", a["token"], optional=True)
+    given.inputs("example_args", a["example_args"], optional=True)
+    given.check()
 
 
 def _share_cpus(meta: NodeMetadata, name: str) -> None:
