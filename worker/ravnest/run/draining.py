@@ -78,12 +78,29 @@ def refused(folder: Path) -> dict[str, str]:
 
 def ordered(folder: Path, cluster: int) -> bool:
     """Whether `cluster` was told to drain: its order is there and is one (`problem`)."""
-    return order_file(folder, cluster).exists() and problem(folder, cluster) is None
+    return order_file(folder, cluster).exists() and isinstance(_read(folder, cluster), dict)
 
 
 def problem(folder: Path, cluster: int) -> str | None:
     """Why the drain order of `cluster` is none (it cannot be read, is no JSON object, or names
     no providers: not written by `ravnest drain`), or None."""
+    said = _read(folder, cluster)
+    return said if isinstance(said, str) else None
+
+
+def order(folder: Path, cluster: int) -> dict[str, Any]:
+    """The drain order of `cluster` as the job's status shows it (`jobstatus.Drain`: cluster,
+    providers, orderedAt); an order that cannot be read gives the cluster only."""
+    said = _read(folder, cluster)
+    if not isinstance(said, dict):
+        return {"cluster": cluster}
+    at = said.get("at")
+    return {"cluster": cluster, "providers": said["providers"],
+            **({"orderedAt": jobstatus.timestamp(at)} if isinstance(at, int | float) else {})}
+
+
+def _read(folder: Path, cluster: int) -> dict[str, Any] | str:
+    """The drain order of `cluster` (a dict naming its providers), or why it is none."""
     try:
         said = json.loads(order_file(folder, cluster).read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -91,20 +108,7 @@ def problem(folder: Path, cluster: int) -> str | None:
     providers = said.get("providers") if isinstance(said, dict) else None
     if not isinstance(providers, list) or not all(type(p) is int and p >= 0 for p in providers):
         return "not a drain order (no list of providers in it)"
-    return None
-
-
-def order(folder: Path, cluster: int) -> dict[str, Any]:
-    """The drain order of `cluster` as the job's status shows it (`jobstatus.Drain`: cluster,
-    providers, orderedAt); an order that cannot be read gives the cluster only."""
-    said: Any = None
-    if problem(folder, cluster) is None:
-        said = json.loads(order_file(folder, cluster).read_text())
-    if not isinstance(said, dict):
-        return {"cluster": cluster}
-    at = said.get("at")
-    return {"cluster": cluster, "providers": said["providers"],
-            **({"orderedAt": jobstatus.timestamp(at)} if isinstance(at, int | float) else {})}
+    return dict(said)
 
 
 def acknowledge(folder: Path, cluster: int, said: dict[str, Any]) -> None:

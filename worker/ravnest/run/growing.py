@@ -104,9 +104,10 @@ def grown_plan(running: Job, plan: Plan, order: dict[str, Any]) -> tuple[Job, Pl
     order's job is not the running one with the order's providers added after its own,
     PlanError when those cannot form new clusters of the running job."""
     job = parse_job(order["job"])
-    if added_providers(running, job) != order["providers"]:
+    adds = added_providers(running, job)
+    if adds != order["providers"]:
         raise SpecError([f"providers: the order adds provider(s) {order['providers']}, its job "
-                         f"adds {added_providers(running, job)}"])
+                         f"adds {adds}"])
     pool = job.spec.expanded_providers()
     added = [(i, ProviderInfo(pool[i].ram, pool[i].bandwidth, pool[i].compute))
              for i in order["providers"]]

@@ -503,7 +503,8 @@ class LocalRun:
         without it (its workers may still be closing their links; how they exit does not
         matter any more)."""
         assert self.plan is not None
-        for name, why in draining.refused(self.out / draining.DRAIN_DIR).items():
+        folder = self.out / draining.DRAIN_DIR
+        for name, why in draining.refused(folder).items():
             if name not in self.orders_refused:
                 self.orders_refused.add(name)
                 text = f"drain order {name} refused: {why}"
@@ -512,7 +513,6 @@ class LocalRun:
         for c in self.plan.clusters:
             if c.id in self.drained:
                 continue
-            folder = self.out / draining.DRAIN_DIR
             said = draining.acknowledged(folder, c.id)
             if said is not None:
                 self.drained[c.id] = {**said, **draining.order(folder, c.id)}
@@ -826,7 +826,7 @@ class LocalRun:
         if self.plan is None or not folder.is_dir():
             return []
         return [draining.order(folder, c) for c in sorted(draining.ordered_clusters(folder))
-                if c not in self.drained and draining.ordered(folder, c)]
+                if c not in self.drained]
 
     def finish(self, seconds: float) -> dict[str, Any]:
         """Fuse and write the outputs (`finishing`) in the job's output location."""

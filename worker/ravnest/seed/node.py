@@ -106,7 +106,6 @@ class Node:
         self.wiring.close()
 
 
-
 def _check_arguments(name: str, a: dict[str, Any]) -> None:
     """Node's arguments (`a`: its locals on entry) checked as a job file's fields are
     (`seed.arguments`): a SpecError names each wrong one."""
@@ -114,8 +113,7 @@ def _check_arguments(name: str, a: dict[str, Any]) -> None:
     given.model("model", a["model"], optional=True)
     given.optimizer_class("optimizer", a["optimizer"])
     given.mapping("optimizer_params", a["optimizer_params"])
-    given.function("lr_scheduler", a["lr_scheduler"],
-                   "a scheduler class such as torch.optim.lr_scheduler.StepLR, or None")
+    given.scheduler("lr_scheduler", a["lr_scheduler"])
     given.mapping("lr_scheduler_params", a["lr_scheduler_params"])
     given.flag("lr_step_on_epoch_change", a["lr_step_on_epoch_change"])
     given.function("criterion", a["criterion"],
@@ -127,8 +125,8 @@ def _check_arguments(name: str, a: dict[str, Any]) -> None:
     given.loader("test_labels", a["test_labels"])
     given.path("loss_filename", a["loss_filename"])
     if not isinstance(a["compression"], bool | str):
-        given.problems.append(f"Node({name!r}): compression={a['compression']!r}: expected "
-                              f"True, False or a wire format ('bf16', 'fp16')")
+        given.bad("compression", a["compression"], "True, False or a wire format ('bf16', "
+                  "'fp16')")
     given.flag("average_optim", a["average_optim"])
     given.path("node_data", a["node_data"])
     given.text("token", a["token"], optional=True)

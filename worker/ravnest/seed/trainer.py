@@ -51,8 +51,7 @@ class Trainer:
                  batch_size: int = 64, step_size: int = 1, inputs_dtype: Any = None,
                  save_dir: str | Path = "trained") -> None:
         given = Arguments("Trainer")
-        given.function("lr_scheduler", lr_scheduler,
-                       "a scheduler class such as torch.optim.lr_scheduler.StepLR, or None")
+        given.scheduler("lr_scheduler", lr_scheduler)
         given.mapping("lr_scheduler_params", lr_scheduler_params)
         given.loader("train_loader", train_loader)
         given.loader("val_loader", val_loader)
@@ -62,12 +61,10 @@ class Trainer:
         given.whole("batch_size", batch_size)
         given.whole("step_size", step_size)
         if inputs_dtype is not None and not isinstance(inputs_dtype, torch.dtype):
-            given.problems.append(f"Trainer: inputs_dtype={inputs_dtype!r}: expected a torch "
-                                  f"dtype such as torch.float32, or None")
+            given.bad("inputs_dtype", inputs_dtype, "a torch dtype such as torch.float32, or None")
         given.path("save_dir", save_dir)
         if not all(hasattr(node, a) for a in ("me", "training", "microbatches")):
-            given.problems.append(f"Trainer: node={node!r}"[:120] + ": expected the provider's "
-                                  "ravnest Node, e.g. Node(name='node_0', ...)")
+            given.bad("node", node, "the provider's ravnest Node, e.g. Node(name='node_0', ...)")
         given.check()
         self.node = node
         if lr_scheduler is not None and node.optimizer is not None:
