@@ -210,7 +210,7 @@ def _observe(body: dict[str, Any], spec: dict[str, Any], status: dict[str, Any],
         return seen
     try:
         job = parse_job({"apiVersion": body["apiVersion"], "kind": body["kind"],
-                         "metadata": {"name": name, "namespace": namespace},
+                         "metadata": {"name": name, "namespace": namespace, "uid": uid},
                          "spec": dict(spec)})
     except SpecError as e:
         return replace(seen, problems=tuple(e.problems))

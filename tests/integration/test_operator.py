@@ -254,11 +254,29 @@ def test_a_job_on_a_claim_keeps_its_checkpoints_and_model_there(cluster, tmp_pat
     model = torch.load(claim / "models" / "claimed" / "model.pt", weights_only=True)
     assert digits_accuracy(model) == pytest.approx(status["result"]["fused_val_metric"],
                                                    abs=1e-6)
-    steps = sorted(p.name for p in (claim / "ckpt" / "claimed").iterdir())
+    steps = sorted(p.name for p in (claim / "ckpt" / "claimed").iterdir()
+                   if p.name.startswith("step-"))
     assert steps and steps[-1] == f"step-{status['result']['updates']:08d}"
     worker = get(kube, "pod", "claimed-node-0")["spec"]
     assert {"name": "claim-0", "persistentVolumeClaim": {"claimName": "store"}} in \
         worker["volumes"]
+    # the folder is the job's (its planner pod took it; its roots renewed the lease) ...
+    uid = get(kube, "rj", "claimed")["metadata"]["uid"]
+    record = json.loads((claim / "ckpt" / "claimed" / "ravnest-job.json").read_text())
+    assert record["job"] == {"namespace": "default", "name": "claimed", "uid": uid}
+    lease = json.loads((claim / "ckpt" / "claimed" / "ravnest-lease.json").read_text())
+    assert lease["holder"] == f"RavnestJob default/claimed (uid {uid})"
+    # ... so another job pointed at it fails at planning, and its files stay as they were
+    files = {p: p.read_bytes() for p in (claim / "ckpt" / "claimed").rglob("step-*/*")}
+    other = job_doc("other", epochs=3, checkpoint={"path": "pvc://store/ckpt/claimed"})
+    assert apply(kube, other, tmp_path).returncode == 0
+    wait_for("other to fail", lambda: phase_of(kube, "other") == "Failed", 120, kube, operator)
+    failed = next(c for c in get(kube, "rj", "other")["status"]["conditions"]
+                  if c["type"] == "Failed")
+    assert failed["reason"] == "PlanFailed"
+    assert ("spec.checkpoint.path: pvc://store/ckpt/claimed is in use by RavnestJob "
+            f"default/claimed (uid {uid})") in failed["message"], failed
+    assert {p: p.read_bytes() for p in (claim / "ckpt" / "claimed").rglob("step-*/*")} == files
 
 
 GATED = {"name": "gated_loss:criterion"}

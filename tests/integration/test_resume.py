@@ -61,6 +61,34 @@ def test_kill_a_worker_then_resume_from_checkpoint(tmp_path, digits_doc):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["updates"] == 6 * 22  # 1437 samples // (2 clusters x 32) per epoch
     assert summary["val_metric"] >= 0.95
+    _another_job_is_refused_the_folder(tmp_path, digits_doc, ckpt)
+
+
+def _another_job_is_refused_the_folder(tmp_path: Path, doc: dict, ckpt: Path) -> None:
+    """Issue 40: a job of another name, learning rate and epoch count pointed at the folder
+    resumed from its newest step and pruned the older ones; it is refused before any worker
+    starts now, as is the same job with those settings changed, and the folder keeps its files."""
+    files = {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+    doc["spec"]["checkpoint"]["path"] = str(ckpt)
+    doc["spec"]["training"]["epochs"] = 9
+    doc["spec"]["training"]["optimizer"]["params"]["lr"] = 0.01
+    job = tmp_path / "changed.yaml"
+    for name, said in (("other", f"spec.checkpoint.path: {ckpt} holds the checkpoints of job "
+                                 f"'digits' of {tmp_path / 'job.yaml'}, not of job 'other'"),
+                       ("digits", f"spec.checkpoint.path: {ckpt} was written by an earlier job "
+                                  f"'digits' of {tmp_path / 'job.yaml'}")):
+        doc["metadata"]["name"] = name
+        job.write_text(yaml.safe_dump(doc))
+        run = subprocess.run([sys.executable, "-m", "ravnest", "run", str(job), "-o",
+                              str(tmp_path / name), "--no-progress"],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 2, run.stderr[-3000:]
+        assert said in run.stderr, run.stderr[-3000:]
+        assert not (tmp_path / name / "nodes").exists()
+    assert "spec.training.optimizer.params.lr: 0.003 then, 0.01 now" in run.stderr
+    assert "spec.training.epochs: 6 then, 9 now" in run.stderr
+    assert "set resume: force" in run.stderr
+    assert {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == files
 
 
 def test_a_job_of_another_plan_is_refused_at_once_by_a_checkpoint_folder(tmp_path, digits_doc):

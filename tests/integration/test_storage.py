@@ -16,6 +16,7 @@ import pytest
 import s3fs
 import torch
 import yaml
+from claimers import Claimers
 from scoring import digits_accuracy
 
 from ravnest import parse_job, run_job
@@ -62,7 +63,9 @@ def test_checkpoints_and_outputs_go_to_s3_and_another_machine_resumes_there(
     assert digits_accuracy(model) == pytest.approx(summary["fused_val_metric"], abs=1e-6)
     assert summary["fused_val_metric"] >= 0.9
     assert fs.cat_file(f"{bucket}/models/digits/learning_curve.png")[:8] == b"\x89PNG\r\n\x1a\n"
-    steps = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/ckpt/digits"))
+    names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/ckpt/digits"))
+    assert names[0] == "ravnest-job.json"  # (whose it is; its lease was given back at the end)
+    steps = names[1:]
     assert steps and all(s.startswith("step-") for s in steps) and len(steps) <= 2  # keep: 2
     final = int(steps[-1][5:])
     assert final == summary["updates"]
@@ -74,6 +77,30 @@ def test_checkpoints_and_outputs_go_to_s3_and_another_machine_resumes_there(
     again = run_job(job, tmp_path / "second", progress=False)
     assert again["resumed_from_step"] == final and again["samples_trained"] == 0
     assert again["fused_val_metric"] == pytest.approx(summary["fused_val_metric"], abs=1e-6)
+
+    # another job pointed at the folder (issue 40: it resumed from it and pruned its steps) is
+    # refused before any worker starts, and the folder keeps what it had
+    before = {p: fs.cat_file(p) for p in fs.find(f"{bucket}/ckpt/digits")}
+    other = job.model_copy(update={"metadata": job.metadata.model_copy(update={"name": "other"})})
+    with pytest.raises(SpecError, match=r"spec\.checkpoint\.path: s3://.*/ckpt/digits holds the "
+                                        r"checkpoints of job 'digits', not of job 'other'"):
+        run_job(other, tmp_path / "third", progress=False)
+    fs.invalidate_cache()
+    assert {p: fs.cat_file(p) for p in fs.find(f"{bucket}/ckpt/digits")} == before
+    assert not (tmp_path / "third" / "nodes").exists()
+
+
+def test_runs_claiming_one_s3_folder_at_once_get_it_one_at_a_time(s3_server, bucket, digits_doc):
+    """Three runs claim one folder on the store at once (conditional writes: If-None-Match, then
+    If-Match), five times: each time exactly one holds it, and the others are told who does."""
+    with Claimers(f"s3://{bucket}/ckpt/raced", [digits_doc] * 3,
+                  endpoint=s3_server.endpoint_url) as claimers:
+        for _ in range(5):
+            done = claimers.race()
+            assert sorted(d["won"] for d in done) == [False, False, True], done
+            assert all(d["won"] or "is in use by ravnest run of job 'digits'" in d["why"]
+                       for d in done), done
+            claimers.release()
 
 
 def test_a_claim_has_no_meaning_on_this_machine(tmp_path, digits_doc):

@@ -43,7 +43,7 @@ def _run(args: argparse.Namespace) -> int:
     out = Path(args.output or Path("runs") / job.name)
     _stop_on(signal.SIGTERM, signal.SIGHUP)
     try:
-        summary = run_job(job, out, progress=not args.no_progress)
+        summary = run_job(job, out, progress=not args.no_progress, source=args.job)
     except Terminated as e:
         print(f"error: {e}", file=sys.stderr)
         return 128 + e.signum
@@ -78,12 +78,15 @@ def _plan_pod(job_file: str) -> int:
     the operator, and show the table in the pod's log."""
     from ravnest.plan.building import preflight, probe_storage
     from ravnest.plan.handoff import encode
+    from ravnest.run.owning import claim_checkpoints
     from ravnest.spec import load_job
 
     try:
         job = load_job(job_file)
         plan, _, _ = preflight(job)
-        probe_storage(job.spec, os.environ.get(PVC_ROOT_ENV, PVC_ROOT))
+        pvc_root = os.environ.get(PVC_ROOT_ENV, PVC_ROOT)
+        probe_storage(job.spec, pvc_root)
+        claim_checkpoints(job, pvc_root)
         termination.write(encode(plan), in_pod=True)
     except SpecError as e:
         termination.write("invalid job: " + "; ".join(e.problems), in_pod=True)

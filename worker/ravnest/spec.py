@@ -364,6 +364,12 @@ class CheckpointSpec(_Model):
     every_steps: int = Field(0, ge=0)
     """Optimizer updates between checkpoints; 0 checkpoints at the end of every epoch only."""
     keep: int = Field(2, gt=0)
+    resume: Literal["auto", "force"] = "auto"
+    """A checkpoint folder belongs to one job (`ravnest.run.owning`): another job's is refused.
+    auto: resume from this job's checkpoints when its training settings are those they were
+    written with (else the job is refused, naming each change); force: resume from them even
+    so, and from those of an earlier job of the same name (on Kubernetes, one deleted and made
+    again)."""
     volume: dict[str, Any] | None = None
     """A Kubernetes volume source (e.g. persistentVolumeClaim) mounted at ``path`` in pods."""
 
@@ -551,6 +557,9 @@ class Metadata(_Model):
     model_config = ConfigDict(extra="allow", frozen=True)
     name: str = Field(pattern=_NAME, max_length=40)
     namespace: str | None = None
+    uid: str | None = Field(None, max_length=64)
+    """On Kubernetes, the RavnestJob's uid (the operator fills it in for the job's pods): what
+    tells this job from an earlier one of the same name."""
 
 
 class Job(_Model):

@@ -15,10 +15,11 @@ tell a complete file by its presence, which checkpointing builds on (its checksu
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import posixpath
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,14 @@ _CLAIM = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 class StorageError(RavnestError):
     """A location cannot be read or written."""
+
+
+class Contended(StorageError):
+    """`Location.update` lost every try to writers changing the same file."""
+
+
+UPDATE_TRIES = 20
+"""How often `Location.update` reads and writes again after another writer changed the file."""
 
 
 def scheme(uri: str) -> str:
@@ -165,6 +174,68 @@ class Location:
             else:
                 self.fs.pipe_file(target, data)
 
+    def update(self, name: str, change: Callable[[bytes | None], bytes | None]) -> bytes | None:
+        """Read-modify-write small file `name` atomically against other writers (processes,
+        pods, machines): `change` gets its content (None: absent) and returns the new content
+        (None: delete it), or raises to leave it as it is. Returns what it wrote.
+
+        Locally (a path, a mounted claim) under an flock of ``.<name>.lock`` beside it; on S3 as
+        a conditional write (If-None-Match for a new file, If-Match on the version read for an
+        existing one), read and tried again when another writer came first. Other object stores
+        (gs, az) take an unconditional write: there two writers at once can both succeed."""
+        if self.local:
+            return self._update_local(name, change)
+        path = self.path(name)
+        s3 = "s3" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else
+                      (self.fs.protocol,))
+        for _ in range(UPDATE_TRIES):
+            with self._failing(f"read {self.uri}/{name}"):
+                try:
+                    tag = self.fs.info(path, refresh=True).get("ETag") if s3 else None
+                    old: bytes | None = self.fs.cat_file(path)
+                except FileNotFoundError:
+                    tag, old = None, None
+            new = change(old)
+            try:
+                with self._failing(f"write {self.uri}/{name}"):
+                    if new is None:
+                        if old is not None:
+                            self.fs.rm_file(path)
+                    elif not s3:
+                        self.fs.pipe_file(path, new)
+                    elif tag is None:
+                        self.fs.pipe_file(path, new, mode="create")
+                    else:
+                        self.fs.pipe_file(path, new, IfMatch=tag)
+                return new
+            except StorageError as e:
+                if not _precondition_failed(e):
+                    raise
+        raise Contended(f"cannot update {self.uri}/{name}: other writers changed it "
+                        f"{UPDATE_TRIES} times while this one tried")
+
+    def _update_local(self, name: str, change: Callable[[bytes | None], bytes | None]
+                      ) -> bytes | None:
+        target = Path(self.path(name))
+        with self._failing(f"update {self.uri}/{name}"):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(target.with_name(f".{target.name}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                old: bytes | None = target.read_bytes()
+            except FileNotFoundError:
+                old = None
+            new = change(old)
+            with self._failing(f"write {self.uri}/{name}"):
+                if new is None:
+                    target.unlink(missing_ok=True)
+                else:
+                    _atomic_local(target, new)
+            return new
+        finally:
+            os.close(fd)  # (drops the lock)
+
     def exists(self, name: str) -> bool:
         with self._failing(f"look for {self.uri}/{name}"):
             return bool(self.fs.exists(self.path(name)))
@@ -214,6 +285,24 @@ class Location:
         except (OSError, StorageError) as e:
             raise SpecError([f"{field_name}: {self.uri!r} is not writable ({e}); give a location "
                              f"this job can create and write"]) from e
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """Whether a conditional write was refused because another writer came first (S3's 412
+    PreconditionFailed, or 409 ConditionalRequestConflict while one was under way)."""
+    seen: BaseException | None = e
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409,
+                                                                                          412):
+                return True
+        if "pre-condition" in str(seen) or "PreconditionFailed" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _atomic_local(path: Path, data: bytes) -> None:

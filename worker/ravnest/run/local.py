@@ -73,7 +73,7 @@ from ravnest.comm.tls import identity, issue, make_authority
 from ravnest.errors import PlanError, SpecError, WorkerFailed
 from ravnest.plan import building
 from ravnest.plan.plans import Plan, SparePlan, spare_name
-from ravnest.run import draining, elastic, finishing, growing, jobstatus, supervising
+from ravnest.run import draining, elastic, finishing, growing, jobstatus, owning, supervising
 from ravnest.run.jobstatus import FINISHED, Phase
 from ravnest.run.locking import lock_folder, refuse_if_locked
 from ravnest.run.metadata import (
@@ -194,8 +194,13 @@ class LocalRun:
     """One local run of a job."""
 
     def __init__(self, job: Job, output_dir: str | Path, progress: bool = True,
-                 worker_threads: int = 1) -> None:
+                 worker_threads: int = 1, source: str | Path | None = None) -> None:
+        """`source`: the job file the job came from (part of its identity in the checkpoint
+        folder it writes, `owning.identity`)."""
         self.job = job
+        self.source = source
+        self.lease: owning.Lease | None = None
+        """This run's lease on its checkpoint folder (`owning`), from `prepare` to `release`."""
         self.out = Path(output_dir)
         self.progress = progress
         self.worker_threads = worker_threads
@@ -262,6 +267,7 @@ class LocalRun:
             log.warning("%s", warning)
         checkpointing.refuse_other_plans(self.checkpoint_dir(), plan.fingerprint)
         self.claim()
+        self.lease = owning.claim(self.checkpoint_dir(), self.job, self.source).keep()
         names = plan.names()
         addresses, metrics_ports, ring_addresses = node_endpoints(
             names, {n: self.host(plan.node(n).provider) for n in names},
@@ -479,6 +485,10 @@ class LocalRun:
                     self.conditions = supervising.failed(
                         self.conditions, supervising.DEADLINE_EXCEEDED, decided.past, _now())
                     raise WorkerFailed(decided.past)
+                if self.lease is not None and self.lease.lost:  # (another run writes there now)
+                    self.conditions = supervising.failed(
+                        self.conditions, "CheckpointFolderLost", self.lease.lost, _now())
+                    raise WorkerFailed(self.lease.lost)
                 self._rejoined(decided.back)
                 if decided.up and (not jobstatus.is_true(self.conditions, "Running")
                                    or jobstatus.is_true(self.conditions, "Restarting")):
@@ -780,6 +790,9 @@ class LocalRun:
             self._lock = lock_folder(self.out)
 
     def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
         if self._lock is not None:
             os.close(self._lock)
             self._lock = None
@@ -939,6 +952,8 @@ class _Progress:
             self.bar.close()
 
 
-def run_job(job: Job, output_dir: str | Path, progress: bool = True) -> dict[str, Any]:
-    """Run a job locally, one worker process per provider; return its summary."""
-    return LocalRun(job, output_dir, progress).run()
+def run_job(job: Job, output_dir: str | Path, progress: bool = True,
+            source: str | Path | None = None) -> dict[str, Any]:
+    """Run a job locally, one worker process per provider; return its summary (`source`: the
+    job file it came from)."""
+    return LocalRun(job, output_dir, progress, source=source).run()

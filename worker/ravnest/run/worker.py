@@ -31,7 +31,7 @@ from ravnest.errors import PlanError, RavnestError, SpecError
 from ravnest.plan import building
 from ravnest.plan.partitioning import Stage, profile
 from ravnest.plan.plans import NodePlan, Plan, fingerprint
-from ravnest.run import draining, finishing, growing
+from ravnest.run import draining, finishing, growing, owning
 from ravnest.run.assembling import assemble, connect, cut_stage, save_stage
 from ravnest.run.metadata import (
     DEVICE_ENV,
@@ -44,7 +44,7 @@ from ravnest.run.metadata import (
     NodeMetadata,
     host_of,
 )
-from ravnest.spec import JobSpec
+from ravnest.spec import Job, JobSpec
 from ravnest.storing import PVC_ROOT, open_location
 from ravnest.train import devices
 from ravnest.train.metrics import Identity, WorkerMetrics
@@ -188,6 +188,13 @@ def _device(spec: JobSpec, me: NodePlan) -> torch.device:
     return device
 
 
+def _lease(job: Job, me: NodePlan, pvc_root: str) -> owning.Lease | None:
+    """On Kubernetes, a root's hold on the job's checkpoint folder, which the planner pod took:
+    renewed while it trains, and no checkpoint is written once another job took it."""
+    where = owning.in_pods(job, pvc_root) if me.is_root else None
+    return owning.Lease(where, job) if where is not None else None
+
+
 class Worker:
     """A running worker: server, peers, metrics and the training loop."""
 
@@ -249,6 +256,7 @@ class Worker:
                 for name in c.nodes:
                     self.wiring.membership.lost(name)
         self.runtime.checkpoints.without(gone)
+        self.lease = _lease(job, me, pvc_root)
 
     @property
     def server(self) -> Server:
@@ -271,6 +279,9 @@ class Worker:
         self.metrics_port = self.metrics.serve(self.meta.metrics_port, addr=host)
         if self.rejoin:
             self.wiring.rejoining(True)
+        if self.lease is not None:
+            self.lease.take()  # (SpecError: another job writes the folder now)
+            self.runtime.checkpoints.guard = self.lease.keep().check
         self.wiring.start()
         failed = True
         try:
@@ -308,6 +319,8 @@ class Worker:
             failed = False
             self._await_final_scrape()
         finally:
+            if self.lease is not None:
+                self.lease.stop()  # (not given back: the other roots still hold it)
             self.wiring.close(failed=failed, neighbours=[
                 n for n in self.meta.plan.neighbours(self.meta.node) if n is not None])
 

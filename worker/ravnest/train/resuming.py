@@ -10,6 +10,7 @@ checkpoints is refused (`checkpointing.ForeignCheckpoint`), never loaded.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ravnest.train import checkpointing
@@ -29,6 +30,9 @@ class Checkpoints:
         self.nodes = nodes
         self.plan = plan
         self._metrics = metrics
+        self.guard: Callable[[], None] | None = None
+        """Called before each save; raises when this run may no longer write the folder (its
+        lease on it was lost: `ravnest.run.owning`)."""
 
     def without(self, gone: set[str]) -> None:
         """Steps are complete without the nodes `gone` (their clusters drained): they write no
@@ -38,6 +42,8 @@ class Checkpoints:
     def save(self, step: int, state: dict[str, Any]) -> None:
         if not self.directory:
             return
+        if self.guard is not None:
+            self.guard()
         checkpointing.save(self.directory, step, self.node, state, self.plan)
         checkpointing.prune(self.directory, self.nodes, self.keep)
         self._metrics.checkpoint_step.set(step)
