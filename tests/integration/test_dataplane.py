@@ -402,6 +402,10 @@ def test_mutual_tls_carries_pieces_and_refuses_strangers() -> None:
                    {"tls": issue(CA, "node_1"), "server_name": "node-5"}):
             with pytest.raises(TransportError):  # plaintext, another job's CA, the wrong node
                 _send(served.address, **kw)
+        # a node of the job speaks for itself only: node_2's certificate, naming node_1
+        with pytest.raises(TransportError, match="says it is from 'node_1' came over the "
+                                                 "connection of 'node-2''s certificate"):
+            _send(served.address, tls=issue(CA, "node_2"), server_name="node-0")
         time.sleep(0.2)
         assert served.pieces() == []
     finally:

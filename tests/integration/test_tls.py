@@ -46,15 +46,16 @@ def served() -> Iterator[Served]:
         s.server.stop(grace=0)
 
 
-def _frame(step: int) -> Frame:
-    return Frame("forward", {"x": torch.arange(6.0)}, step=step)
+def _frame(step: int, sender: str = "node_1") -> Frame:
+    return Frame("forward", {"x": torch.arange(6.0)}, step=step, sender=sender)
 
 
 def _send(address: str, tls: TlsMaterial, server_name: str = "node-0",
-          creds: Credentials = CREDS, timeout: float = TIMEOUT, step: int = 1) -> None:
+          creds: Credentials = CREDS, timeout: float = TIMEOUT, step: int = 1,
+          sender: str = "node_1") -> None:
     peer = Peer(address, creds, timeout=timeout, tls=tls, server_name=server_name)
     try:
-        peer.send(_frame(step))
+        peer.send(_frame(step, sender))
     finally:
         peer.close()
 
@@ -77,6 +78,21 @@ def test_frames_pass_between_peers_of_the_job_ca(served: Served) -> None:
     _send(served.address, issue(JOB_CA, "node_1"), step=7)
     got = served.inbox.pipeline.get(timeout=TIMEOUT)
     assert got.step == 7 and torch.equal(got.tensors["x"], torch.arange(6.0))
+
+
+def test_a_node_speaks_for_itself_only(served: Served) -> None:
+    """A frame's sender is the node its connection's certificate names, whatever the frame says
+    (issue 40: a `leaving` said for node_1 by another node dropped node_1 from a ring); one
+    that names another node, or none, is refused, and the server keeps serving."""
+    for sender in ("node_2", ""):
+        with pytest.raises(TransportError, match="PERMISSION_DENIED: a frame that says it is "
+                                                 f"from '{sender}' came over the connection of "
+                                                 "'node-1''s certificate"):
+            _send(served.address, issue(JOB_CA, "node_1"), sender=sender)
+    _send(served.address, issue(JOB_CA, "node_2"), sender="node_2", step=5)
+    got = served.inbox.pipeline.get(timeout=TIMEOUT)
+    assert (got.sender, got.step) == ("node_2", 5)
+    assert served.inbox.pipeline.empty()
 
 
 def test_the_token_is_still_checked_over_tls(served: Served) -> None:

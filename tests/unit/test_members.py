@@ -14,7 +14,7 @@ from models import DeepMLP
 from ravnest.comm.framing import Frame
 from ravnest.plan.partitioning import profile
 from ravnest.train.allreducing import FINAL_ROUND
-from ravnest.train.messages import Join, Leaving, Op, parse
+from ravnest.train.messages import Join, Kind, Leaving, Op, Where, parse
 from ravnest.train.rejoining import RingMembership, pack_state
 from ravnest.train.runtime import NodeRuntime
 
@@ -103,6 +103,31 @@ def test_a_join_or_leave_from_a_node_not_in_that_ring_is_dropped(two_clusters, w
     # the ring's own member is heard
     a.members.leaving(Leaving(node=b.name, ring=_ring(a), round=7))
     assert membership.leaving() == {b.name}
+
+
+@pytest.mark.parametrize("op", [Op.LEAVING, Op.JOIN, Op.WHERE])
+def test_a_control_about_a_node_is_heard_from_that_node_only(two_clusters, op, caplog):
+    """Issue 40: a `leaving` said for a ring member by another node dropped it from the ring
+    (its rounds then waited for nobody, and the final one was skipped). Controls about a node
+    (leaving, join, where) are heard from that node only: a frame's sender is its connection's
+    (with TLS, its certificate's node: test_tls.py)."""
+    a, b, c = two_clusters
+    a.members.membership = membership = RingMembership()
+    control = {Op.LEAVING: Leaving(node=b.name, ring=_ring(a), round=7),
+               Op.JOIN: Join(node=b.name, ring=_ring(a), round=9, serve=True),
+               Op.WHERE: Where(node=b.name)}[op]
+    a.handle(Frame(Kind.CONTROL, sender=c.name, control=control.wire()))
+    a.members.round_done(8, {0, 1}, 16)
+    assert (f"a {op} for {b.name!r} sent by {c.name!r}, dropped: a node speaks for itself "
+            f"only") in caplog.text
+    assert _answers(a, b) == [] and membership.leaving() == set()
+    assert membership.absent(9) == set()
+    a.handle(Frame(Kind.CONTROL, sender=b.name, control=control.wire()))  # (b's own: heard)
+    a.members.round_done(9, {0, 1}, 18)
+    heard = {Op.LEAVING: lambda: membership.leaving() == {b.name},
+             Op.JOIN: lambda: [o for o, _ in _answers(a, b)] == [Op.STATE],
+             Op.WHERE: lambda: [o for o, _ in _answers(a, b)] == [Op.HERE]}[op]
+    assert heard()
 
 
 def test_a_draining_node_tells_the_members_elsewhere_and_takes_part_in_no_later_round(

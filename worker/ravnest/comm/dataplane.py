@@ -45,6 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ from ravnest.comm.buffers import BufferPool
 from ravnest.comm.framing import COMPRESSIONS, DEFAULT_MAX_FRAME_BYTES, Frame, to_wire
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.tls import TlsMaterial
-from ravnest.comm.transport import listen_error
+from ravnest.comm.transport import listen_error, sender_problem
 from ravnest.errors import PeerTimeout, TransportError, shown
 
 log = logging.getLogger(__name__)
@@ -192,6 +193,15 @@ def _keepalive(sock: socket.socket) -> None:
     for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
         if hasattr(socket, option):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
+def _common_name(cert: Any) -> str:
+    """The common name of a peer's certificate as `ssl` gives it (its node's identity)."""
+    for rdn in (cert or {}).get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return str(value)
+    return ""
 
 
 def _tls_context(tls: TlsMaterial, server: bool) -> ssl.SSLContext:
@@ -401,6 +411,10 @@ class RingServer:
             name = sender.decode()
         except UnicodeDecodeError as e:
             raise refuse(BAD_HELLO, "node name is not UTF-8") from e
+        if isinstance(sock, ssl.SSLSocket):
+            problem = sender_problem(name, _common_name(sock.getpeercert()))
+            if problem:
+                raise refuse(UNAUTHENTICATED, problem)
         admit()
         sock.sendall(struct.pack("<BH", OK, 0) +
                      _mac(self._token, b"server", nonce, their_nonce, fingerprint))

@@ -49,8 +49,8 @@ from ravnest.comm.framing import (
 )
 from ravnest.comm.proto import ravnest_pb2 as pb
 from ravnest.comm.sending import Deliveries
-from ravnest.comm.tls import TlsMaterial
-from ravnest.errors import PeerTimeout, TransportError
+from ravnest.comm.tls import TlsMaterial, identity
+from ravnest.errors import PeerTimeout, TransportError, shown
 
 log = logging.getLogger(__name__)
 
@@ -176,11 +176,15 @@ class _Servicer:
     half of a streaming call (no thread to consume a request iterator)."""
 
     def __init__(self, deliver: Callable[[Frame], None], max_frame_bytes: int,
-                 on_bytes: Callable[[str, int], None] | None, buffers: BufferPool) -> None:
+                 on_bytes: Callable[[str, int], None] | None, buffers: BufferPool,
+                 bound: bool = False) -> None:
+        """`bound`: the connections are mutual TLS, and a frame's sender must be the node its
+        client certificate names (`sender_problem`)."""
         self._deliver = deliver
         self._max = max_frame_bytes
         self._on_bytes = on_bytes
         self._buffers = buffers
+        self._bound = bound
 
     def SendOne(self, request: bytes, context: grpc.ServicerContext) -> pb.Ack:
         return self.Send(iter((request,)), context)
@@ -190,6 +194,13 @@ class _Servicer:
             frame = decode_wire(request_iterator, self._max, self._buffers)
         except FrameError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if self._bound:
+            names = context.auth_context().get("x509_common_name") or [b""]
+            problem = sender_problem(frame.sender, names[0].decode(errors="replace"))
+            if problem:
+                if frame.release is not None:
+                    frame.release()
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
         try:
             self._deliver(frame)
         except (KeyError, ValueError) as e:
@@ -197,6 +208,16 @@ class _Servicer:
         if self._on_bytes:
             self._on_bytes(frame.kind, frame.wire_bytes)
         return pb.Ack(received_bytes=frame.wire_bytes)
+
+
+def sender_problem(sender: str, certified: str) -> str | None:
+    """Why a frame that says it is from `sender` may not come over a connection whose client
+    certificate names `certified` (a node's `tls.identity`), or None: a node speaks only for
+    itself, whatever its frames write."""
+    if sender and identity(sender) == certified:
+        return None
+    return (f"a frame that says it is from {shown(sender)} came over the connection of "
+            f"{shown(certified)}'s certificate: a node speaks for itself only")
 
 
 MAX_HEALTH_WATCHES = 16
@@ -333,7 +354,8 @@ class Server:
         """Receive buffers of large frames (up to `reuse_bytes` of them), reused once their
         frame is dropped; 0 turns reuse off. `pinned`: in page-locked memory (a worker on a CUDA
         device copies its frames' tensors from them)."""
-        servicer = _Servicer(deliver, max_frame_bytes, on_bytes, self.buffers)
+        servicer = _Servicer(deliver, max_frame_bytes, on_bytes, self.buffers,
+                             bound=tls is not None)
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
             "Send": grpc.stream_unary_rpc_method_handler(
                 servicer.Send, request_deserializer=None,

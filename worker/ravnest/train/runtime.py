@@ -37,7 +37,7 @@ import torch
 from ravnest.comm.framing import Frame
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.sending import RingSender, Sender
-from ravnest.errors import PeerFailed, RavnestError
+from ravnest.errors import PeerFailed, RavnestError, shown
 from ravnest.plan.partitioning import OUTPUT, Stage
 from ravnest.plan.plans import NodePlan, Plan, as_planned
 from ravnest.train.allreducing import FINAL_ROUND, RingReducer, reduce_all
@@ -399,13 +399,19 @@ class NodeRuntime:
         pipeline (a ring member of another cluster's, `OUTSIDE`), logged and dropped (None), as
         any control not for this node is; from the pipeline, BadControl."""
         try:
-            return parse(frame.control)
+            c = parse(frame.control)
         except BadControl as e:
             if frame.control.get("op") not in OUTSIDE:
                 raise BadControl(f"{self.name}: from {frame.sender or 'its pipeline'}: {e}"
                                  ) from None
             log.warning("%s: from %s: %s; dropped", self.name, frame.sender, e)
             return None
+        if isinstance(c, Where | Join | Leaving) and c.node != frame.sender:
+            # a node speaks for itself only (its frames' sender is its connection's, with TLS)
+            log.warning("%s: a %s for %s sent by %s, dropped: a node speaks for itself only",
+                        self.name, c.op, shown(c.node), shown(frame.sender))
+            return None
+        return c
 
     def _control(self, c: Control) -> None:
         """Act on a control (from upstream, the leaf's validation result, or the root's own) and
