@@ -4,7 +4,9 @@ links; what a node answers is what lands in the asker's inbox."""
 
 from __future__ import annotations
 
+import dataclasses
 import queue
+import time
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from models import DeepMLP
 from ravnest.comm.framing import Frame
 from ravnest.plan.partitioning import profile
 from ravnest.train.allreducing import FINAL_ROUND
+from ravnest.train.members import PENDING_NEWCOMERS, Outside
 from ravnest.train.messages import Join, Kind, Leaving, Op, Where, parse
 from ravnest.train.rejoining import RingMembership, pack_state
 from ravnest.train.runtime import NodeRuntime
@@ -128,6 +131,43 @@ def test_a_control_about_a_node_is_heard_from_that_node_only(two_clusters, op, c
              Op.JOIN: lambda: [o for o, _ in _answers(a, b)] == [Op.STATE],
              Op.WHERE: lambda: [o for o, _ in _answers(a, b)] == [Op.HERE]}[op]
     assert heard()
+
+
+def test_introductions_are_bounded_and_a_newcomer_that_never_joins_is_forgotten(
+        two_clusters, caplog):
+    """Issue 40: 300 introductions of nodes that never came took a node from 39 to 2,448 threads
+    and its end waited for each of their links in turn. A node takes in `PENDING_NEWCOMERS` at
+    once and `NEWCOMERS` in all; one that does not join within twice the peer timeout is
+    forgotten (its link closed in the background), and linked again if it comes after all."""
+    a, _, _ = two_clusters
+    welcomed: list[str] = []
+    forgotten: list[str] = []
+    a.members.outside = Outside(welcome=lambda name, address, ring: welcomed.append(name),
+                                forget=forgotten.append)
+    a.members.membership = RingMembership()
+    ring = _ring(a)
+
+    def where(i: int) -> Where:
+        name = f"node_{100 + i}"
+        node = {**dataclasses.asdict(a.plan.node(a.name)), "name": name, "cluster": 2}
+        return Where(node=name, newcomer={"node": node, "address": "10.9.9.9:1",
+                                          "rings": [ring]})
+
+    for i in range(40):
+        a.members.welcome(where(i))
+    assert welcomed == [f"node_{100 + i}" for i in range(PENDING_NEWCOMERS)]
+    assert f"32 newcomers wait to join and 32 came in all (at most {PENDING_NEWCOMERS}" \
+        in caplog.text
+    a.members.join(Join(node="node_100", ring=ring, round=None))  # one joins: a slot is free
+    a.members.welcome(where(40))
+    assert welcomed[-1] == "node_140" and len(welcomed) == PENDING_NEWCOMERS + 1
+    later = time.monotonic() + 2 * a.members.s.peer_timeout + 1
+    a.members.forget_newcomers(later)
+    assert forgotten == [f"node_{100 + i}" for i in (*range(1, PENDING_NEWCOMERS), 40)]
+    assert "never joined: forgotten" in caplog.text
+    a.members.welcome(where(5))  # back after all: linked again, in the plan once
+    assert welcomed[-1] == "node_105" and a.plan.names().count("node_105") == 1
+    assert a.members.membership.absent(0) >= {"node_105", "node_101"}
 
 
 def test_a_draining_node_tells_the_members_elsewhere_and_takes_part_in_no_later_round(

@@ -144,9 +144,11 @@ class PeerWatch:
 
     def add(self, name: str, peer: Watchable) -> None:
         """Watch `peer` too (a node that joined the job after the watch began), from now on; a
-        peer watched already is left as it is."""
+        peer watched already is left as it is (one no longer watched, `expect_exit`, is watched
+        again)."""
         with self._lock:
-            if name in self._peers or self._stopping.is_set():
+            watched = self._peers.get(name)
+            if (watched is not None and not watched.expected) or self._stopping.is_set():
                 return
             w = self._peers[name] = _Watched(name, peer.address,
                                              health_pb2_grpc.HealthStub(_health_channel(peer)))

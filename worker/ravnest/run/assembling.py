@@ -123,6 +123,21 @@ class Wiring:
         if self.ring_watch is not None and name in self.peers:
             self.ring_watch.add(name, self.peers[name])
 
+    def forget(self, name: str) -> None:
+        """Drop the link to and the watch of `name`, a newcomer that never joined; its links
+        close in the background (one to an address that never answers takes seconds)."""
+        if self.ring_watch is not None:
+            self.ring_watch.expect_exit(name)
+        peer, link = self.peers.pop(name, None), self.ring_links.pop(name, None)
+
+        def close() -> None:
+            if peer is not None:
+                peer.close(1.0)
+            if link is not None:
+                link.close()
+
+        threading.Thread(target=close, daemon=True, name=f"forget-{name}").start()
+
     def rejoining(self, on: bool) -> None:
         """Say (`REJOIN_SERVICE`) whether this node is a restarted one not back in its rings."""
         status = health_pb2.HealthCheckResponse
@@ -296,11 +311,16 @@ class Wiring:
                 if name in self.peers:
                     self.peers[name].close(timeout)
             self.server.stop(grace=0.5)
-        for name, peer in self.peers.items():
-            if not failed or name not in neighbours:
-                peer.close(timeout)
-        for link in self.ring_links.values():
-            link.close()
+        # together: links to peers that are gone (a newcomer that never joined, a lost member)
+        # each take their timeout, and a node's end waits for the slowest, not for their sum
+        closing = [threading.Thread(target=peer.close, args=(timeout,), daemon=True)
+                   for name, peer in self.peers.items() if not failed or name not in neighbours]
+        closing += [threading.Thread(target=link.close, daemon=True)
+                    for link in self.ring_links.values()]
+        for thread in closing:
+            thread.start()
+        for thread in closing:
+            thread.join()
         if self.ring_server is not None:
             self.ring_server.stop()
         if not failed:
@@ -413,7 +433,8 @@ def assemble(wiring: Wiring, meta: NodeMetadata, stage: Stage, settings: Setting
                        criterion, wiring.inbox, wiring.peers, metrics, batches,
                        ring_peers=wiring.ring_links if wiring.reach is not None else None,
                        targets=targets, membership=wiring.membership,
-                       outside=Outside(wiring.welcome, introduction, drain_asked))
+                       outside=Outside(wiring.welcome, introduction, drain_asked,
+                                       wiring.forget))
 
 
 def save_stage(runtime: NodeRuntime, folder: str | Path | Location) -> None:

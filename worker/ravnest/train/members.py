@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ravnest.comm.framing import Frame
-from ravnest.errors import PeerFailed, PeerTimeout, RavnestError
+from ravnest.errors import PeerFailed, PeerTimeout, RavnestError, shown
 from ravnest.plan.partitioning import Stage
 from ravnest.plan.plans import Plan, RingPlan
 from ravnest.train.allreducing import FINAL_ROUND, RingReducer
@@ -48,6 +48,12 @@ from ravnest.train.settings import Settings
 
 log = logging.getLogger(__name__)
 
+PENDING_NEWCOMERS = 32
+"""Newcomers (nodes of clusters added to the running job) a node takes in at once between their
+introduction and their join: each costs a link (a few threads) and a watch. More are dropped."""
+NEWCOMERS = 512
+"""Introductions a node takes in over the whole job; more are dropped."""
+
 
 @dataclass(frozen=True)
 class Outside:
@@ -62,6 +68,8 @@ class Outside:
     drain_asked: Callable[[], bool] | None = None
     """At a root: whether its cluster was told to drain (asked at each round boundary until it
     says yes)."""
+    forget: Callable[[str], None] | None = None
+    """Drop the link to and the watch of a newcomer that never joined (in the background)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,11 @@ class Members:
         self.leave_after = None
         self.final_clusters = None
         self._joins: list[tuple[str, str, int | None]] = []  # (node, ring, round) to serve
+        self._newcomers: dict[str, float] = {}
+        """Newcomers introduced and not joined yet: when (`PENDING_NEWCOMERS` at most)."""
+        self._forgotten: set[str] = set()
+        self._introduced = 0
+        self._refused = 0
 
     # ------------------------------------------------------------------ the others come and go
 
@@ -137,6 +150,7 @@ class Members:
             self.p.routes.answer(who, Late(ring=ring_id, round=round_, last=self.rounds.last))
             return
         first = FINAL_ROUND + 1 if round_ is None else round_ + 1
+        self._newcomers.pop(who, None)
         if self.membership is not None:
             self.membership.admit(who, first)
         for reducer, _ in self.p.reducers:
@@ -152,21 +166,51 @@ class Members:
         this node's plan (its cluster, its rings) and links, out of the rounds until it joins
         (`join`). Its node plan is checked against the rings it names; a bad one is dropped."""
         info = c.newcomer
-        if info is None or c.node in self.plan.names():
+        if info is None or (c.node in self.plan.names() and c.node not in self._forgotten):
             return
-        try:
-            node = newcomer_plan(self.plan, c.node, info)
-        except (RavnestError, KeyError, TypeError, ValueError) as e:
-            log.warning("%s: an introduction of %s dropped: %s", self.name, c.node, e)
+        if len(self._newcomers) >= PENDING_NEWCOMERS or self._introduced >= NEWCOMERS:
+            self._refused += 1
+            if self._refused & (self._refused - 1) == 0:  # (said at the 1st, 2nd, 4th...)
+                log.warning("%s: an introduction of %s dropped: %d newcomers wait to join and "
+                            "%d came in all (at most %d and %d); %d dropped so far", self.name,
+                            shown(c.node), len(self._newcomers), self._introduced,
+                            PENDING_NEWCOMERS, NEWCOMERS, self._refused)
             return
+        if c.node in self._forgotten:  # (back after all: linked again)
+            node = self.plan.node(c.node)
+            self._forgotten.discard(c.node)
+        else:
+            try:
+                node = newcomer_plan(self.plan, c.node, info)
+            except (RavnestError, KeyError, TypeError, ValueError) as e:
+                log.warning("%s: an introduction of %s dropped: %s", self.name, shown(c.node), e)
+                return
+            self.plan = self.plan.joined(node, tuple(info["rings"]))
+            log.warning("%s: %s of cluster %d, added to the running job, introduced itself "
+                        "(rings %s)", self.name, node.name, node.cluster,
+                        ", ".join(info["rings"]))
         if self.membership is not None:
             self.membership.lost(node.name)  # (out of the rounds until it joins)
-        self.plan = self.plan.joined(node, tuple(info["rings"]))
+        self._newcomers[node.name] = time.monotonic()
+        self._introduced += 1
         if self.outside.welcome is not None:
             ring = info.get("ringAddress")
             self.outside.welcome(node.name, str(info["address"]), str(ring) if ring else None)
-        log.warning("%s: %s of cluster %d, added to the running job, introduced itself (rings "
-                    "%s)", self.name, node.name, node.cluster, ", ".join(info["rings"]))
+
+    def forget_newcomers(self, now: float) -> None:
+        """Forget the newcomers introduced longer ago than twice the peer timeout that did not
+        join since: their links and watches go (in the background), their slots are free, and
+        one that comes back after all is linked again."""
+        late = [n for n, at in self._newcomers.items() if now - at > 2 * self.s.peer_timeout]
+        for name in late:
+            del self._newcomers[name]
+            self._forgotten.add(name)
+            if self.outside.forget is not None:
+                self.outside.forget(name)
+        if late:
+            log.warning("%s: %s introduced themselves and never joined: forgotten", self.name,
+                        ", ".join(late[:5]) + (f" and {len(late) - 5} more" if len(late) > 5
+                                               else ""))
 
     def _intro(self) -> dict[str, Any]:
         """What a control to a ring member says of this node, a newcomer's introduction."""
@@ -205,6 +249,7 @@ class Members:
             self.final_clusters = present
         else:
             self.rounds.done(round_, time.monotonic())
+            self.forget_newcomers(time.monotonic())
         due = [j for j in self._joins if final or (j[2] is not None and j[2] <= round_)]
         for who, ring_id, _ in due:
             self._joins.remove((who, ring_id, _))
