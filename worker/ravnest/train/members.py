@@ -48,10 +48,10 @@ from ravnest.train.settings import Settings
 
 log = logging.getLogger(__name__)
 
-PENDING_NEWCOMERS = 32
+PENDING_NEWCOMERS = 16
 """Newcomers (nodes of clusters added to the running job) a node takes in at once between their
 introduction and their join: each costs a link (a few threads) and a watch. More are dropped."""
-NEWCOMERS = 512
+NEWCOMERS = 256
 """Introductions a node takes in over the whole job; more are dropped."""
 
 
