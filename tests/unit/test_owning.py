@@ -20,7 +20,7 @@ from claimers import Claimers
 from ravnest.errors import RavnestError, SpecError
 from ravnest.run import owning
 from ravnest.spec import parse_job
-from ravnest.storing import open_location
+from ravnest.storing import StorageError, open_location
 from ravnest.train.metrics import Identity, WorkerMetrics
 from ravnest.train.resuming import Checkpoints
 from ravnest.train.settings import Settings
@@ -167,6 +167,31 @@ def test_a_lease_taken_by_another_run_stops_this_one_writing(tmp_path: Path) -> 
     assert not list(tmp_path.glob("step-*"))
     lease.release()  # (another's: left as it is)
     assert "team/other" in (tmp_path / owning.LEASE).read_text()
+
+
+def test_a_lease_is_kept_through_a_storage_outage(tmp_path: Path) -> None:
+    """Renewals that fail on the storage (down for a while) are tried again; only another run
+    holding the lease loses it."""
+    where = open_location(tmp_path)
+    lease = owning.claim(where, _job(_doc()))
+    update, calls = where.update, []
+
+    def flaky(name: str, change: Any) -> Any:
+        calls.append(name)
+        if len(calls) <= 2:
+            raise StorageError("the store is down")
+        return update(name, change)
+
+    where.update = flaky  # type: ignore[method-assign]
+    renewed = json.loads((tmp_path / owning.LEASE).read_text())["expires"]
+    lease.keep(every=0.05)
+    deadline = time.monotonic() + 10
+    while json.loads((tmp_path / owning.LEASE).read_text())["expires"] == renewed:
+        assert time.monotonic() < deadline, "never renewed after the outage"
+        time.sleep(0.02)
+    assert len(calls) >= 3 and lease.lost is None
+    lease.check()
+    lease.release()
 
 
 ROUNDS = 8

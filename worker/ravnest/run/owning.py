@@ -227,7 +227,7 @@ class Lease:
         def renew() -> None:
             while not self._stop.wait(every):
                 try:
-                    self.take()
+                    self.root.update(LEASE, self._take)
                 except SpecError as e:
                     self.lost = e.problems[0]
                     log.error("the checkpoint folder's lease is lost: %s", self.lost)
