@@ -137,10 +137,13 @@ class Location:
     def __str__(self) -> str:
         return self.uri
 
+    def _speaks(self, protocol: str) -> bool:
+        protocols = self.fs.protocol
+        return protocol in (protocols if isinstance(protocols, tuple) else (protocols,))
+
     @property
     def local(self) -> bool:
-        protocols = self.fs.protocol
-        return "file" in (protocols if isinstance(protocols, tuple) else (protocols,))
+        return self._speaks("file")
 
     def path(self, name: str = "") -> str:
         """The filesystem path of `name` below this folder."""
@@ -177,7 +180,8 @@ class Location:
     def update(self, name: str, change: Callable[[bytes | None], bytes | None]) -> bytes | None:
         """Read-modify-write small file `name` atomically against other writers (processes,
         pods, machines): `change` gets its content (None: absent) and returns the new content
-        (None: delete it), or raises to leave it as it is. Returns what it wrote.
+        (None: delete it; the content it got: leave it), or raises to leave it as it is.
+        Returns what the file holds now.
 
         Locally (a path, a mounted claim) under an flock of ``.<name>.lock`` beside it; on S3 as
         a conditional write (If-None-Match for a new file, If-Match on the version read for an
@@ -185,9 +189,7 @@ class Location:
         (gs, az) take an unconditional write: there two writers at once can both succeed."""
         if self.local:
             return self._update_local(name, change)
-        path = self.path(name)
-        s3 = "s3" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else
-                      (self.fs.protocol,))
+        path, s3 = self.path(name), self._speaks("s3")
         for _ in range(UPDATE_TRIES):
             with self._failing(f"read {self.uri}/{name}"):
                 try:
@@ -196,11 +198,12 @@ class Location:
                 except FileNotFoundError:
                     tag, old = None, None
             new = change(old)
+            if new == old:  # (nothing to write)
+                return new
             try:
                 with self._failing(f"write {self.uri}/{name}"):
                     if new is None:
-                        if old is not None:
-                            self.fs.rm_file(path)
+                        self.fs.rm_file(path)
                     elif not s3:
                         self.fs.pipe_file(path, new)
                     elif tag is None:
@@ -227,11 +230,12 @@ class Location:
             except FileNotFoundError:
                 old = None
             new = change(old)
-            with self._failing(f"write {self.uri}/{name}"):
-                if new is None:
-                    target.unlink(missing_ok=True)
-                else:
-                    _atomic_local(target, new)
+            if new != old:
+                with self._failing(f"write {self.uri}/{name}"):
+                    if new is None:
+                        target.unlink(missing_ok=True)
+                    else:
+                        _atomic_local(target, new)
             return new
         finally:
             os.close(fd)  # (drops the lock)

@@ -259,15 +259,16 @@ class LocalRun:
                   if uri and pvc_claim(uri)]
         if claims:
             raise SpecError(claims)
-        plan, _, _ = building.preflight(self.job, self.checkpoint_dir())
+        checkpoints = self.checkpoint_dir()
+        plan, _, _ = building.preflight(self.job, checkpoints)
         self.plan = plan
         self._check_devices(plan)
         warning = memory_warning(plan, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         if warning:
             log.warning("%s", warning)
-        checkpointing.refuse_other_plans(self.checkpoint_dir(), plan.fingerprint)
+        checkpointing.refuse_other_plans(checkpoints, plan.fingerprint)
         self.claim()
-        self.lease = owning.claim(self.checkpoint_dir(), self.job, self.source).keep()
+        self.lease = owning.claim(checkpoints, self.job, self.source).keep()
         names = plan.names()
         addresses, metrics_ports, ring_addresses = node_endpoints(
             names, {n: self.host(plan.node(n).provider) for n in names},

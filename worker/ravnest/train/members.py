@@ -248,8 +248,9 @@ class Members:
         if final:
             self.final_clusters = present
         else:
-            self.rounds.done(round_, time.monotonic())
-            self.forget_newcomers(time.monotonic())
+            now = time.monotonic()
+            self.rounds.done(round_, now)
+            self.forget_newcomers(now)
         due = [j for j in self._joins if final or (j[2] is not None and j[2] <= round_)]
         for who, ring_id, _ in due:
             self._joins.remove((who, ring_id, _))
