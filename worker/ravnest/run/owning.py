@@ -200,6 +200,11 @@ class Lease:
         except StorageError as e:
             raise SpecError([f"{FIELD}: cannot take the lease of {self.root}: {e}"]) from e
 
+    def renew(self) -> None:
+        """Take the lease again, or renew it: SpecError when another run holds it now; a
+        StorageError (the store unreachable) as it comes, for the caller to try again."""
+        self.root.update(LEASE, self._take)
+
     def stop(self) -> None:
         """Stop renewing the lease (it runs out unless others of the job renew it)."""
         self._stop.set()
@@ -227,7 +232,7 @@ class Lease:
         def renew() -> None:
             while not self._stop.wait(every):
                 try:
-                    self.root.update(LEASE, self._take)
+                    self.renew()
                 except SpecError as e:
                     self.lost = e.problems[0]
                     log.error("the checkpoint folder's lease is lost: %s", self.lost)

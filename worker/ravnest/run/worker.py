@@ -280,7 +280,7 @@ class Worker:
         if self.rejoin:
             self.wiring.rejoining(True)
         if self.lease is not None:
-            self.lease.take()  # (SpecError: another job writes the folder now)
+            self.lease.renew()  # (SpecError: another job writes the folder now)
             self.runtime.checkpoints.guard = self.lease.keep().check
         self.wiring.start()
         failed = True
