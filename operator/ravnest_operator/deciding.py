@@ -86,6 +86,9 @@ class Observed:
     """The job as its spec is now, when providers were added (`added`)."""
     plan: Plan | None = None
     """The plan its plan ConfigMap holds; None when that does not exist (yet)."""
+    signs: bool = True
+    """Whether the operator can issue identities to the job's new nodes: its key derives the
+    authority that issued the job's (not so after a restart with another key)."""
     pods: tuple[dict[str, Any], ...] = field(default_factory=tuple)
     """The job's pods, as the API returns them."""
 
@@ -373,6 +376,10 @@ def _grows(run: _Pass, plan: Plan) -> str | None:
     if edited.spec.security.tls:
         return ("the providers added do not join: a job with spec.security.tls cannot grow yet "
                 "(its CA's key is not kept, so no certificate can be issued to a new node)")
+    if not run.observed.signs:
+        return ("the providers added do not join: the operator's signing key is not the one "
+                "this job was planned with (it restarted without RAVNEST_SIGNING_KEY_FILE), so "
+                "no identity its nodes accept can be issued to a new node")
     pool = edited.spec.expanded_providers()
     try:
         grown = growth.grow(plan, [(i, ProviderInfo(pool[i].ram, pool[i].bandwidth,

@@ -16,12 +16,14 @@ import os
 import secrets
 import threading
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, cast
 
 import kopf
 import kubernetes
 from kubernetes.client.rest import ApiException
 
+from ravnest.comm.identity import Authority
 from ravnest.comm.tls import TlsMaterial, issue, make_authority
 from ravnest.errors import SpecError
 from ravnest.plan.plans import Plan
@@ -56,6 +58,26 @@ SETTINGS = Settings.from_env(os.environ)
 """The operator's settings, read from its environment once, when kopf imports this module."""
 
 
+def _signing_key(path: str) -> bytes:
+    """The operator's secret key (`Settings.signing_key_file`), or a fresh one."""
+    if not path:
+        return secrets.token_bytes(32)
+    key = Path(path).read_bytes().strip()
+    if len(key) < 32:
+        raise RuntimeError(f"RAVNEST_SIGNING_KEY_FILE {path}: a key of {len(key)} bytes; "
+                           f"give at least 32")
+    return key
+
+
+SIGNING_KEY = _signing_key(SETTINGS.signing_key_file)
+
+
+def _authority(owner: resources.Owner) -> Authority:
+    """The job's authority, which issues its nodes' identities: derived from the operator's key
+    and the job's uid, the same after a restart (given the same key)."""
+    return Authority.derived(SIGNING_KEY, owner.uid)
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     try:
@@ -66,6 +88,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # A job deleted while its timer is mid-reconcile keeps kopf's finalizer until the timer has
     # exited; kopf re-checks only every 60 s by default, so `kubectl delete` would hang that long.
     settings.background.cancellation_polling = 1.0
+    if not SETTINGS.signing_key_file:
+        logging.getLogger(__name__).warning(
+            "RAVNEST_SIGNING_KEY_FILE is not set: the jobs' identities come from a key made now, "
+            "so a job planned before this operator restarts cannot grow after it")
     monitoring.serve(SETTINGS.metrics_port)
 
 
@@ -131,15 +157,16 @@ def _pods(job: str, namespace: str, uid: str) -> list[dict[str, Any]]:
 
 
 def _load_plan(job: str, namespace: str, uid: str
-               ) -> tuple[Plan | None, dict[str, Any] | None]:
-    """The job's plan and the job as planned (None, None before it is planned; the job None
-    for a plan ConfigMap of an operator that did not keep it)."""
+               ) -> tuple[Plan | None, dict[str, Any] | None, str]:
+    """The job's plan, the job as planned and the public key (hex) of the authority that
+    issued its identities (None, None, "" before it is planned; the job None and the key ""
+    for a plan ConfigMap of an operator that did not keep them)."""
     name = resources.plan_configmap_name(job)
     try:
         cm = _core().read_namespaced_config_map(name, namespace)
     except ApiException as e:
         if e.status == 404:
-            return None, None
+            return None, None, ""
         raise kopf.TemporaryError(f"reading the plan: {e.status} {e.reason}", delay=5) from e
     if not _owned(cm.metadata, uid):
         raise kopf.TemporaryError(f"ConfigMap {name} is an earlier job's of the same name; "
@@ -147,18 +174,21 @@ def _load_plan(job: str, namespace: str, uid: str
     data = cm.data or {}
     planned = data.get(resources.PLANNED_JOB)
     return Plan.from_dict(json.loads(data["plan.json"])), (
-        json.loads(planned) if planned else None)
+        json.loads(planned) if planned else None), data.get(resources.AUTHORITY_KEY, "")
 
 
 def _grow(owner: resources.Owner, action: GrowJob) -> None:
     """The new nodes' ConfigMaps; the running nodes' replaced with the grown plan (a pod made
     again, alone or with the whole job, takes the new nodes into its rings; a running worker does
     not read it again); last the plan ConfigMap's (a pass that stopped half-way is done again)."""
+    authority = _authority(owner)
+    for name in action.nodes:
+        _create(resources.identity_secret(owner, authority.issue(name)))
     for node in action.plan.nodes:
         cm = resources.node_configmap(owner, action.job, action.plan, node)
         if node.name not in action.nodes or not _create(cm):
             _replace(cm)
-    _replace(resources.plan_configmap(owner, action.plan, action.job))
+    _replace(resources.plan_configmap(owner, action.plan, action.job, authority.public))
 
 
 def _replace(cm: dict[str, Any]) -> None:
@@ -214,13 +244,14 @@ def _observe(body: dict[str, Any], spec: dict[str, Any], status: dict[str, Any],
                          "spec": dict(spec)})
     except SpecError as e:
         return replace(seen, problems=tuple(e.problems))
-    plan, planned = _load_plan(name, namespace, uid)
+    plan, planned, issuer = _load_plan(name, namespace, uid)
     now = job
     job, changed = as_planned(job, planned)
     added = added_providers(now, job, changed)
     return replace(seen, job=job, plan=plan, changed=changed,
                    removed=removed_providers(now, job, changed), added=added,
-                   edited=now if added else None, pods=tuple(_pods(name, namespace, uid)))
+                   edited=now if added else None, pods=tuple(_pods(name, namespace, uid)),
+                   signs=issuer == _authority(resources.Owner(name, namespace, uid)).public.hex())
 
 
 def _carry_out(action: Action, body: dict[str, Any], patch: kopf.Patch,
@@ -231,7 +262,7 @@ def _carry_out(action: Action, body: dict[str, Any], patch: kopf.Patch,
     elif isinstance(action, CreateJobObjects):
         tls = _certificates(owner, action.plan, action.job.spec.security.tls)
         for obj in resources.static_objects(owner, action.job, action.plan,
-                                            secrets.token_hex(16), tls,
+                                            secrets.token_hex(16), _authority(owner), tls,
                                             SETTINGS.network_policies):
             _create(obj)
     elif isinstance(action, Create):

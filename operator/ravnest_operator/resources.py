@@ -4,7 +4,9 @@ Every object is labelled with the job (and node, role, cluster, stage where it a
 by the RavnestJob, so deleting the job garbage-collects everything. Pods get a stable hostname
 under a headless Service, so each worker knows its peers' DNS names before any pod exists.
 With `spec.security.tls`, one Secret holds the job CA's certificate and every node's certificate
-and key, and each pod mounts only its own. With network policies on, a per-job NetworkPolicy lets
+and key, and each pod mounts only its own. Each node's identity (`ravnest.comm.identity`: the
+key and certificate by which it proves to its peers which node it is) is a Secret of its own,
+which only its pod mounts. With network policies on, a per-job NetworkPolicy lets
 only the job's own worker pods reach its workers' gRPC port.
 """
 
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ravnest.comm.identity import Authority, NodeIdentity
 from ravnest.comm.tls import CA_FILE, CERT_FILE, KEY_FILE, TlsMaterial
 from ravnest.plan.plans import NodePlan, Plan, spare_name
 from ravnest.run.metadata import (
@@ -43,6 +46,12 @@ from .templating import merged
 DATA_DIR = "/ravnest"
 METADATA_DIR = "/etc/ravnest"
 TLS_DIR = "/etc/ravnest-tls"
+IDENTITY_DIR = "/etc/ravnest-identity"
+"""Where a worker pod mounts its node's identity (`identity_secret`), `identity.json`."""
+IDENTITY_FILE = "identity.json"
+AUTHORITY_KEY = "authority"
+"""In the plan ConfigMap: the public key of the job's authority, which issued its nodes'
+identities (a grow checks that the operator's key still derives it)."""
 DRAIN_DIR = "/etc/ravnest-drain"
 """Where a worker pod's downward-API volume shows its drain order (`DRAIN_ANNOTATION`)."""
 WORKER_UID = 10001
@@ -119,6 +128,11 @@ def token_secret_name(job: str) -> str:
     return f"{job}-token"
 
 
+def identity_secret_name(job: str, node: str) -> str:
+    """One Secret per node (a node that joins later gets its own, with `create` alone)."""
+    return f"{pod_name(job, node)}-identity"
+
+
 def tls_secret_name(job: str) -> str:
     return f"{job}-tls"
 
@@ -183,6 +197,16 @@ def token_secret(owner: Owner, token: str) -> dict[str, Any]:
     }
 
 
+def identity_secret(owner: Owner, identity: NodeIdentity) -> dict[str, Any]:
+    """A node's identity (`ravnest.comm.identity`), which only that node's pod mounts."""
+    return {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": _meta(owner, identity_secret_name(owner.name, identity.node),
+                          job_labels(owner.name)),
+        "data": {IDENTITY_FILE: base64.b64encode(identity.dumps().encode()).decode()},
+    }
+
+
 def tls_secret(owner: Owner, certificates: dict[str, TlsMaterial]) -> dict[str, Any]:
     """The job CA's certificate and, per node, `<node>.crt` and `<node>.key` (see `pod`)."""
     data = {CA_FILE: next(iter(certificates.values())).ca}
@@ -214,15 +238,17 @@ def network_policy(owner: Owner, ring: bool = False) -> dict[str, Any]:
     }
 
 
-def plan_configmap(owner: Owner, plan: Plan, job: Job) -> dict[str, Any]:
-    """The plan, its table, and the job as planned (`job.json`: what the job's pods are made
-    from, whatever later edits of the spec say; see `deciding.as_planned`)."""
+def plan_configmap(owner: Owner, plan: Plan, job: Job, authority: bytes = b"") -> dict[str, Any]:
+    """The plan, its table, the job as planned (`job.json`: what the job's pods are made from,
+    whatever later edits of the spec say; see `deciding.as_planned`) and the public key of the
+    authority that issued its nodes' identities."""
     return {
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": _meta(owner, plan_configmap_name(owner.name), job_labels(owner.name),
                           {"ravnest.io/plan": plan.fingerprint}),
         "data": {"plan.json": plan.to_json(), "plan.txt": plan.table() + "\n",
-                 PLANNED_JOB: json.dumps(job.to_dict(), sort_keys=True)},
+                 PLANNED_JOB: json.dumps(job.to_dict(), sort_keys=True),
+                 **({AUTHORITY_KEY: authority.hex()} if authority else {})},
     }
 
 
@@ -283,12 +309,15 @@ def _hardened(container: dict[str, Any], volumes: list[dict[str, Any]],
     }
 
 
-def node_metadata(owner: Owner, job: Job, plan: Plan, node: str) -> dict[str, Any]:
-    """What `ravnest worker --metadata` reads (`ravnest.run.metadata.NodeMetadata`)."""
+def node_metadata(owner: Owner, job: Job, plan: Plan, node: str,
+                  identity: bool = True) -> dict[str, Any]:
+    """What `ravnest worker --metadata` reads (`ravnest.run.metadata.NodeMetadata`); `identity`:
+    the pod mounts the node's identity (a spare pod joins no peer, and mounts none)."""
     return NodeMetadata(
         job=job, plan=plan, node=node, addresses={n: address(owner, n) for n in plan.names()},
         output_dir=DATA_DIR, listen=listen_all(GRPC_PORT), metrics_port=METRICS_PORT,
         namespace=owner.namespace, tls_dir=TLS_DIR if job.spec.security.tls else None,
+        identity_file=f"{IDENTITY_DIR}/{IDENTITY_FILE}" if identity else None,
         ring_addresses=({n: address(owner, n, RING_PORT) for n in plan.names()}
                         if _tcp_ring(job) else None),
         ring_listen=listen_all(RING_PORT)).to_dict()
@@ -388,6 +417,7 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
                      hostname=dns_label(node.name), subdomain=service_name(owner.name))
     if job.spec.security.tls:
         _mount_tls(spec, owner, node.name)
+    _mount_identity(spec, owner, node.name)
     _place(spec, provider)
     return merged({"apiVersion": "v1", "kind": "Pod",
                    "metadata": _meta(owner, pod_name(owner.name, node.name),
@@ -426,7 +456,7 @@ def spare_configmap(owner: Owner, job: Job, plan: Plan) -> dict[str, Any]:
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": _meta(owner, spare_configmap_name(owner.name), job_labels(owner.name),
                           {"ravnest.io/plan": plan.fingerprint}),
-        "data": {"node.json": json.dumps(node_metadata(owner, job, plan, "spare"),
+        "data": {"node.json": json.dumps(node_metadata(owner, job, plan, "spare", identity=False),
                                          sort_keys=True)},
     }
 
@@ -530,6 +560,14 @@ def finisher_pod(owner: Owner, job: Job, plan: Plan, image: str) -> dict[str, An
                    "spec": spec}, job.spec.template, resources=False)
 
 
+def _mount_identity(spec: dict[str, Any], owner: Owner, node: str) -> None:
+    """Mount the node's identity (its own Secret) at IDENTITY_DIR, readable by the worker."""
+    spec["containers"][0]["volumeMounts"].append(
+        {"name": "identity", "mountPath": IDENTITY_DIR, "readOnly": True})
+    spec["volumes"].append({"name": "identity", "secret": {
+        "secretName": identity_secret_name(owner.name, node), "defaultMode": 0o440}})
+
+
 def _mount_tls(spec: dict[str, Any], owner: Owner, node: str) -> None:
     """Mount the job CA's certificate and this node's own certificate and key (no other node's)
     at TLS_DIR. The kubelet's gRPC probe speaks no TLS, so readiness becomes the port accepting
@@ -544,14 +582,15 @@ def _mount_tls(spec: dict[str, Any], owner: Owner, node: str) -> None:
                   {"key": f"{node}.key", "path": KEY_FILE}]}})
 
 
-def static_objects(owner: Owner, job: Job, plan: Plan, token: str,
+def static_objects(owner: Owner, job: Job, plan: Plan, token: str, authority: Authority,
                    certificates: dict[str, TlsMaterial] | None = None,
                    network_policies: bool = False) -> list[dict[str, Any]]:
-    """Everything but the pods, in creation order: Service, Secrets, NetworkPolicy, one ConfigMap
-    per node, and last the plan ConfigMap, whose existence marks the job planned (so an operator
-    that died half-way creates the rest again). `certificates`: node -> its TLS material, when the
-    job uses TLS."""
-    objects = [service(owner), token_secret(owner, token)]
+    """Everything but the pods, in creation order: Service, Secrets (the token, each node's
+    identity from `authority`, the TLS material), NetworkPolicy, one ConfigMap per node, and last
+    the plan ConfigMap, whose existence marks the job planned (so an operator that died half-way
+    creates the rest again). `certificates`: node -> its TLS material, when the job uses TLS."""
+    objects = [service(owner), token_secret(owner, token),
+               *(identity_secret(owner, authority.issue(n)) for n in plan.names())]
     if job.spec.security.tls:
         if certificates is None or set(certificates) != set(plan.names()):
             raise ValueError("spec.security.tls needs a certificate for every node of the plan")
@@ -561,7 +600,7 @@ def static_objects(owner: Owner, job: Job, plan: Plan, token: str,
     if plan.spares:
         objects.append(spare_configmap(owner, job, plan))
     return [*objects, *(node_configmap(owner, job, plan, n) for n in plan.nodes),
-            plan_configmap(owner, plan, job)]
+            plan_configmap(owner, plan, job, authority.public)]
 
 
 def pods(owner: Owner, job: Job, plan: Plan, image: str, attempt: int = 0,

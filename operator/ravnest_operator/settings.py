@@ -25,6 +25,11 @@ class Settings:
     """Seconds a finished worker waits for Prometheus to scrape its final metrics
     (RAVNEST_FINAL_SCRAPE_SECONDS, set by the chart when its PodMonitor is on); default 0, no
     wait."""
+    signing_key_file: str = ""
+    """A file with the operator's secret key (RAVNEST_SIGNING_KEY_FILE; the chart mounts a Secret
+    it makes), from which each job's authority is derived (`ravnest.comm.identity`): with it, the
+    operator can issue identities to the nodes of a job that grows after it restarted. Unset: a
+    key made at start, so a job planned before a restart cannot grow after it."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -35,4 +40,5 @@ class Settings:
                                                  cls.reconcile_interval)),
             network_policies=environ.get("RAVNEST_NETWORK_POLICIES", "false") == "true",
             metrics_port=int(environ.get("RAVNEST_OPERATOR_METRICS_PORT", cls.metrics_port)),
-            final_scrape_seconds=float(environ.get("RAVNEST_FINAL_SCRAPE_SECONDS") or 0))
+            final_scrape_seconds=float(environ.get("RAVNEST_FINAL_SCRAPE_SECONDS") or 0),
+            signing_key_file=environ.get("RAVNEST_SIGNING_KEY_FILE", ""))

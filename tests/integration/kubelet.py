@@ -210,6 +210,8 @@ class FakeKubelet(threading.Thread):
                 folder = self._secret_volume(v.secret, p.metadata.namespace, pod_dir / v.name)
                 if meta.tls_dir == mounts[v.name]:
                     meta = replace(meta, tls_dir=str(folder))
+                if meta.identity_file and Path(meta.identity_file).parent == Path(mounts[v.name]):
+                    meta = replace(meta, identity_file=str(folder / Path(meta.identity_file).name))
         meta.save(pod_dir / "node.json")
         return ip
 

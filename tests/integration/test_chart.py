@@ -16,6 +16,7 @@ scripts/k8s-tools.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import json
@@ -204,6 +205,17 @@ def test_operator_deployment() -> None:
     assert c["securityContext"] == {"allowPrivilegeEscalation": False,
                                     "readOnlyRootFilesystem": True,
                                     "capabilities": {"drop": ["ALL"]}}
+    # the signing key (issue 40): a Secret of the chart's, mounted by the operator's pod only,
+    # readable by its group; the operator reads no Secret through the API
+    key = one(docs, "Secret", f"{RELEASE}-ravnest-signing-key")
+    assert len(base64.b64decode(key["data"]["key"])) >= 32
+    (mounted,) = [v for v in pod["volumes"] if "secret" in v]
+    assert mounted["secret"] == {"secretName": key["metadata"]["name"], "defaultMode": 0o440}
+    assert env["RAVNEST_SIGNING_KEY_FILE"].startswith(
+        next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == mounted["name"]) + "/")
+    assert pod["securityContext"]["fsGroup"] == 10001
+    assert not [r for d in docs if d["kind"] in ("Role", "ClusterRole") for r in d["rules"]
+                if "secrets" in r["resources"] and set(r["verbs"]) - {"create"}]
     assert pod["serviceAccountName"] == one(docs, "ServiceAccount", f"{RELEASE}-ravnest")[
         "metadata"]["name"]
     namespaced = one(rendered("namespaced"), "Deployment")
@@ -438,6 +450,9 @@ def test_operator_runs_under_chart_rbac(cluster: Cluster, tmp_path: Path, config
     env = {**os.environ, **{e["name"]: e["value"] for e in container["env"]},
            "RAVNEST_RECONCILE_INTERVAL": "1", "RAVNEST_OPERATOR_METRICS_PORT": str(free_port())}
     env.pop("KUBERNETES_SERVICE_HOST", None)
+    key = one(rendered(config), "Secret", f"{RELEASE}-ravnest-signing-key")["data"]["key"]
+    (tmp_path / "signing-key").write_bytes(base64.b64decode(key))  # (the Secret's mount)
+    env["RAVNEST_SIGNING_KEY_FILE"] = str(tmp_path / "signing-key")
     job = _test_job()
     ns, name = WATCHED[0], job["metadata"]["name"]
     job["metadata"]["namespace"] = ns
@@ -464,7 +479,8 @@ def test_operator_runs_under_chart_rbac(cluster: Cluster, tmp_path: Path, config
         _play_planner(kube, ns, name, tmp_path)
         _wait("the worker pods", lambda: len(pods()) == 2, 180, log)
         assert status().get("phase") == "Planned"
-        for obj in (f"service/{name}-workers", f"secret/{name}-token", f"configmap/{name}-plan"):
+        for obj in (f"service/{name}-workers", f"secret/{name}-token", f"configmap/{name}-plan",
+                    f"secret/{name}-node-0-identity", f"secret/{name}-node-1-identity"):
             kube.kubectl("get", obj, "-n", ns)
         kube.kubectl("patch", "rj", name, "-n", ns, "--type=merge",
                      "-p", '{"spec": {"runPolicy": {"suspend": true}}}')

@@ -30,6 +30,7 @@ from ravnest.comm.dataplane import (
     _mac,
 )
 from ravnest.comm.framing import Frame
+from ravnest.comm.identity import PROOF_BYTES
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.tls import issue, make_authority
 from ravnest.comm.transport import Peer
@@ -111,7 +112,7 @@ def test_a_server_that_cannot_prove_the_token_is_not_sent_data() -> None:
         with conn:
             conn.sendall(_HELLO.pack(b"RVNH", PROTOCOL, bytes(32)))
             conn.settimeout(5)
-            auth = conn.recv(_AUTH.size + 2 * MAX_NAME)
+            auth = conn.recv(_AUTH.size + 2 * MAX_NAME + PROOF_BYTES)
             conn.sendall(struct.pack("<BH", 0, 0) + bytes(32))  # "ok", with a made-up proof
             try:
                 while chunk := conn.recv(1 << 16):
@@ -139,7 +140,7 @@ def _handshake(address: str) -> socket.socket:
     link = struct.pack("<Q", 7)
     sock.sendall(_AUTH.pack(b"RVNH", PROTOCOL, mine,
                             _mac(TOKEN, b"client", nonce, mine, fp, name, link), 7,
-                            len(fp), len(name)) + fp + name)
+                            len(fp), len(name), 0) + fp + name)
     status, _ = struct.unpack("<BH", _recv(sock, 3))
     assert status == 0
     _recv(sock, 32)

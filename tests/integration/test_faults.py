@@ -35,6 +35,7 @@ from processes import worker_pid
 from prometheus_client.parser import text_string_to_metric_families
 
 from ravnest import parse_job
+from ravnest.comm.identity import Authority
 from ravnest.plan import building
 from ravnest.run.local import LocalRun, node_endpoints
 from ravnest.run.metadata import NodeMetadata
@@ -330,12 +331,15 @@ class _SplitRun:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         env = {**os.environ, "RAVNEST_TOKEN": "t" * 32, "OMP_NUM_THREADS": "1",
                "RAVNEST_TORCH_THREADS": "1"}
+        authority = Authority.fresh()
         for n in names:
+            authority.issue(n).save(out / "identity" / f"{n}.json")
             meta = NodeMetadata(job=self.job, plan=self.plan, node=n, addresses=addresses,
                                 output_dir=str(out), listen=addresses[n],
                                 metrics_port=self.metrics_ports[n],
                                 ring_addresses=ring_addresses,
-                                ring_listen=ring_addresses[n] if ring_addresses else "")
+                                ring_listen=ring_addresses[n] if ring_addresses else "",
+                                identity_file=str(out / "identity" / f"{n}.json"))
             meta.save(out / "nodes" / f"{n}.json")
             cmd = [sys.executable, "-m", "ravnest", "worker", "--metadata",
                    str(out / "nodes" / f"{n}.json")]

@@ -5,26 +5,24 @@ server that is not the node asked for) is refused in the handshake. A local digi
 
 from __future__ import annotations
 
-import dataclasses
 import stat
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from forging import forge_controls
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ravnest import parse_job
 from ravnest.comm.framing import Frame
 from ravnest.comm.inboxes import Inbox
-from ravnest.comm.tls import TlsMaterial, identity, issue, make_authority
+from ravnest.comm.tls import TlsMaterial, issue, make_authority
 from ravnest.comm.transport import Credentials, Peer, Server
 from ravnest.errors import RavnestError, TransportError
 from ravnest.run.local import LocalRun
-from ravnest.train.messages import Kind, Leaving, Where
 
 CREDS = Credentials(token="s3cret-token", fingerprint="plan-0123abcd")
 TIMEOUT = 10.0
@@ -180,7 +178,7 @@ def test_a_local_job_with_tls_trains_over_tls(tmp_path, digits_doc) -> None:
             time.sleep(1)
         error = _health(metas[0].listen, None)
         assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
-        _forge_controls(run, metas[0].listen, tmp_path / "tls")
+        forge_controls(run, "node_0", metas[0].listen, tls=True)
         assert run.wait().done, "a worker died"
     finally:
         run.stop()
@@ -197,32 +195,6 @@ def test_a_local_job_with_tls_trains_over_tls(tmp_path, digits_doc) -> None:
                  tmp_path / "summary.json", tmp_path / "plan.txt"]:
         text = path.read_bytes()
         assert not any(s in text for s in secrets) and b"PRIVATE KEY" not in text, path
-
-
-def _forge_controls(run: LocalRun, address: str, certificates: Path) -> None:
-    """Issue 40, over the job's real links: a node of the job (its certificate and the job's
-    token) says a ring member of node_0 leaves, and introduces 50 nodes that do not exist. Said
-    in its own name, node_0 drops each (a node speaks for itself only); said in theirs, node_0's
-    server refuses the frame."""
-    assert run.plan is not None
-    (ring, *_) = run.plan.rings_of("node_0")
-    member = next(m for m in ring.members if m != "node_0")
-    forger = next(n for n in run.plan.names() if n not in ("node_0", member))
-    peer = Peer(address, Credentials(run._token, run.plan.fingerprint), timeout=TIMEOUT,
-                tls=TlsMaterial.load(certificates / identity(forger)), server_name="node-0")
-    try:
-        leaving = Leaving(node=member, ring=ring.id, round=0).wire()
-        with pytest.raises(TransportError, match="PERMISSION_DENIED"):
-            peer.send(Frame(Kind.CONTROL, sender=member, control=leaving))
-        peer.send(Frame(Kind.CONTROL, sender=forger, control=leaving))
-        node = dataclasses.asdict(run.plan.node("node_0"))
-        for i in range(50):
-            name = f"node_{100 + i}"
-            where = Where(node=name, newcomer={"node": {**node, "name": name, "cluster": 2},
-                                               "address": "10.9.9.9:1", "rings": [ring.id]})
-            peer.send(Frame(Kind.CONTROL, sender=forger, control=where.wire()))
-    finally:
-        peer.close()
 
 
 def test_a_worker_of_a_tls_job_without_its_certificate_does_not_start(tmp_path,

@@ -1,10 +1,12 @@
-"""Every worker serves Prometheus metrics while it trains."""
+"""Every worker serves Prometheus metrics while it trains; controls forged by a holder of the
+job's token do not reach its membership (issue 40, without TLS)."""
 
 from __future__ import annotations
 
 import time
 import urllib.request
 
+from forging import forge_controls
 from prometheus_client.parser import text_string_to_metric_families
 
 from ravnest import parse_job
@@ -65,6 +67,10 @@ def test_workers_export_training_metrics(tmp_path, digits_doc):
         assert got["forward"] > 0
         loss = seen["ravnest_loss"].samples[0].value
         assert 0 < loss < 5
+        forge_controls(run, root.node, root.listen)  # (issue 40, without TLS)
         assert run.wait().done, "a worker died"
     finally:
         run.stop()
+    log = (tmp_path / "logs" / f"{root.node}.log").read_text()
+    assert "dropped: a node speaks for itself only" in log
+    assert "skipped" not in log and "introduced itself" not in log

@@ -9,6 +9,7 @@ import dataclasses
 import datetime as dt
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -1413,16 +1414,20 @@ def test_providers_added_to_a_running_job_form_a_cluster_that_joins(digits):
     ([{"ram": 0.000001}], {}, r"spec.providers: the providers added do not join: "
                              r"spec.providers\[6\]: the providers added from here on cannot form"),
     (None, {"security": {"tls": True}}, "a job with spec.security.tls cannot grow yet"),
+    (None, {"signs": False}, "the operator's signing key is not the one this job was planned "
+                             "with"),
 ])
 def test_providers_that_cannot_join_are_refused_and_nothing_is_done(digits, added, changes,
                                                                      why):
     doc, job, plan = digits
+    changes = dict(changes)
+    signs = changes.pop("signs", True)
     if changes:  # (TLS as planned too: only the providers differ)
         doc = {**doc, "spec": {**doc["spec"], **changes}}
         job = parse_job(doc)
         digits = (doc, job, plan)
-    observed = _grow_edit(digits, added or _like_cluster_0(plan), _running(),
-                          _pods(plan, "Running"))
+    observed = replace(_grow_edit(digits, added or _like_cluster_0(plan), _running(),
+                                  _pods(plan, "Running")), signs=signs)
     assert observed.added
     d = decide(observed, NOW, SETTINGS)
     assert not any(isinstance(a, GrowJob | Create | DeletePod) for a in d.actions)

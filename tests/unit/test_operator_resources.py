@@ -11,12 +11,14 @@ import pytest
 import yaml
 
 from ravnest import parse_job, plan_job
+from ravnest.comm.identity import Authority, NodeIdentity, Verifier
 from ravnest.run import jobstatus, supervising
 from ravnest.run.metadata import NodeMetadata
 from ravnest_operator import crds, resources, statuses
 
 ROOT = Path(__file__).resolve().parents[2]
 OWNER = resources.Owner("digits", "team-a", "0000-1111")
+AUTHORITY = Authority.fresh()
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +62,10 @@ def test_crd_schema_covers_every_spec_field_and_is_structural():
 
 def test_static_objects_are_owned_labelled_and_named(job_and_plan):
     job, plan = job_and_plan
-    objs = resources.static_objects(OWNER, job, plan, "s3cret")
+    objs = resources.static_objects(OWNER, job, plan, "s3cret", AUTHORITY)
     kinds = [o["kind"] for o in objs]
     assert kinds.count("ConfigMap") == 1 + len(plan.nodes)
-    assert kinds.count("Service") == 1 and kinds.count("Secret") == 1
+    assert kinds.count("Service") == 1 and kinds.count("Secret") == 1 + len(plan.names())
     for o in objs:
         assert o["metadata"]["namespace"] == "team-a"
         assert o["metadata"]["ownerReferences"] == [{
@@ -72,11 +74,45 @@ def test_static_objects_are_owned_labelled_and_named(job_and_plan):
         assert o["metadata"]["labels"]["ravnest.io/job"] == "digits"
     svc = next(o for o in objs if o["kind"] == "Service")
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
-    secret = next(o for o in objs if o["kind"] == "Secret")
+    secret = next(o for o in objs if o["metadata"]["name"] == "digits-token")
     assert base64.b64decode(secret["data"]["token"]).decode() == "s3cret"
     for o in objs:
         if o["kind"] == "ConfigMap":
             assert "s3cret" not in json.dumps(o)
+
+
+def test_each_node_gets_an_identity_only_its_pod_mounts(job_and_plan):
+    """Issue 40: each node's identity (its key and a certificate of the job's authority) is a
+    Secret of its own; its pod mounts that one only, its metadata names it, the plan ConfigMap
+    records the authority's public key, and no key is anywhere else."""
+    job, plan = job_and_plan
+    objs = resources.static_objects(OWNER, job, plan, "s3cret", AUTHORITY)
+    secrets = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Secret"}
+    verifier = Verifier(AUTHORITY.public)
+    keys = []
+    for n in plan.names():
+        secret = secrets[f"digits-{n.replace('_', '-')}-identity"]
+        text = base64.b64decode(secret["data"][resources.IDENTITY_FILE]).decode()
+        me = NodeIdentity.loads(text)
+        assert me.node == n and me.authority == AUTHORITY.public
+        assert verifier.check(n, me.sign(b"x"), b"x") is None
+        assert verifier.check("node_0" if n != "node_0" else "node_1", me.sign(b"x"), b"x")
+        keys.append(json.loads(text)["key"])
+    (planned,) = [o for o in objs if o["metadata"]["name"] == "digits-plan"]
+    assert planned["data"][resources.AUTHORITY_KEY] == AUTHORITY.public.hex()
+    for o in objs:
+        if o["kind"] != "Secret":
+            assert not any(k in json.dumps(o) for k in keys)
+    node = plan.node("node_2")
+    pod = resources.pod(OWNER, job, plan, node, "ravnest:test")
+    c = pod["spec"]["containers"][0]
+    mounted = [v["secret"]["secretName"] for v in pod["spec"]["volumes"] if "secret" in v]
+    assert mounted == ["digits-node-2-identity"]
+    assert {"name": "identity", "mountPath": resources.IDENTITY_DIR,
+            "readOnly": True} in c["volumeMounts"]
+    meta = NodeMetadata.from_dict(json.loads(resources.node_configmap(
+        OWNER, job, plan, node)["data"]["node.json"]))
+    assert meta.identity_file == f"{resources.IDENTITY_DIR}/{resources.IDENTITY_FILE}"
 
 
 def test_node_metadata_is_what_the_worker_reads(job_and_plan):
@@ -201,8 +237,8 @@ def test_tls_secret_and_each_pod_mounts_only_its_own_key(job_and_plan):
         update={"security": job.spec.security.model_copy(update={"tls": True})})})
     certs = _certificates(plan)
     with pytest.raises(ValueError, match="certificate for every node"):
-        resources.static_objects(OWNER, job, plan, "s3cret")
-    objs = resources.static_objects(OWNER, job, plan, "s3cret", certs)
+        resources.static_objects(OWNER, job, plan, "s3cret", AUTHORITY)
+    objs = resources.static_objects(OWNER, job, plan, "s3cret", AUTHORITY, certs)
     (secret,) = [o for o in objs if o["metadata"]["name"] == "digits-tls"]
     data = {k: base64.b64decode(v) for k, v in secret["data"].items()}
     assert set(data) == {"ca.crt"} | {f"{n}.{e}" for n in plan.names() for e in ("crt", "key")}
@@ -235,15 +271,16 @@ def test_tls_secret_and_each_pod_mounts_only_its_own_key(job_and_plan):
     assert not [v for v in plain["spec"]["volumes"] if v["name"] == "tls"]
     assert plain["spec"]["containers"][0]["readinessProbe"]["grpc"] == {
         "port": resources.GRPC_PORT}
-    assert "digits-tls" not in [o["metadata"]["name"]
-                                for o in resources.static_objects(OWNER, plain_job, plan, "s")]
+    assert "digits-tls" not in [o["metadata"]["name"] for o in resources.static_objects(
+        OWNER, plain_job, plan, "s", AUTHORITY)]
 
 
 def test_network_policy_lets_only_the_jobs_own_workers_reach_its_grpc_port(job_and_plan):
     job, plan = job_and_plan
     assert "NetworkPolicy" not in [o["kind"] for o in resources.static_objects(
-        OWNER, job, plan, "s")]
-    objs = resources.static_objects(OWNER, job, plan, "s", network_policies=True)
+        OWNER, job, plan, "s", AUTHORITY)]
+    objs = resources.static_objects(OWNER, job, plan, "s", AUTHORITY,
+                                    network_policies=True)
     (policy,) = [o for o in objs if o["kind"] == "NetworkPolicy"]
     assert policy["apiVersion"] == "networking.k8s.io/v1"
     assert policy["metadata"]["ownerReferences"][0]["uid"] == OWNER.uid
@@ -279,7 +316,7 @@ def test_a_tcp_ring_job_opens_the_ring_port_to_its_own_workers_only(job_and_plan
         assert ("ring" in ports) == ring
         meta = NodeMetadata.from_dict(json.loads(
             resources.node_configmap(OWNER, j, plan, plan.nodes[0])["data"]["node.json"]))
-        (policy,) = [o for o in resources.static_objects(OWNER, j, plan, "s",
+        (policy,) = [o for o in resources.static_objects(OWNER, j, plan, "s", AUTHORITY,
                                                          network_policies=True)
                      if o["kind"] == "NetworkPolicy"]
         (rule,) = policy["spec"]["ingress"]

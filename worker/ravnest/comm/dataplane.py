@@ -13,9 +13,11 @@ most) and `HANDSHAKE_SECONDS` in all, and what they do is logged a line per `LOG
 
 1. server → client: ``RVNH``, protocol version, a 32-byte random nonce;
 2. client → server: ``RVNH``, version, its own nonce, HMAC-SHA256(token, "client" ‖ both nonces ‖
-   plan fingerprint ‖ sender ‖ link id), its link's random id, then the fingerprint and its node
-   name (a link that connects again replaces its older connection, which a cut may have left
-   looking open here);
+   plan fingerprint ‖ sender ‖ link id), its link's random id, then the fingerprint, its node
+   name and its proof of being that node (identity.py: its key and certificate and its signature
+   over both nonces, the fingerprint, its name, the server's node and the link id; a server
+   with an identity refuses a connection without a good one). A link that connects again
+   replaces its older connection, which a cut may have left looking open here;
 3. server → client: status 0 and HMAC-SHA256(token, "server" ‖ both nonces ‖ fingerprint), or a
    non-zero status and a reason (a wrong plan fingerprint and a wrong token are told apart, as
    FAILED_PRECONDITION and UNAUTHENTICATED are on gRPC), after which the server closes.
@@ -51,6 +53,7 @@ import torch
 
 from ravnest.comm.buffers import BufferPool
 from ravnest.comm.framing import COMPRESSIONS, DEFAULT_MAX_FRAME_BYTES, Frame, to_wire
+from ravnest.comm.identity import PROOF_BYTES, NodeIdentity
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.tls import TlsMaterial
 from ravnest.comm.transport import listen_error, sender_problem
@@ -58,10 +61,10 @@ from ravnest.errors import PeerTimeout, TransportError, shown
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = 1
+PROTOCOL = 2
 _HELLO = struct.Struct("<4sB32s")
 """Server's greeting: magic, protocol version, server nonce."""
-_AUTH = struct.Struct("<4sB32s32sQHH")
+_AUTH = struct.Struct("<4sB32s32sQHHH")
 """Client's answer: magic, version, client nonce, MAC, link id, fingerprint and sender lengths."""
 _PIECE = struct.Struct("<4sBBHQQQ")
 """A piece: magic, kind, wire dtype, ring id length, round, phase step, element count."""
@@ -142,6 +145,13 @@ def _mac(token: str, role: bytes, *parts: bytes) -> bytes:
         h.update(struct.pack("<I", len(part)))
         h.update(part)
     return h.digest()
+
+
+def _ring_parts(server_nonce: bytes, client_nonce: bytes, fingerprint: bytes, sender: bytes,
+                recipient: str, link: int) -> tuple[bytes, ...]:
+    """What a connecting node signs (identity.py): this connection's handshake, to this server."""
+    return (b"ravnest-ring", server_nonce, client_nonce, fingerprint, sender, recipient.encode(),
+            struct.pack("<Q", link))
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -233,9 +243,12 @@ class RingServer:
                  on_bytes: Callable[[str, int], None] | None = None,
                  tls: TlsMaterial | None = None, max_connections: int = MAX_CONNECTIONS,
                  inbox: Inbox | None = None,
-                 max_unauthenticated: int = MAX_UNAUTHENTICATED) -> None:
+                 max_unauthenticated: int = MAX_UNAUTHENTICATED,
+                 identity: NodeIdentity | None = None) -> None:
+        """`identity`: this node's; a connecting node must then prove it is the node it names."""
         host, _, port = address.rpartition(":")
-        self._token, self._fingerprint = token, fingerprint
+        self._token, self._fingerprint, self._identity = token, fingerprint, identity
+        self._verifier = identity.verifier() if identity else None
         self._deliver, self._max, self._on_bytes = deliver, max_frame_bytes, on_bytes
         self._inbox = inbox
         self._tls = _tls_context(tls, server=True) if tls else None
@@ -382,7 +395,7 @@ class RingServer:
         `admit` is called once it proved the token and plan, before it is told so."""
         nonce = secrets.token_bytes(32)
         sock.sendall(_HELLO.pack(_HELLO_MAGIC, PROTOCOL, nonce))
-        magic, version, their_nonce, mac, link, fp_len, name_len = _AUTH.unpack(
+        magic, version, their_nonce, mac, link, fp_len, name_len, proof_len = _AUTH.unpack(
             _recv_exact(sock, _AUTH.size, deadline))
 
         def refuse(status: int, reason: str) -> ProtocolError:
@@ -395,10 +408,11 @@ class RingServer:
 
         if magic != _HELLO_MAGIC or version != PROTOCOL:
             raise refuse(BAD_HELLO, f"not a ravnest ring connection (protocol {version})")
-        if fp_len > MAX_NAME or name_len > MAX_NAME:
-            raise refuse(BAD_HELLO, "fingerprint or node name too long")
+        if fp_len > MAX_NAME or name_len > MAX_NAME or proof_len > PROOF_BYTES:
+            raise refuse(BAD_HELLO, "fingerprint, node name or proof too long")
         fingerprint = _recv_exact(sock, fp_len, deadline)
         sender = _recv_exact(sock, name_len, deadline)
+        proof = _recv_exact(sock, proof_len, deadline)
         want = _mac(self._token, b"client", nonce, their_nonce, fingerprint, sender,
                     struct.pack("<Q", link))
         if not hmac.compare_digest(mac, want):
@@ -411,6 +425,12 @@ class RingServer:
             name = sender.decode()
         except UnicodeDecodeError as e:
             raise refuse(BAD_HELLO, "node name is not UTF-8") from e
+        if self._identity is not None and self._verifier is not None:
+            problem = self._verifier.check(
+                name, proof, *_ring_parts(nonce, their_nonce, fingerprint, sender,
+                                          self._identity.node, link))
+            if problem:
+                raise refuse(UNAUTHENTICATED, problem)
         if isinstance(sock, ssl.SSLSocket):
             problem = sender_problem(name, _common_name(sock.getpeercert()))
             if problem:
@@ -486,8 +506,12 @@ class RingLink:
     def __init__(self, address: str, token: str, fingerprint: str, sender: str,
                  compression: str = "none", timeout: float = 30.0,
                  on_bytes: Callable[[str, int], None] | None = None,
-                 tls: TlsMaterial | None = None, server_name: str = "") -> None:
+                 tls: TlsMaterial | None = None, server_name: str = "",
+                 identity: NodeIdentity | None = None, recipient: str = "") -> None:
+        """`identity`: this node's, by which it proves to the server's node `recipient` that it
+        is `sender`."""
         self.address = address
+        self._identity, self._recipient = identity, recipient
         host, _, port = address.rpartition(":")
         self._host, self._port = host.strip("[]"), int(port)
         self._token, self._fingerprint, self._sender = token, fingerprint, sender
@@ -651,10 +675,13 @@ class RingLink:
                                 f"(protocol {version})")
         mine = secrets.token_bytes(32)
         fingerprint, sender = self._fingerprint.encode(), self._sender.encode()
+        proof = b"" if self._identity is None else self._identity.sign(
+            *_ring_parts(nonce, mine, fingerprint, sender, self._recipient, self._link))
         sock.sendall(_AUTH.pack(_HELLO_MAGIC, PROTOCOL, mine,
                                 _mac(self._token, b"client", nonce, mine, fingerprint, sender,
                                      struct.pack("<Q", self._link)), self._link,
-                                len(fingerprint), len(sender)) + fingerprint + sender)
+                                len(fingerprint), len(sender), len(proof))
+                     + fingerprint + sender + proof)
         try:
             status, length = struct.unpack("<BH", _recv_exact(sock, 3))
             if status != OK:

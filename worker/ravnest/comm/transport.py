@@ -1,19 +1,20 @@
 """gRPC transport between workers: an authenticated server and reused client channels.
 
-Every call carries the job's token (``authorization: Bearer …``, compared in constant time) and
-the plan fingerprint; the server rejects anything else with UNAUTHENTICATED or FAILED_PRECONDITION
-before reading a byte of payload. With TLS material (see tls.py) the server also requires a client
-certificate from the job's CA and clients verify the server's. Malformed frames get
-INVALID_ARGUMENT and the server keeps serving. Outgoing frames go through a few sender threads
-per peer, so compute never waits on the network and several calls are in flight at once (each
-waits a round trip for its Ack); frames that must stay in order (the pipeline's) are numbered by
-the sending Peer and the receiving Inbox (inboxes.py) hands them on in that order. Small frames
-go as one unary call, larger ones streamed. The standard health service answers without a token
-(peers and probes Check readiness); its Watch streams hold none of the server's threads, which
-carry training's frames, and only a few may be open at once (watching.PeerWatch holds one per
-peer, on a connection of its own pinged every second, to learn in seconds that a peer's process
-is gone or its machine fell silent). A server listens on the address it is
-given and never shares a port; one it cannot take fails at once, saying why (`listen_error`).
+Every call carries the job's token (``authorization: Bearer …``, compared in constant time), the
+plan fingerprint and, between workers, a proof of the calling node (identity.py); the server rejects
+anything else with UNAUTHENTICATED or FAILED_PRECONDITION before reading a byte of payload, and a
+frame whose sender is not the node its call proved to be with PERMISSION_DENIED. With TLS material
+(see tls.py) the server also requires a client certificate from the job's CA and clients verify the
+server's. Malformed frames get INVALID_ARGUMENT and the server keeps serving. Outgoing frames go
+through a few sender threads per peer, so compute never waits on the network and several calls are
+in flight at once (each waits a round trip for its Ack); frames that must stay in order (the
+pipeline's) are numbered by the sending Peer and the receiving Inbox (inboxes.py) hands them on in
+that order. Small frames go as one unary call, larger ones streamed. The standard health service
+answers without a token (peers and probes Check readiness); its Watch streams hold none of the
+server's threads, which carry training's frames, and only a few may be open at once
+(watching.PeerWatch holds one per peer, on a connection of its own pinged every second, to learn in
+seconds that a peer's process is gone or its machine fell silent). A server listens on the address
+it is given and never shares a port; one it cannot take fails at once, saying why (`listen_error`).
 Closing a Peer fails, within its timeout, what it still had in flight to a peer that is gone.
 """
 
@@ -47,6 +48,7 @@ from ravnest.comm.framing import (
     encode_wire,
     iter_wire,
 )
+from ravnest.comm.identity import NODE_HEADER, PROOF_HEADER, NodeIdentity
 from ravnest.comm.proto import ravnest_pb2 as pb
 from ravnest.comm.sending import Deliveries
 from ravnest.comm.tls import TlsMaterial, identity
@@ -130,30 +132,41 @@ activations keeps one frame's copy in flight, not one per lane."""
 
 @dataclass(frozen=True)
 class Credentials:
-    """What a peer must present: the job's secret token and the plan fingerprint."""
+    """What a peer must present: the job's secret token and the plan fingerprint and, given the
+    node's `identity`, a proof that the caller is the node it names (identity.py): a server with
+    an identity refuses calls without one, and frames whose sender is another node."""
 
     token: str
     fingerprint: str
+    identity: NodeIdentity | None = None
 
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self.token}"), ("x-ravnest-plan", self.fingerprint))
+    def metadata(self, recipient: str = "") -> tuple[tuple[str, str | bytes], ...]:
+        """A call's metadata; with an identity, its proof towards node `recipient`."""
+        base: tuple[tuple[str, str | bytes], ...] = (
+            ("authorization", f"Bearer {self.token}"), ("x-ravnest-plan", self.fingerprint))
+        if self.identity is None or not recipient:
+            return base
+        return (*base, *self.identity.call_proof(recipient, self.fingerprint))
+
+
+def _deny(code: grpc.StatusCode, message: str) -> dict[str, grpc.RpcMethodHandler]:
+    def abort(request: Any, context: grpc.ServicerContext) -> None:
+        context.abort(code, message)
+
+    return {"Send": grpc.stream_unary_rpc_method_handler(abort),
+            "SendOne": grpc.unary_unary_rpc_method_handler(abort)}
 
 
 class _Auth(grpc.ServerInterceptor):
     def __init__(self, creds: Credentials) -> None:
         self._token = f"Bearer {creds.token}".encode()
         self._fingerprint = creds.fingerprint
-
-        def deny(code: grpc.StatusCode, message: str) -> dict[str, grpc.RpcMethodHandler]:
-            def abort(request: Any, context: grpc.ServicerContext) -> None:
-                context.abort(code, message)
-
-            return {"Send": grpc.stream_unary_rpc_method_handler(abort),
-                    "SendOne": grpc.unary_unary_rpc_method_handler(abort)}
-
-        self._unauthenticated = deny(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong job token")
-        self._wrong_plan = deny(grpc.StatusCode.FAILED_PRECONDITION,
-                                "peer runs a different plan (fingerprint mismatch)")
+        self._identity = creds.identity
+        self._verifier = creds.identity.verifier() if creds.identity else None
+        self._unauthenticated = _deny(grpc.StatusCode.UNAUTHENTICATED,
+                                      "missing or wrong job token")
+        self._wrong_plan = _deny(grpc.StatusCode.FAILED_PRECONDITION,
+                                 "peer runs a different plan (fingerprint mismatch)")
 
     def intercept_service(self, continuation: Callable[[Any], Any],
                           details: grpc.HandlerCallDetails) -> Any:
@@ -166,6 +179,13 @@ class _Auth(grpc.ServerInterceptor):
             return self._unauthenticated.get(name)
         if md.get("x-ravnest-plan") != self._fingerprint:
             return self._wrong_plan.get(name)
+        if self._verifier is not None and self._identity is not None:
+            node, proof = md.get(NODE_HEADER, ""), md.get(PROOF_HEADER, b"")
+            problem = self._verifier.call_sender(
+                node if isinstance(node, str) else "", proof if isinstance(proof, bytes) else b"",
+                self._identity.node, self._fingerprint)
+            if problem:
+                return _deny(grpc.StatusCode.UNAUTHENTICATED, problem).get(name)
         return continuation(details)
 
 
@@ -177,14 +197,16 @@ class _Servicer:
 
     def __init__(self, deliver: Callable[[Frame], None], max_frame_bytes: int,
                  on_bytes: Callable[[str, int], None] | None, buffers: BufferPool,
-                 bound: bool = False) -> None:
+                 bound: bool = False, proven: bool = False) -> None:
         """`bound`: the connections are mutual TLS, and a frame's sender must be the node its
-        client certificate names (`sender_problem`)."""
+        client certificate names; `proven`: calls prove their node (`_Auth` checked it), and a
+        frame's sender must be that node (`sender_problem`)."""
         self._deliver = deliver
         self._max = max_frame_bytes
         self._on_bytes = on_bytes
         self._buffers = buffers
         self._bound = bound
+        self._proven = proven
 
     def SendOne(self, request: bytes, context: grpc.ServicerContext) -> pb.Ack:
         return self.Send(iter((request,)), context)
@@ -194,13 +216,18 @@ class _Servicer:
             frame = decode_wire(request_iterator, self._max, self._buffers)
         except FrameError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if self._bound:
+        problem = None
+        if self._proven:
+            node = dict(context.invocation_metadata()).get(NODE_HEADER, "")
+            problem = sender_problem(frame.sender, node if isinstance(node, str) else "",
+                                     "identity")
+        if self._bound and not problem:
             names = context.auth_context().get("x509_common_name") or [b""]
             problem = sender_problem(frame.sender, names[0].decode(errors="replace"))
-            if problem:
-                if frame.release is not None:
-                    frame.release()
-                context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
+        if problem:
+            if frame.release is not None:
+                frame.release()
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
         try:
             self._deliver(frame)
         except (KeyError, ValueError) as e:
@@ -210,14 +237,15 @@ class _Servicer:
         return pb.Ack(received_bytes=frame.wire_bytes)
 
 
-def sender_problem(sender: str, certified: str) -> str | None:
-    """Why a frame that says it is from `sender` may not come over a connection whose client
-    certificate names `certified` (a node's `tls.identity`), or None: a node speaks only for
-    itself, whatever its frames write."""
-    if sender and identity(sender) == certified:
+def sender_problem(sender: str, proven: str, by: str = "certificate") -> str | None:
+    """Why a frame that says it is from `sender` may not come over a connection that proved to
+    be `proven`'s, by its client certificate (which names a node's `tls.identity`) or by its node
+    `identity` (which names the node), or None: a node speaks only for itself, whatever its
+    frames write."""
+    if sender and proven == (identity(sender) if by == "certificate" else sender):
         return None
     return (f"a frame that says it is from {shown(sender)} came over the connection of "
-            f"{shown(certified)}'s certificate: a node speaks for itself only")
+            f"{shown(proven)}'s {by}: a node speaks for itself only")
 
 
 MAX_HEALTH_WATCHES = 16
@@ -355,7 +383,7 @@ class Server:
         frame is dropped; 0 turns reuse off. `pinned`: in page-locked memory (a worker on a CUDA
         device copies its frames' tensors from them)."""
         servicer = _Servicer(deliver, max_frame_bytes, on_bytes, self.buffers,
-                             bound=tls is not None)
+                             bound=tls is not None, proven=creds.identity is not None)
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
             "Send": grpc.stream_unary_rpc_method_handler(
                 servicer.Send, request_deserializer=None,
@@ -414,9 +442,10 @@ class Peer:
                  timeout: float = 120.0,
                  on_bytes: Callable[[str, int], None] | None = None,
                  tls: TlsMaterial | None = None, server_name: str = "",
-                 lanes: int = UNORDERED_LANES) -> None:
+                 lanes: int = UNORDERED_LANES, node: str = "") -> None:
         """With `tls`, the peer's certificate must come from the same CA and name `server_name`
-        (its node's `tls.identity`) or, without one, the host of `address`."""
+        (its node's `tls.identity`) or, without one, the host of `address`. `node`: the peer's
+        node, to which the calls prove who sends them (given `creds.identity`)."""
         self.address = address
         self._tls, self._server_name = tls, server_name
         self._channel = self._open(_PEER_OPTIONS)
@@ -427,7 +456,7 @@ class Peer:
         self._send_one_rpc = self._channel.unary_unary(
             f"/{SERVICE}/SendOne", request_serializer=None,
             response_deserializer=pb.Ack.FromString)
-        self._metadata = creds.metadata()
+        self._metadata = creds.metadata(node)
         self._compression = compression
         self._timeout = timeout
         self._on_bytes = on_bytes

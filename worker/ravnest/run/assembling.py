@@ -28,11 +28,12 @@ from torch import nn
 
 from ravnest.comm.dataplane import RingLink, RingServer
 from ravnest.comm.framing import Frame
+from ravnest.comm.identity import NodeIdentity
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.tls import TlsMaterial, identity
 from ravnest.comm.transport import Credentials, Peer, Server
 from ravnest.comm.watching import PeerWatch
-from ravnest.errors import PeerFailed, PeerTimeout, PlanError, RavnestError
+from ravnest.errors import PeerFailed, PeerTimeout, PlanError, RavnestError, shown
 from ravnest.plan.partitioning import Profile, Stage, build_stage
 from ravnest.plan.plans import Plan
 from ravnest.run.metadata import NodeMetadata
@@ -365,30 +366,44 @@ def connect(meta: NodeMetadata, token: str, metrics: WorkerMetrics, *, tls: bool
     device), frames are received into pinned memory."""
     node, plan = meta.node, meta.plan
     material = _tls(meta) if tls else None
+    me = _identity(meta)
     data_plane = tcp_ring and bool(plan.rings_of(node))
     ring_addresses = _ring_addresses(meta) if data_plane else {}
-    creds = Credentials(token, plan.fingerprint)
+    creds = Credentials(token, plan.fingerprint, me)
     inbox = Inbox(capacity=inbox_capacity)
     server = Server(meta.listen, creds, inbox.deliver, on_bytes=metrics.received, tls=material,
                     pinned=pinned)
 
     def dial(n: str, address: str) -> Peer:
         return Peer(address, creds, compression, on_bytes=metrics.sent, tls=material,
-                    server_name=identity(n))
+                    server_name=identity(n), node=n)
 
     def reach(n: str, address: str) -> RingLink:
         return RingLink(address, token, plan.fingerprint, node, compression,
                         timeout=reduce_timeout, on_bytes=metrics.sent, tls=material,
-                        server_name=identity(n))
+                        server_name=identity(n), identity=me, recipient=n)
 
     peers = {n: dial(n, meta.addresses[n]) for n in peer_names(plan, node)}
     ring_server = None
     if data_plane:
         ring_server = RingServer(meta.ring_listen, token, plan.fingerprint, inbox.deliver,
-                                 on_bytes=metrics.received, tls=material, inbox=inbox)
+                                 on_bytes=metrics.received, tls=material, inbox=inbox,
+                                 identity=me)
     links = {n: reach(n, a) for n, a in ring_addresses.items()}
     return Wiring(inbox, server, peers, ring_server, links, dial=dial,
                   reach=reach if data_plane else None)
+
+
+def _identity(meta: NodeMetadata) -> NodeIdentity:
+    """The node's own identity (the file its metadata names), by which its peers know it."""
+    if not meta.identity_file:
+        raise RavnestError(f"{meta.node}: the node metadata names no identityFile (the node's "
+                           f"key and certificate, issued by whoever started the job)")
+    me = NodeIdentity.load(meta.identity_file)
+    if me.node != meta.node:
+        raise RavnestError(f"{meta.identity_file} is {shown(me.node)}'s identity, not "
+                           f"{meta.node}'s")
+    return me
 
 
 def _tls(meta: NodeMetadata) -> TlsMaterial:

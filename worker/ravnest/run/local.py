@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from ravnest import termination
+from ravnest.comm.identity import Authority
 from ravnest.comm.tls import identity, issue, make_authority
 from ravnest.errors import PlanError, SpecError, WorkerFailed
 from ravnest.plan import building
@@ -250,6 +251,8 @@ class LocalRun:
         """The clusters restarted alone or added to the running job whose workers do not all
         run yet (`supervising.back_again`)."""
         self._ca: Any = None
+        self._authority = Authority.fresh()
+        """Issues the nodes' identities (comm/identity.py); kept in memory: a grow issues more."""
 
     def prepare(self) -> list[NodeMetadata]:
         claims = [f"{field}: {uri!r} names a PersistentVolumeClaim, which only pods on Kubernetes "
@@ -280,7 +283,8 @@ class LocalRun:
                               output_dir=str(self.out.resolve()), listen=addresses[n],
                               metrics_port=metrics_ports[n], tls_dir=tls_dirs[n],
                               ring_addresses=ring_addresses,
-                              ring_listen=ring_addresses[n] if ring_addresses else "")
+                              ring_listen=ring_addresses[n] if ring_addresses else "",
+                              identity_file=self._identify(n))
                  for n in names]
         (self.out / "nodes").mkdir(parents=True, exist_ok=True)
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
@@ -367,7 +371,7 @@ class LocalRun:
         assert self.plan is not None
         path = self.out / "nodes" / f"{spare.name}.json"  # written each time: this run's plan
         other = NodeMetadata.load(self.out / "nodes" / f"{self.plan.nodes[0].name}.json")
-        replace(other, node=spare.name).save(path)
+        replace(other, node=spare.name, identity_file=None).save(path)  # (joins no peer)
         logfile = self.out / "logs" / f"{spare.name}.log"
         with open(logfile, "ab") as fh:
             popen = subprocess.Popen(
@@ -587,12 +591,19 @@ class LocalRun:
             m = replace(base, job=job, plan=plan, node=n, addresses=every, listen=addresses[n],
                         metrics_port=metrics_ports[n],
                         tls_dir=self._certify(n, host_of(addresses[n])),
-                        ring_addresses=rings,
+                        identity_file=self._identify(n), ring_addresses=rings,
                         ring_listen=rings[n] if rings else "")
             m.save(self.out / "nodes" / f"{n}.json")
             metas.append(m)
         self.metas.extend(metas)
         return metas
+
+    def _identify(self, node: str) -> str:
+        """Issue `node` its identity from the run's authority; the file it is in (its
+        owner's only)."""
+        path = (self.out / "identity" / f"{node}.json").resolve()
+        self._authority.issue(node).save(path)
+        return str(path)
 
     def _certify(self, node: str, host: str) -> str | None:
         """With TLS, issue `node` its certificate from the run's CA, for the loopback and the

@@ -84,7 +84,7 @@ def ring_address(address: str) -> str:
 
 @dataclass(frozen=True)
 class NodeMetadata:
-    """Everything one worker needs, except the job's secret token."""
+    """Everything one worker needs, except the job's secret token and its own identity."""
 
     plan: Plan
     node: str
@@ -104,6 +104,9 @@ class NodeMetadata:
     ring_listen: str = listen_all(RING_PORT)
     microbatches: int | None = None
     """The seed API's microbatches per batch (a job's are its spec.data.microbatches)."""
+    identity_file: str | None = None
+    """This node's identity (`ravnest.comm.identity`), which only it may read: the key and
+    certificate it proves itself to its peers with. Every worker needs one."""
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -120,6 +123,8 @@ class NodeMetadata:
             d["ringListen"] = self.ring_listen
         if self.microbatches is not None:
             d["microbatches"] = self.microbatches
+        if self.identity_file is not None:
+            d["identityFile"] = self.identity_file
         return d
 
     @classmethod
@@ -135,7 +140,8 @@ class NodeMetadata:
                    ring_addresses=(dict(d["ringAddresses"]) if d.get("ringAddresses") is not None
                                    else None),
                    ring_listen=d.get("ringListen", cls.ring_listen),
-                   microbatches=int(d["microbatches"]) if "microbatches" in d else None)
+                   microbatches=int(d["microbatches"]) if "microbatches" in d else None,
+                   identity_file=d.get("identityFile"))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True))

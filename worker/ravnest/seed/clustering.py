@@ -4,7 +4,10 @@ It reads the providers the way Ravnest does (``{"0": {"IP": "host:port", "benchm
 "bandwidth": 20}}}``), plans clusters and stages, and writes one metadata file per provider into
 ``node_data/nodes/`` plus each provider's stage module, so that a provider script only needs
 ``Node(name='node_3', ...)``. It also writes a random job token (mode 0600) that every provider
-of the plan presents to its peers. The metadata is the workers' (`ravnest.run.metadata`).
+of the plan presents to its peers, and each provider's identity (``node_data/identity/<node>.json``,
+mode 0600: its key and a certificate from a key made for this plan alone and never written), by
+which it proves to its peers which node it is. Give each provider its own identity file only. The
+metadata is the workers' (`ravnest.run.metadata`).
 
 Every root of the seed API reads the same train_loader, so clusters would train on identical
 data: by default `clusterize` forms one cluster of all the providers (as Ravnest does for equal
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ravnest.comm.identity import Authority
 from ravnest.comm.tls import identity, issue, make_authority
 from ravnest.errors import PlanError, SpecError
 from ravnest.plan.costs import Workload
@@ -119,11 +123,9 @@ def clusterize(model: nn.Module | None = None, example_args: tuple[Any, ...] = (
     plan = _plan(prof, pool, work, clusters, type(model).__name__)
     nodes_dir = root / "nodes"
     nodes_dir.mkdir(parents=True, exist_ok=True)
-    token_file = root / "token"
-    if not token_file.exists():
-        token_file.write_text(secrets.token_hex(16))
-        os.chmod(token_file, 0o600)
+    _write_token(root / "token")
     tls_dirs = _certificates(root / "tls", address_map) if tls else {}
+    _identify(root / "identity", plan)
     for n in plan.nodes:
         stage = build_stage(gm, n.start, n.end)
         torch.save(stage, nodes_dir / f"{n.name}.submodel.pt")
@@ -131,7 +133,9 @@ def clusterize(model: nn.Module | None = None, example_args: tuple[Any, ...] = (
         NodeMetadata(plan=plan, node=n.name, addresses=address_map, listen=mine,
                      tls_dir=tls_dirs.get(n.name), ring_addresses=ring_map,
                      ring_listen=ring_address(mine),
-                     microbatches=microbatches).save(nodes_dir / f"{n.name}.json")
+                     microbatches=microbatches,
+                     identity_file=str(root / "identity" / f"{n.name}.json"),
+                     ).save(nodes_dir / f"{n.name}.json")
     _show(plan, address_map)
     return plan
 
@@ -172,6 +176,20 @@ def _check_ring_ports(addresses: dict[str, str], rings: dict[str, str] | None) -
         raise SpecError([f"node_configs.json: with ring_transport='tcp' each provider's ring "
                          f"server listens one port above its own; {'; '.join(clashes)} (space "
                          f"the ports out, or keep ring_transport='grpc')"])
+
+
+def _write_token(path: Path) -> None:
+    """The job's token, readable by its owner only (kept if there is one)."""
+    if not path.exists():
+        path.write_text(secrets.token_hex(16))
+        os.chmod(path, 0o600)
+
+
+def _identify(folder: Path, plan: Plan) -> None:
+    """Each node's identity, `<node>.json`, from an authority made for this plan alone."""
+    authority = Authority.fresh()
+    for n in plan.nodes:
+        authority.issue(n.name).save(folder / f"{n.name}.json")
 
 
 def _certificates(folder: Path, addresses: dict[str, str]) -> dict[str, str]:

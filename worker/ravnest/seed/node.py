@@ -172,6 +172,8 @@ def _metadata(root: Path, name: str, listen_host: str | None) -> NodeMetadata:
         meta = NodeMetadata.load(path)
     except SpecError as e:
         raise SpecError([*e.problems, "run clusterize() again to write it"]) from e
+    # (its identity is where clusterize() wrote it, wherever node_data is now)
+    meta = replace(meta, identity_file=str(root / "identity" / f"{name}.json"))
     if not listen_host:
         return meta
     return replace(meta, listen=with_host(meta.listen, listen_host),
