@@ -145,7 +145,8 @@ def test_operator_killed_many_times_mid_reconcile_creates_no_duplicates(cluster,
         assert [p for p in kubelet.started if p.startswith(f"{j}-")] == [f"{j}-planner", *pods]
         assert _objects(kube, j) == {
             "pods": pods, "configmaps": sorted([f"{j}-plan", f"{j}-planner-{uid[:8]}", *pods]),
-            "services": [f"{j}-workers"], "secrets": [f"{j}-token"],
+            "services": [f"{j}-workers"],
+            "secrets": sorted([f"{j}-token", *(f"{p}-identity" for p in pods)]),
             "networkpolicies": [f"{j}-workers"]}
     print(f"\noperator killed {KILLS} times; (phase, step, configmaps, pods) of "
           f"{', '.join(jobs)} at each kill:")
