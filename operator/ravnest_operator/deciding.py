@@ -88,7 +88,8 @@ class Observed:
     """The plan its plan ConfigMap holds; None when that does not exist (yet)."""
     signs: bool = True
     """Whether the operator can issue identities to the job's new nodes: its key derives the
-    authority that issued the job's (not so after a restart with another key)."""
+    authority that issued the job's (not so after a restart with another key). Found out only
+    when providers were added (`added`), the one time it is needed."""
     pods: tuple[dict[str, Any], ...] = field(default_factory=tuple)
     """The job's pods, as the API returns them."""
 

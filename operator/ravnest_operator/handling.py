@@ -251,7 +251,8 @@ def _observe(body: dict[str, Any], spec: dict[str, Any], status: dict[str, Any],
     return replace(seen, job=job, plan=plan, changed=changed,
                    removed=removed_providers(now, job, changed), added=added,
                    edited=now if added else None, pods=tuple(_pods(name, namespace, uid)),
-                   signs=issuer == _authority(resources.Owner(name, namespace, uid)).public.hex())
+                   signs=not added or issuer == _authority(
+                       resources.Owner(name, namespace, uid)).public.hex())
 
 
 def _carry_out(action: Action, body: dict[str, Any], patch: kopf.Patch,

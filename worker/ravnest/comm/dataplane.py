@@ -247,7 +247,8 @@ class RingServer:
                  identity: NodeIdentity | None = None) -> None:
         """`identity`: this node's; a connecting node must then prove it is the node it names."""
         host, _, port = address.rpartition(":")
-        self._token, self._fingerprint, self._identity = token, fingerprint, identity
+        self._token, self._fingerprint = token, fingerprint
+        self._me = identity.node if identity else ""
         self._verifier = identity.verifier() if identity else None
         self._deliver, self._max, self._on_bytes = deliver, max_frame_bytes, on_bytes
         self._inbox = inbox
@@ -425,10 +426,10 @@ class RingServer:
             name = sender.decode()
         except UnicodeDecodeError as e:
             raise refuse(BAD_HELLO, "node name is not UTF-8") from e
-        if self._identity is not None and self._verifier is not None:
+        if self._verifier is not None:
             problem = self._verifier.check(
-                name, proof, *_ring_parts(nonce, their_nonce, fingerprint, sender,
-                                          self._identity.node, link))
+                name, proof, *_ring_parts(nonce, their_nonce, fingerprint, sender, self._me,
+                                          link))
             if problem:
                 raise refuse(UNAUTHENTICATED, problem)
         if isinstance(sock, ssl.SSLSocket):

@@ -161,7 +161,7 @@ class _Auth(grpc.ServerInterceptor):
     def __init__(self, creds: Credentials) -> None:
         self._token = f"Bearer {creds.token}".encode()
         self._fingerprint = creds.fingerprint
-        self._identity = creds.identity
+        self._me = creds.identity.node if creds.identity else ""
         self._verifier = creds.identity.verifier() if creds.identity else None
         self._unauthenticated = _deny(grpc.StatusCode.UNAUTHENTICATED,
                                       "missing or wrong job token")
@@ -179,11 +179,11 @@ class _Auth(grpc.ServerInterceptor):
             return self._unauthenticated.get(name)
         if md.get("x-ravnest-plan") != self._fingerprint:
             return self._wrong_plan.get(name)
-        if self._verifier is not None and self._identity is not None:
+        if self._verifier is not None:
             node, proof = md.get(NODE_HEADER, ""), md.get(PROOF_HEADER, b"")
             problem = self._verifier.call_sender(
                 node if isinstance(node, str) else "", proof if isinstance(proof, bytes) else b"",
-                self._identity.node, self._fingerprint)
+                self._me, self._fingerprint)
             if problem:
                 return _deny(grpc.StatusCode.UNAUTHENTICATED, problem).get(name)
         return continuation(details)
