@@ -1,7 +1,8 @@
 """A small stand-in for the kubelet (and cluster DNS) for the operator's integration tier.
 
 It watches the job pods the operator creates in a real kube-apiserver, runs one real
-`ravnest worker` process per pod from the pod's own spec (its ConfigMap volume, its Secret env
+`ravnest worker` process per pod (forked by a fork server, `ravnest.run.spawning`, as the local
+runner's workers are) from the pod's own spec (its ConfigMap volume, its Secret env
 and Secret volumes), and writes pod phase, IP and exit code back through the API, as a kubelet
 would; a pod's downward-API volumes are files kept up to date with its annotations, as the
 kubelet refreshes them (a drain order). Each pod gets its own loopback address (127.1.x.y),
@@ -29,12 +30,14 @@ from typing import Any
 import kubernetes
 from kubernetes.client.rest import ApiException
 
+from ravnest.run import spawning
 from ravnest.run.metadata import NodeMetadata
 from ravnest.storing import PVC_ROOT_ENV
 from ravnest.termination import TERMINATION_LOG_ENV
 from ravnest_operator.resources import JOB_FILE, METADATA_DIR, dns_label
 
 MAX_PLANNERS = 2
+Process = subprocess.Popen[bytes] | spawning.Forked
 
 
 @dataclass
@@ -42,7 +45,7 @@ class _Running:
     pod: str
     namespace: str
     uid: str
-    proc: subprocess.Popen[bytes]
+    proc: Process
     termination: Path
     downward: dict[Path, Any]
     """A downward-API volume's folder -> its items."""
@@ -62,6 +65,7 @@ class FakeKubelet(threading.Thread):
         self.errors: list[str] = []
         self.held: set[str] = set()
         """Pods whose next container is slow to come up (`hold`)."""
+        self.spawner: spawning.Spawner | None = None
 
     # ------------------------------------------------------------------ addresses ("DNS")
     def ip(self, job: str, node: str) -> str:
@@ -94,6 +98,8 @@ class FakeKubelet(threading.Thread):
             if r.proc.poll() is None:
                 os.killpg(r.proc.pid, signal.SIGKILL)
                 r.proc.wait()
+        if self.spawner is not None:
+            self.spawner.close()
 
     def _tick(self) -> None:
         pods = self.api.list_namespaced_pod(
@@ -173,11 +179,7 @@ class FakeKubelet(threading.Thread):
                 env[e.name] = str(mounts.get(e.value, e.value))
         args = [a.replace(f"{METADATA_DIR}/{mounted}", str(pod_dir / mounted))
                 for a in container.args]
-        log = open(pod_dir / "worker.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "ravnest", *args], stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
-        log.close()
+        proc = self._process(args, env, pod_dir / "worker.log")
         if p.metadata.name in self.held:
             self.held.discard(p.metadata.name)
             os.killpg(proc.pid, signal.SIGSTOP)
@@ -193,6 +195,20 @@ class FakeKubelet(threading.Thread):
                                    "imageID": "", "ready": True, "restartCount": 0,
                                    "started": True,
                                    "state": {"running": {"startedAt": _now()}}}]})
+
+    def _process(self, args: list[str], env: dict[str, str], log: Path) -> Process:
+        """`ravnest <args>` in a session of its own, its output in `log`: forked by the fork
+        server as the local runner's workers are (torch imported once), unless `env` changes what
+        a process reads as it starts."""
+        argv = [sys.executable, "-m", "ravnest", *args]
+        if self.spawner is None:
+            self.spawner = spawning.Spawner()
+        with open(log, "ab") as out, open(os.devnull, "rb") as null:
+            if self.spawner.forks(env):
+                return self.spawner.spawn(args, env, out.fileno(), stdin=null.fileno(),
+                                          title=argv)
+            return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
 
     def _worker_files(self, p: Any, job: str, pod_dir: Path) -> str:
         """A worker pod's node metadata, rewritten for this host: its IP."""

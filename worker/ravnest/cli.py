@@ -11,8 +11,9 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ravnest import termination
 from ravnest._version import __version__
@@ -358,13 +359,47 @@ def parser() -> argparse.ArgumentParser:
                                       "write its outputs (model, curve, summary)")
     f.add_argument("--metadata", required=True, help="node metadata JSON file")
     f.set_defaults(func=_finish)
+    fs = sub.add_parser("forkserver", help="(the local runner's) fork the processes asked for "
+                                           "on a socket, torch imported once (run/spawning.py)")
+    fs.add_argument("--fd", type=int, required=True, help="the socket's file descriptor")
+    fs.add_argument("--preload", action="append", default=[], help="a module to import first")
+    fs.set_defaults(func=_forkserver)
     return p
+
+
+def _forkserver(args: argparse.Namespace) -> int:
+    from ravnest.run import spawning
+
+    return spawning.serve(args.fd, args.preload, entry)
+
+
+def entry(argv: list[str]) -> NoReturn:
+    """The process's end for `ravnest <argv>`, as `python -m ravnest` runs it (the fork server's
+    children too): a worker (`ravnest worker`) leaves with `os._exit` once it is done, its outputs
+    written: gRPC's threads may still hold a stream to a peer behind a network cut, and the
+    interpreter's own exit would wait for them for good (seen: a worker that finished its job
+    never exited). Its output streams and logs are flushed first; every other command exits as
+    usual."""
+    if "worker" not in argv[0:2]:
+        sys.exit(main(argv))
+    try:
+        code = main(argv)
+    except SystemExit as e:  # a signal (SIGTERM: 143), or argparse
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        force=True)  # (a fork server's child: its own level and streams)
     for chatty in ("botocore", "aiobotocore", "s3fs", "fsspec", "matplotlib"):
         # their INFO lines ("Found credentials in environment variables") are not the job's
         logging.getLogger(chatty).setLevel(logging.DEBUG if args.verbose else logging.WARNING)

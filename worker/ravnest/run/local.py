@@ -74,7 +74,16 @@ from ravnest.comm.tls import identity, issue, make_authority
 from ravnest.errors import PlanError, SpecError, WorkerFailed
 from ravnest.plan import building
 from ravnest.plan.plans import Plan, SparePlan, spare_name
-from ravnest.run import draining, elastic, finishing, growing, jobstatus, owning, supervising
+from ravnest.run import (
+    draining,
+    elastic,
+    finishing,
+    growing,
+    jobstatus,
+    owning,
+    spawning,
+    supervising,
+)
 from ravnest.run.jobstatus import FINISHED, Phase
 from ravnest.run.locking import lock_folder, refuse_if_locked
 from ravnest.run.metadata import (
@@ -177,6 +186,9 @@ def node_endpoints(names: Sequence[str], hosts: Mapping[str, str], tcp_ring: boo
     return addresses, metrics_ports, ring_addresses
 
 
+Process = subprocess.Popen[bytes] | spawning.Forked
+"""A worker's process: forked by the run's fork server, or started as a program of its own."""
+
 LOOPBACK = "127.0.0.1"
 """Where a local run's workers listen and are reached, unless `LocalRun.host` says otherwise."""
 
@@ -184,7 +196,7 @@ LOOPBACK = "127.0.0.1"
 @dataclass
 class _Proc:
     node: str
-    popen: subprocess.Popen[bytes]
+    popen: Process
     log: Path
     metrics_port: int
     host: str = LOOPBACK
@@ -251,6 +263,8 @@ class LocalRun:
         """The clusters restarted alone or added to the running job whose workers do not all
         run yet (`supervising.back_again`)."""
         self._ca: Any = None
+        self._spawner: spawning.Spawner | None = None
+        """Forks this run's CPU workers (`_worker_process`), from their first start to the end."""
         self._authority = Authority.fresh()
         """Issues the nodes' identities (comm/identity.py); kept in memory: a grow issues more."""
 
@@ -320,16 +334,44 @@ class LocalRun:
                 self._start_spare(sp)
         for m in metas:
             logfile = self.out / "logs" / f"{m.node}.log"
-            with open(logfile, "ab") as fh:
-                popen = subprocess.Popen(
-                    self.launch(self._runs_on(m.node),
-                                [sys.executable, "-m", "ravnest", "worker", "--metadata",
-                                 str(self.out / "nodes" / f"{m.node}.json")]),
-                    stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env=termination.local_env(self._on_device(env, self._runs_on(m.node)),
-                                              logfile), start_new_session=True,
-                    umask=PRIVATE_UMASK)
+            popen = self._worker_process(
+                self._runs_on(m.node), ["worker", "--metadata",
+                                        str(self.out / "nodes" / f"{m.node}.json")], env, logfile)
             self.procs.append(_Proc(m.node, popen, logfile, m.metrics_port, host_of(m.listen)))
+
+    def _worker_process(self, provider: int, args: list[str], env: dict[str, str],
+                        logfile: Path, orders: bool = False) -> Process:
+        """Start `ravnest <args>` for `provider`, with `env`, its output appended to `logfile`,
+        in a session of its own; `orders`: its stdin a pipe (else nothing). A CPU provider's
+        worker is forked from the run's fork server (`spawning`: torch imported once), unless a
+        subclass wraps its command line (`launch`) or its environment changes what a process
+        reads as it starts (`Spawner.forks`); a GPU's is a process of its own (a CUDA context
+        does not survive a fork)."""
+        env = termination.local_env(self._on_device(env, provider), logfile)
+        argv = [sys.executable, "-m", "ravnest", *args]
+        command = self.launch(provider, argv)
+        with open(logfile, "ab") as fh:
+            if command == argv and env[DEVICE_ENV] == "cpu":
+                if self._spawner is None:
+                    self._spawner = spawning.Spawner(
+                        {**os.environ, "OMP_NUM_THREADS": str(self.worker_threads)})
+                if self._spawner.forks(env):
+                    return self._forked(self._spawner, args, env, fh.fileno(), orders, argv)
+            return subprocess.Popen(
+                command, stdout=fh, stderr=subprocess.STDOUT,
+                stdin=subprocess.PIPE if orders else subprocess.DEVNULL, env=env,
+                start_new_session=True, umask=PRIVATE_UMASK)
+
+    @staticmethod
+    def _forked(spawner: spawning.Spawner, args: list[str], env: dict[str, str], out: int,
+                orders: bool, argv: list[str]) -> spawning.Forked:
+        devnull = None if orders else os.open(os.devnull, os.O_RDONLY)
+        try:
+            return spawner.spawn(args, spawner.parent_env(env, RUNNER_PID_ENV), out,
+                                 stdin=devnull, umask=PRIVATE_UMASK, title=argv)
+        finally:
+            if devnull is not None:
+                os.close(devnull)
 
     def _check_devices(self, plan: Plan) -> None:
         """Every cuda provider's device is there (RavnestError naming the provider and what
@@ -373,15 +415,9 @@ class LocalRun:
         other = NodeMetadata.load(self.out / "nodes" / f"{self.plan.nodes[0].name}.json")
         replace(other, node=spare.name, identity_file=None).save(path)  # (joins no peer)
         logfile = self.out / "logs" / f"{spare.name}.log"
-        with open(logfile, "ab") as fh:
-            popen = subprocess.Popen(
-                self.launch(spare.provider,
-                            [sys.executable, "-m", "ravnest", "worker", "--spare", "--orders", "-",
-                             "--metadata", str(path)]),
-                stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
-                env=termination.local_env(self._on_device(self._env, spare.provider), logfile),
-                start_new_session=True,
-                umask=PRIVATE_UMASK)
+        popen = self._worker_process(
+            spare.provider, ["worker", "--spare", "--orders", "-", "--metadata", str(path)],
+            self._env, logfile, orders=True)
         self.spare_procs[spare.name] = _Proc(spare.name, popen, logfile, 0)
 
     def _free_spares(self) -> list[SparePlan]:
@@ -838,6 +874,9 @@ class LocalRun:
             raise
         finally:
             self.stop()
+            if self._spawner is not None:
+                self._spawner.close()
+                self._spawner = None
         summary = self.finish(time.time() - started)
         for late in self._pending_drains():
             log.warning("%s", elastic.not_drained(late["cluster"]))
