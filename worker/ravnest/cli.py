@@ -359,12 +359,16 @@ def parser() -> argparse.ArgumentParser:
                                       "write its outputs (model, curve, summary)")
     f.add_argument("--metadata", required=True, help="node metadata JSON file")
     f.set_defaults(func=_finish)
+    _forkserver_parser(sub)
+    return p
+
+
+def _forkserver_parser(sub: Any) -> None:
     fs = sub.add_parser("forkserver", help="(the local runner's) fork the processes asked for "
                                            "on a socket, torch imported once (run/spawning.py)")
     fs.add_argument("--fd", type=int, required=True, help="the socket's file descriptor")
     fs.add_argument("--preload", action="append", default=[], help="a module to import first")
     fs.set_defaults(func=_forkserver)
-    return p
 
 
 def _forkserver(args: argparse.Namespace) -> int:

@@ -263,8 +263,7 @@ class LocalRun:
         """The clusters restarted alone or added to the running job whose workers do not all
         run yet (`supervising.back_again`)."""
         self._ca: Any = None
-        self._spawner: spawning.Spawner | None = None
-        """Forks this run's CPU workers (`_worker_process`), from their first start to the end."""
+        self._spawner: spawning.Spawner | None = None  # (`_worker_process`)
         self._authority = Authority.fresh()
         """Issues the nodes' identities (comm/identity.py); kept in memory: a grow issues more."""
 
