@@ -195,3 +195,21 @@ def test_children_outlive_a_closed_server_and_a_closed_server_starts_nothing(tmp
             _watch(server, tmp_path / "late")
     finally:
         os.kill(child.pid, signal.SIGKILL)
+
+
+def test_a_child_of_a_server_that_died_is_not_waited_for_for_good(tmp_path):
+    """The server killed while its child runs: the child's exit status is lost with it, yet its
+    end is still seen (as a kill), and the server says it is gone."""
+    server = spawning.Spawner(_env(), preload=())
+    try:
+        child, log = _watch(server, tmp_path)
+        _until("its first line", lambda: "Running" in log.read_text())
+        os.kill(server.pid, signal.SIGKILL)
+        _until("the server's end to be seen", lambda: not server.alive)
+        assert child.poll() is None  # (this child does not die with its parent)
+        os.kill(child.pid, signal.SIGTERM)
+        assert child.wait(30) == -signal.SIGKILL
+        with pytest.raises(spawning.SpawnError, match="fork server"):
+            _watch(server, tmp_path / "late")
+    finally:
+        server.close()

@@ -351,7 +351,7 @@ class LocalRun:
         command = self.launch(provider, argv)
         with open(logfile, "ab") as fh:
             if command == argv and env[DEVICE_ENV] == "cpu":
-                if self._spawner is None:
+                if self._spawner is None or not self._spawner.alive:
                     self._spawner = spawning.Spawner(
                         {**os.environ, "OMP_NUM_THREADS": str(self.worker_threads)})
                 if self._spawner.forks(env):

@@ -38,6 +38,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any, NoReturn
 
@@ -123,6 +124,7 @@ class Spawner:
         self._children: dict[int, Forked] = {}
         self._ended: dict[int, int] = {}
         self._gone: str | None = None
+        self._closed = False
         self._next = 0
         self._reader = threading.Thread(target=self._read, name="spawner", daemon=True)
         self._reader.start()
@@ -217,9 +219,32 @@ class Spawner:
         with self.changed:
             self._gone = why
             self.changed.notify_all()
+        self._outlive()
+
+    def _outlive(self) -> None:
+        """The server is gone, and with it the exit statuses of the children still running:
+        each one that ends from now on (the runner's workers die with the server, their parent)
+        is said to have ended with SIGKILL, so that no caller waits for it for good (until
+        close())."""
+        while not self._closed:
+            with self.changed:
+                for pid, child in list(self._children.items()):
+                    try:
+                        os.kill(pid, 0)
+                    except ProcessLookupError:
+                        child.returncode = -signal.SIGKILL
+                        del self._children[pid]
+                        self.changed.notify_all()
+            time.sleep(REAP_SECONDS)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the server still forks."""
+        return self._gone is None
 
     def close(self) -> None:
         """End the server (its children go on; their ends are no longer reported)."""
+        self._closed = True
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
