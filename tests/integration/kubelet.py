@@ -203,10 +203,9 @@ class FakeKubelet(threading.Thread):
         argv = [sys.executable, "-m", "ravnest", *args]
         if self.spawner is None:
             self.spawner = spawning.Spawner()
-        with open(log, "ab") as out, open(os.devnull, "rb") as null:
+        with open(log, "ab") as out:
             if self.spawner.forks(env):
-                return self.spawner.spawn(args, env, out.fileno(), stdin=null.fileno(),
-                                          title=argv)
+                return self.spawner.spawn(args, env, out.fileno(), title=argv)
             return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
 

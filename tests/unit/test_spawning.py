@@ -51,12 +51,12 @@ def _watch(spawner: spawning.Spawner, tmp_path: Path, env: dict[str, str] | None
     _status(tmp_path / "run", "Running")
     log = tmp_path / "log"
     argv = ["status", "demo", "-o", "run", "-w", "--interval", "0.1"]
-    with open(log, "ab") as fh, open(os.devnull, "rb") as null:
+    with open(log, "ab") as fh:
         cwd = os.getcwd()
         os.chdir(tmp_path)
         try:
-            child = spawner.spawn(argv, env if env is not None else _env(),
-                                  fh.fileno(), stdin=None if pipe else null.fileno(),
+            child = spawner.spawn(argv, env if env is not None else _env(), fh.fileno(),
+                                  stdin=subprocess.PIPE if pipe else subprocess.DEVNULL,
                                   umask=umask, title=[sys.executable, "-m", "ravnest", *argv])
         finally:
             os.chdir(cwd)
@@ -105,7 +105,7 @@ def test_a_child_runs_with_the_environment_it_was_given(spawner, tmp_path):
     env = {**_env(), "PATH": f"{bin_dir}:{os.environ['PATH']}", "CHILD_PHASE": "Succeeded"}
     log = tmp_path / "log"
     with open(log, "ab") as fh:
-        child = spawner.spawn(["status", "demo", "--kube"], env, fh.fileno(), stdin=fh.fileno())
+        child = spawner.spawn(["status", "demo", "--kube"], env, fh.fileno())
     assert child.wait(60) == 0, log.read_text()
     assert "Succeeded" in log.read_text(), log.read_text()
 
@@ -123,7 +123,7 @@ def test_a_child_ends_with_its_exit_code_or_minus_the_signal(spawner, tmp_path):
     stopped.terminate()
     assert stopped.wait(60) == -signal.SIGTERM
     with open(tmp_path / "bad.log", "ab") as fh:
-        bad = spawner.spawn(["status"], _env(), fh.fileno(), stdin=fh.fileno())
+        bad = spawner.spawn(["status"], _env(), fh.fileno())
     assert bad.wait(60) == 2  # argparse: the job is missing
     assert "the following arguments are required: job" in (tmp_path / "bad.log").read_text()
     killed.kill()  # (a signal to a process that ended changes nothing)
@@ -140,7 +140,14 @@ def test_a_child_reads_the_stdin_it_was_given(spawner, tmp_path):
     assert fd0.st_ino == os.fstat(child.stdin.fileno()).st_ino
     child.stdin.close()
     assert other.stdin is None and os.readlink(f"/proc/{other.pid}/fd/0") == os.devnull
-    for c in (child, other):
+    given = tmp_path / "given"
+    given.write_text("")
+    with open(given, "rb") as fh, open(tmp_path / "third.log", "ab") as out:
+        third = spawner.spawn(["status", "demo", "-o", str(tmp_path / "run"), "-w"], _env(),
+                              out.fileno(), stdin=fh.fileno())
+    _until("the third's first line", lambda: "Running" in (tmp_path / "third.log").read_text())
+    assert third.stdin is None and os.readlink(f"/proc/{third.pid}/fd/0") == str(given)
+    for c in (child, other, third):
         c.kill()
         c.wait(60)
 
@@ -166,7 +173,7 @@ def test_a_child_imports_from_its_own_pythonpath(spawner, tmp_path, digits_doc):
         with open(log, "ab") as fh:
             child = spawner.spawn(["plan", str(job)], {
                 **os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
-                    pythonpath, str(ROOT / "worker")]))}, fh.fileno(), stdin=fh.fileno())
+                    pythonpath, str(ROOT / "worker")]))}, fh.fileno())
         assert child.wait(300) == code, log.read_text()[-3000:]
     assert "my_models" in (tmp_path / "plan-2.log").read_text()
 

@@ -355,22 +355,14 @@ class LocalRun:
                     self._spawner = spawning.Spawner(
                         {**os.environ, "OMP_NUM_THREADS": str(self.worker_threads)})
                 if self._spawner.forks(env):
-                    return self._forked(self._spawner, args, env, fh.fileno(), orders, argv)
+                    return self._spawner.spawn(
+                        args, self._spawner.parent_env(env, RUNNER_PID_ENV), fh.fileno(),
+                        stdin=subprocess.PIPE if orders else subprocess.DEVNULL,
+                        umask=PRIVATE_UMASK, title=argv)
             return subprocess.Popen(
                 command, stdout=fh, stderr=subprocess.STDOUT,
                 stdin=subprocess.PIPE if orders else subprocess.DEVNULL, env=env,
                 start_new_session=True, umask=PRIVATE_UMASK)
-
-    @staticmethod
-    def _forked(spawner: spawning.Spawner, args: list[str], env: dict[str, str], out: int,
-                orders: bool, argv: list[str]) -> spawning.Forked:
-        devnull = None if orders else os.open(os.devnull, os.O_RDONLY)
-        try:
-            return spawner.spawn(args, spawner.parent_env(env, RUNNER_PID_ENV), out,
-                                 stdin=devnull, umask=PRIVATE_UMASK, title=argv)
-        finally:
-            if devnull is not None:
-                os.close(devnull)
 
     def _check_devices(self, plan: Plan) -> None:
         """Every cuda provider's device is there (RavnestError naming the provider and what

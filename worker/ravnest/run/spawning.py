@@ -146,12 +146,19 @@ class Spawner:
         return {**env, key: str(self.pid)} if env.get(key) else dict(env)
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], stdout: int,
-              stdin: int | None = None, umask: int | None = None,
+              stdin: int = subprocess.DEVNULL, umask: int | None = None,
               title: Sequence[str] | None = None) -> Forked:
         """Start `ravnest <argv>` (the CLI's arguments) with `env`, writing its stdout and stderr
-        to descriptor `stdout`; its stdin is `stdin` if given, else a pipe whose writing end is
-        the returned process's `stdin`. `title`: its command line as `ps` shows it."""
-        read, write = os.pipe() if stdin is None else (stdin, -1)
+        to descriptor `stdout`; its stdin is nothing (`subprocess.DEVNULL`), a pipe whose writing
+        end is the returned process's `stdin` (`subprocess.PIPE`), or a descriptor, as Popen's.
+        `title`: its command line as `ps` shows it."""
+        write = -1
+        if stdin == subprocess.PIPE:
+            read, write = os.pipe()
+        elif stdin == subprocess.DEVNULL:
+            read = os.open(os.devnull, os.O_RDONLY)
+        else:
+            read = stdin
         try:
             reply = self._ask(argv, env, umask, title, [stdout, read])
         except BaseException:
@@ -159,7 +166,7 @@ class Spawner:
                 os.close(write)
             raise
         finally:
-            if write >= 0:
+            if read != stdin:
                 os.close(read)  # (the server has its own copy, and so has the child)
         child = Forked(self, argv, int(reply["pid"]),
                        os.fdopen(write, "wb") if write >= 0 else None)
