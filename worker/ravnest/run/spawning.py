@@ -263,11 +263,6 @@ class Spawner:
         self._reader.join(5)
 
 
-def _status_code(status: int) -> int:
-    """A wait status as Popen's returncode: the exit code, or minus the signal."""
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-
-
 def serve(fd: int, preload: Sequence[str], entry: Callable[[list[str]], NoReturn]) -> int:
     """The server's loop on socket `fd`: import `preload`, then fork a child per request and
     report each child's end, until the other end is closed (0). In a child, never returns: runs
@@ -320,28 +315,26 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
         if pid == 0:
             return
         children.discard(pid)
-        sock.send(json.dumps({"ended": pid, "code": _status_code(status)}).encode())
+        sock.send(json.dumps({"ended": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
 
 
 class _SearchPath:
-    """How the server's sys.path came to be: the folder `python -m` put first, the PYTHONPATH
-    entries, and the rest (the standard library, site-packages)."""
+    """How the server's sys.path came to be: whether `python -m` put the working folder first,
+    the PYTHONPATH entries after it, and the rest (the standard library, site-packages)."""
 
-    def __init__(self, first: str | None, given: list[str], rest: list[str]) -> None:
-        self.first, self.given, self.rest = first, given, rest
+    def __init__(self, cwd_first: bool, rest: list[str]) -> None:
+        self.cwd_first, self.rest = cwd_first, rest
 
     @classmethod
     def of_this_process(cls) -> _SearchPath:
         cwd = os.getcwd()
-        first = sys.path[0] if sys.path and sys.path[0] == cwd else None
+        cwd_first = bool(sys.path) and sys.path[0] == cwd
         given = _entries(os.environ.get("PYTHONPATH", ""), cwd)
-        rest = [p for p in sys.path[1 if first is not None else 0:] if p not in given]
-        return cls(first, given, rest)
+        return cls(cwd_first, [p for p in sys.path[1 if cwd_first else 0:] if p not in given])
 
     def of(self, pythonpath: str, cwd: str) -> list[str]:
         """sys.path as `python -m` would have it, started in `cwd` with `pythonpath`."""
-        return [*([cwd] if self.first is not None else []), *_entries(pythonpath, cwd),
-                *self.rest]
+        return [*([cwd] if self.cwd_first else []), *_entries(pythonpath, cwd), *self.rest]
 
 
 def _entries(pythonpath: str, cwd: str) -> list[str]:
