@@ -44,8 +44,11 @@ from typing import IO, Any, NoReturn
 
 import setproctitle
 
-PRELOAD = ("ravnest.run.worker",)
-"""What the server imports before its first fork: everything a worker imports to train."""
+PRELOAD = ("ravnest.run.worker", "torch._dynamo")
+"""What the server imports before its first fork: everything a worker imports to train. That
+includes torch._dynamo, which torch imports on the first call of an optimizer's methods (they are
+wrapped by torch._disable_dynamo), not on `import torch`: 2 to 3 CPU-seconds (sympy and the
+compiler's modules), more than a small job's worker spends training."""
 
 MAX_MESSAGE = 1 << 20
 """The largest request or reply (one datagram of the socket pair: a command line and an
@@ -53,9 +56,14 @@ environment)."""
 
 AT_START = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE",
             "OPENBLAS_L2_SIZE", "LD_PRELOAD", "LD_LIBRARY_PATH", "MALLOC_ARENA_MAX")
-"""Variables read once, when the interpreter or a library loads (and every PYTHON... variable but
-PYTHONPATH, which a child applies to its sys.path): a process whose environment changes one of
-them from the server's is not what a fork of the server would be (`Spawner.forks`)."""
+"""Variables read once, when the interpreter or a library loads (and every variable named with
+one of `AT_START_PREFIXES` but PYTHONPATH, which a child applies to its sys.path): a process
+whose environment changes one of them from the server's is not what a fork of the server would
+be (`Spawner.forks`)."""
+
+AT_START_PREFIXES = ("PYTHON", "TORCH")
+"""The interpreter's variables, and torch's (TORCH_LOGS, TORCHDYNAMO_..., TORCHINDUCTOR_...: many
+are read when torch or torch._dynamo is imported, which the server did)."""
 
 REAP_SECONDS = 0.1
 """How often the server looks for children that ended, at most, while it waits for a request."""
@@ -138,7 +146,7 @@ class Spawner:
         libraries read when they load (`AT_START`) is the same in both."""
         mine = self._env
         return all(env.get(k) == mine.get(k) for k in {*env, *mine}
-                   if k in AT_START or (k.startswith("PYTHON") and k != "PYTHONPATH"))
+                   if k in AT_START or (k.startswith(AT_START_PREFIXES) and k != "PYTHONPATH"))
 
     def parent_env(self, env: Mapping[str, str], key: str) -> dict[str, str]:
         """`env` with `key`, when it names a process, naming the server instead: the parent of
