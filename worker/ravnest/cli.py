@@ -51,9 +51,12 @@ def _run(args: argparse.Namespace) -> int:
     metric = summary["fused_val_metric"]
     speed = (f"{summary['samples_per_second']} samples/s" if summary["samples_trained"] else
              f"nothing left to train (its checkpoints are at step {summary['resumed_from_step']})")
-    print(f"done: {summary['updates']} updates, {speed}, "
-          f"train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}"
-          + (f", val accuracy {metric:.4f}" if metric is not None else ""))
+    said = [f"{summary['updates']} updates", speed,
+            *(f"{what} {summary[key]:.4f}" for what, key in (
+                ("train loss", "train_loss"), ("val loss", "val_loss"))
+              if summary[key] is not None)]
+    print("done: " + ", ".join(said) + (f", val accuracy {metric:.4f}" if metric is not None
+                                        else ""))
     where = summary["model"].rsplit("/", 1)[0]
     print(f"outputs in {where}/ (model.pt, best_model.pt, learning_curve.csv and .png, "
           f"summary.json); run folder {out}/")

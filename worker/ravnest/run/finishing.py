@@ -65,17 +65,20 @@ def finish(job: Job, plan: Plan, where: Location, seconds: float | None = None,
     """Fuse, evaluate and write the outputs in `where` from the stages and clusters there; return
     the summary. `clusters`: those that finished (default: those whose root wrote its figures; a
     cluster restarted alone that could not rejoin before the others finished has none), the first
-    of which is fused. `seconds` and `resumed_from` (the step training started from) default to
-    what its root recorded."""
+    that validated of which is fused (`_lead`). `seconds` and `resumed_from` (the step training
+    started from) default to what its root recorded."""
     if clusters is None:
         written = set(where.child(CLUSTERS).files())
         clusters = [c.id for c in plan.clusters if f"cluster_{c.id}.json" in written]
     ids = sorted(clusters)
     if not ids:
         raise RavnestError("no cluster finished: nothing to fuse")
+    figures = [json.loads(where.child(CLUSTERS).read(f"cluster_{c}.json")) for c in ids]
+    lead = _lead(figures)
+    figures.insert(0, figures.pop(lead))
     model = building.build_model(job.spec)
     reference = model.state_dict()
-    stages = load_stages(where.child(STAGES), ids[0])  # read once: fused twice, trained and best
+    stages = load_stages(where.child(STAGES), ids[lead])  # read once: fused twice, trained and best
     fused = ordered_like(fuse_stages(stages), reference)
     _save(where, OUTPUTS["model"], fused)
     best = None
@@ -84,7 +87,6 @@ def finish(job: Job, plan: Plan, where: Location, seconds: float | None = None,
         _save(where, OUTPUTS["bestModel"], best)
     except RavnestError as e:
         log.info("no best model: %s", e)
-    figures = [json.loads(where.child(CLUSTERS).read(f"cluster_{c}.json")) for c in ids]
     where.write(OUTPUTS["learningCurve"], curve_csv(figures).encode())
     where.write(OUTPUTS["learningCurvePng"], curve_png(figures, job.name))
     model.load_state_dict(fused)
@@ -114,6 +116,14 @@ def finish(job: Job, plan: Plan, where: Location, seconds: float | None = None,
     }
     where.write(OUTPUTS["summary"], json.dumps(summary, indent=1).encode())
     return summary
+
+
+def _lead(figures: list[dict[str, Any]]) -> int:
+    """Which of the clusters' `figures` the job's outputs and summary come from: the first that
+    validated. A cluster whose root rejoined only after the final round (restarted too near the
+    end) trained no epoch after it took the others' state, so it has no validation, learning
+    curve or best weights of its own, though it ends with the same weights as the others."""
+    return next((i for i, f in enumerate(figures) if f.get("val_loss") is not None), 0)
 
 
 def outputs(where: Location, summary: dict[str, Any]) -> dict[str, str]:
