@@ -184,7 +184,7 @@ def test_what_a_process_reads_as_it_starts_must_match_the_server_to_fork(spawner
     assert spawner.forks({**same, "PYTHONPATH": "/elsewhere", "RAVNEST_TOKEN": "x"})
     assert not spawner.forks({**same, "OMP_NUM_THREADS": "7"})
     assert not spawner.forks({**same, "PYTHONHASHSEED": "3"})
-    assert not spawner.forks({**same, "TORCH_LOGS": "dynamo"})  # (read as torch._dynamo loads)
+    assert not spawner.forks({**same, "TORCH_LOGS": "dynamo"})  # (read as torch loads)
     assert not spawner.forks({k: v for k, v in same.items() if k != "PYTHONUNBUFFERED"}) \
         or "PYTHONUNBUFFERED" not in same
     assert spawner.parent_env({"RAVNEST_RUNNER_PID": "12"}, "RAVNEST_RUNNER_PID") == {

@@ -44,11 +44,12 @@ from typing import IO, Any, NoReturn
 
 import setproctitle
 
-PRELOAD = ("ravnest.run.worker", "torch._dynamo")
-"""What the server imports before its first fork: everything a worker imports to train. That
-includes torch._dynamo, which torch imports on the first call of an optimizer's methods (they are
-wrapped by torch._disable_dynamo), not on `import torch`: 2 to 3 CPU-seconds (sympy and the
-compiler's modules), more than a small job's worker spends training."""
+PRELOAD = ("ravnest.run.worker",)
+"""What the server imports before its first fork: everything a worker imports to train. Not
+torch._dynamo, which torch imports on the first call of an optimizer's methods (2 to 3
+CPU-seconds in each worker): with it imported here, a SIGKILLed worker's peers no longer saw its
+connections break (test_elastic's rejoin test: a ring round waited out its 30 s timeout instead;
+cause not found), so each child still imports it for itself."""
 
 MAX_MESSAGE = 1 << 20
 """The largest request or reply (one datagram of the socket pair: a command line and an
@@ -62,8 +63,8 @@ whose environment changes one of them from the server's is not what a fork of th
 be (`Spawner.forks`)."""
 
 AT_START_PREFIXES = ("PYTHON", "TORCH")
-"""The interpreter's variables, and torch's (TORCH_LOGS, TORCHDYNAMO_..., TORCHINDUCTOR_...: many
-are read when torch or torch._dynamo is imported, which the server did)."""
+"""The interpreter's variables, and torch's (TORCH_SHOW_CPP_STACKTRACES, TORCH_LOGS, ...: many are
+read when torch is imported, which the server did)."""
 
 REAP_SECONDS = 0.1
 """How often the server looks for children that ended, at most, while it waits for a request."""
