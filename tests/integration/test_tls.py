@@ -182,6 +182,7 @@ def test_a_local_job_with_tls_trains_over_tls(tmp_path, digits_doc) -> None:
         assert run.wait().done, "a worker died"
     finally:
         run.stop()
+        run.release()  # (its fork server, lock and lease: what `ravnest run` lets go of)
     summary = run.finish(1.0)
     assert summary["clusters"] == 2 and summary["nodes"] == 4
     assert summary["fused_val_metric"] >= 0.8

@@ -71,6 +71,7 @@ def test_workers_export_training_metrics(tmp_path, digits_doc):
         assert run.wait().done, "a worker died"
     finally:
         run.stop()
+        run.release()  # (its fork server, lock and lease: what `ravnest run` lets go of)
     log = (tmp_path / "logs" / f"{root.node}.log").read_text()
     assert "dropped: a node speaks for itself only" in log
     assert "skipped" not in log and "introduced itself" not in log

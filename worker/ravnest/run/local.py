@@ -828,7 +828,16 @@ class LocalRun:
         if self._lock is None:
             self._lock = lock_folder(self.out)
 
+    def _close_spawner(self) -> None:
+        """End the fork server (`_worker_process`), if one runs; the workers it forked go on, for
+        `stop` to end."""
+        if self._spawner is not None:
+            self._spawner.close()
+            self._spawner = None
+
     def release(self) -> None:
+        """Let go of what the run holds: its fork server, its lease and its folder's lock."""
+        self._close_spawner()
         if self.lease is not None:
             self.lease.release()
             self.lease = None
@@ -865,9 +874,7 @@ class LocalRun:
             raise
         finally:
             self.stop()
-            if self._spawner is not None:
-                self._spawner.close()
-                self._spawner = None
+            self._close_spawner()
         summary = self.finish(time.time() - started)
         for late in self._pending_drains():
             log.warning("%s", elastic.not_drained(late["cluster"]))
