@@ -48,15 +48,12 @@ def _run(args: argparse.Namespace) -> int:
     except Terminated as e:
         print(f"error: {e}", file=sys.stderr)
         return 128 + e.signum
-    metric = summary["fused_val_metric"]
     speed = (f"{summary['samples_per_second']} samples/s" if summary["samples_trained"] else
              f"nothing left to train (its checkpoints are at step {summary['resumed_from_step']})")
-    said = [f"{summary['updates']} updates", speed,
-            *(f"{what} {summary[key]:.4f}" for what, key in (
-                ("train loss", "train_loss"), ("val loss", "val_loss"))
-              if summary[key] is not None)]
-    print("done: " + ", ".join(said) + (f", val accuracy {metric:.4f}" if metric is not None
-                                        else ""))
+    figures = [f"{what} {summary[key]:.4f}" for what, key in (
+        ("train loss", "train_loss"), ("val loss", "val_loss"),
+        ("val accuracy", "fused_val_metric")) if summary[key] is not None]
+    print(f"done: {summary['updates']} updates, {speed}" + "".join(f", {f}" for f in figures))
     where = summary["model"].rsplit("/", 1)[0]
     print(f"outputs in {where}/ (model.pt, best_model.pt, learning_curve.csv and .png, "
           f"summary.json); run folder {out}/")
