@@ -1,5 +1,5 @@
 """The kind cluster the cluster tier makes here (see conftest.py): made by the tier itself, or ahead
-of it by scripts/test, in the background while the unit tier runs.
+of it by scripts/test, in the background while the integration tests that need the tools run.
 
 Making it is mostly waiting on the disk: `scripts/kind-cluster up --offline` (about 30 s) and the
 project image's load onto the workers (about 175 s: a docker save of GBs, imported and unpacked on
