@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from gated_loss import GATE_ENV
@@ -18,3 +20,16 @@ def gate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
         str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")])))
     return tmp_path / "gate"
+
+
+@pytest.fixture(scope="session")
+def operator_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, ...]]:
+    """One apiserver (with etcd and the controller manager), test kubelet and operator for the
+    whole session, shared by the operator tier's modules (test_operator, test_operator_faults,
+    test_operator_security): each takes it through `operator_harness.module_cluster`, which
+    deletes the module's jobs when it is done, so that the next module starts with none. Starting
+    the three again for each module cost CI about 15 s a module."""
+    from operator_harness import operator_cluster
+
+    with operator_cluster(tmp_path_factory.mktemp("operator")) as parts:
+        yield parts

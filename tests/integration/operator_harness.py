@@ -130,3 +130,23 @@ def operator_cluster(work: Path, env: dict[str, str] | None = None
         finally:
             operator.stop()
             kubelet.stop()
+
+
+@contextlib.contextmanager
+def module_cluster(stack: tuple[LocalApiserver, FakeKubelet, Operator]
+                   ) -> Iterator[tuple[LocalApiserver, FakeKubelet, Operator]]:
+    """The session's operator stack (conftest's `operator_stack`) for one test module, with the
+    operator running (a module before may have killed it); when the module is done, its jobs are
+    deleted and waited for, with their pods and the objects they own, so that the next module
+    starts with none of them."""
+    kube, _kubelet, operator = stack
+    if operator.proc is None or operator.proc.poll() is not None:
+        operator.start()
+    try:
+        yield stack
+    finally:
+        if operator.proc is None or operator.proc.poll() is not None:
+            operator.start()  # (it removes the jobs' finalizers)
+        kctl(kube, "delete", "rj", "--all", "--wait=true", "--timeout=180s", check=False)
+        wait_for("the module's jobs and pods gone", lambda: not (get(kube, "rj") or {}).get(
+            "items") and not (get(kube, "pods") or {}).get("items"), 180, kube, operator)

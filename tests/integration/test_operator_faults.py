@@ -29,7 +29,7 @@ from operator_harness import (
     get,
     job_doc,
     kctl,
-    operator_cluster,
+    module_cluster,
     phase_of,
     wait_for,
 )
@@ -45,8 +45,8 @@ FLEET = 50
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, ...]]:
-    with operator_cluster(tmp_path_factory.mktemp("cluster")) as parts:
+def cluster(operator_stack: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:
+    with module_cluster(operator_stack) as parts:  # (the session's: conftest.py)
         yield parts
 
 

@@ -12,14 +12,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from operator_harness import apply, get, job_doc, kctl, operator_cluster, wait_for
+from operator_harness import apply, get, job_doc, kctl, module_cluster, wait_for
 
 pytestmark = pytest.mark.tools  # (scripts/test runs it once the tools are there)
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, ...]]:
-    with operator_cluster(tmp_path_factory.mktemp("cluster")) as parts:
+def cluster(operator_stack: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:
+    with module_cluster(operator_stack) as parts:  # (the session's: conftest.py)
         yield parts
 
 
