@@ -10,6 +10,11 @@ printed.
 A stem's and a leaf's live rejoin have their real runs on the other executors: the operator tier
 kills a stem (tests/integration/test_operator.py, elastic-node-3) and the kind tier deletes a
 leaf's pod (tests/e2e/test_cluster.py). Each role's run here cost about 55 s of CI.
+
+Growing a running job (`ravnest grow`) has its one real run here; draining one has it in the
+operator tier (test_operator.py, where the survivors' logs are checked as they were here), and
+`ravnest drain`'s answers are tested on a held run folder (tests/unit/test_orders.py): the run of
+it here, a 60-epoch job restarted once, cost 97 s of a cold CI run.
 """
 
 from __future__ import annotations
@@ -161,97 +166,6 @@ def _final_rounds(said: list[dict[str, Any]]) -> set[tuple[int, ...]]:
     """The clusters in the final round of each node of `said` (termination messages) that
     had one (a node sharing no parameters is in no ring)."""
     return {tuple(s["final_clusters"]) for s in said if "final_clusters" in s}
-
-
-def _drain(out: Path, *providers: int) -> subprocess.CompletedProcess[str]:
-    flags = [a for p in providers for a in ("--provider", str(p))]
-    return subprocess.run([sys.executable, "-m", "ravnest", "drain", "digits", "-o", str(out),
-                           *flags], capture_output=True, text=True, timeout=60)
-
-
-def test_a_drained_cluster_leaves_at_a_round_boundary_and_a_whole_restart_leaves_it_out(
-        tmp_path, undisturbed):
-    """`ravnest drain` (issue 20, shrink): the providers' cluster leaves at a round the others
-    agree on; they never stop, no round of theirs waits for it or is given up, and the job ends
-    with their model; bad orders are refused and order nothing. Then (runPolicy.recovery: job) a
-    killed worker restarts the job from its newest checkpoint, complete without the drained
-    nodes (written after the drain): cluster 2 is not started again, and the others' rounds do
-    not wait for it."""
-    out = tmp_path / "out"
-    job = elastic_job(tmp_path, EPOCHS, {"everySteps": 20}, {"recovery": "job"})
-    with local_run(job, out) as run:
-        plan, leaving, survivors = _at_step(run, out, 60)
-        nodes = plan["nodes"]
-
-        refused = _drain(out, 99)
-        assert refused.returncode == 1 and "provider 99 runs no stage of this job" in \
-            refused.stderr, refused.stderr
-        refused = _drain(out, *{n["provider"] for n in nodes})
-        assert refused.returncode == 1 and "would leave no cluster to train" in refused.stderr
-        assert not list((out / "drain").iterdir())  # nothing was ordered
-
-        provider = next(n["provider"] for n in nodes if n["cluster"] == 2 and n["role"] != "root")
-        ordered = _drain(out, provider)
-        assert ordered.returncode == 0 and "cluster(s) 2 drain" in ordered.stdout, ordered
-        samples = [steps(survivors)]
-        done = out / "drain" / "cluster_2.done"
-        while not done.exists():
-            assert run.poll() is None, "the run ended before the cluster drained"
-            samples.append(steps(survivors))
-            time.sleep(0.25)
-        left = json.loads(done.read_text())["updates"]
-        # and on, after it left, until a checkpoint without it is complete
-        while not ((s := steps(survivors)) and len(s) == len(survivors)
-                   and min(s.values()) >= left + 45):
-            assert run.poll() is None, "the run ended before a checkpoint after the drain"
-            samples.append(s)
-            time.sleep(0.25)
-        pid = worker_pid(out / "nodes" / "node_0.json")
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
-        _, err = run.communicate(timeout=900)
-    assert run.returncode == 0, err[-3000:]
-
-    status = json.loads((out / "status.json").read_text())
-    assert status["phase"] == "Succeeded" and status["restarts"] == 1, status
-    assert status["recoveries"] == 0 and status["clusters"] == "2/3"
-    (drained,) = status["drained"]
-    leave = drained["round"]
-    assert drained["cluster"] == 2 and drained["updates"] == left == 2 * leave  # reduceFactor 2
-    assert drained["providers"] == [provider] and "notDrained" not in status
-    assert status["membership"]["versions"][1:] == [
-        {"version": 2, "fromRound": leave + 1, "clusters": [0, 1]}]
-    for n in survivors:
-        seen = [s[n] for s in samples if n in s]
-        assert seen == sorted(seen) and seen[-1] >= seen[0] + 20, (n, seen)
-    resumed = re.search(r"restart 1/\d+ resumes from checkpoint at step (\d+)", err)
-    assert resumed, err[-3000:]
-    assert int(resumed[1]) > left  # a checkpoint the drained nodes took no part in
-
-    logs = {n.stem: n.read_text() for n in (out / "logs").glob("*.log")}
-    for n in leaving:
-        assert f"{n} drained after round {leave} at update {2 * leave}" in logs[n], logs[n][-2000:]
-        assert logs[n].count("drained after round") == 1 and "resumed from" not in logs[n]
-    for n in survivors:
-        assert "within 30s" not in logs[n] and "skipped" not in logs[n], logs[n][-3000:]
-        assert "does not answer" not in logs[n], logs[n][-3000:]
-        assert all(f"{m} was lost" not in logs[n] for m in leaving), logs[n][-3000:]
-        assert f"resumed from checkpoint at step {resumed[1]}" in logs[n], logs[n][-3000:]
-    # every member of a leaving node's rings was told the round after which it goes without it
-    for ring in plan["rings"]:
-        for m in set(ring["members"]) & leaving:
-            for n in set(ring["members"]) - leaving:
-                assert f"{m} leaves ring {ring['id']} after round {leave}\n" in logs[n], \
-                    logs[n][-3000:]
-
-    summary = _same_model_of_clusters_0_and_1(out)
-    assert summary["updates"] == TOTAL and summary["rounds_skipped"] == 0
-    assert not [n for n in leaving if (out / "stages" / f"{n}.pt").exists()]
-    accuracy, reference = summary["fused_val_metric"], undisturbed["fused_val_metric"]
-    assert abs(accuracy - reference) <= 0.01, (accuracy, reference)
-    print(f"\ncluster 2 drained after round {leave} (update {2 * leave} of {TOTAL}), the job "
-          f"restarted from step {resumed[1]}; accuracy {accuracy:.4f} (undisturbed "
-          f"{reference:.4f}); partial rounds {summary['rounds_partial']}")
 
 
 def test_a_cluster_back_too_late_for_the_final_round_is_left_out_when_the_others_finish(

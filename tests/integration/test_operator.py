@@ -360,7 +360,11 @@ def test_providers_removed_from_a_running_job_drain_their_cluster(cluster, tmp_p
     """`kubectl apply` of a running job with provider 5 left out of spec.providers: its cluster
     (0: providers 0 and 5) is told to drain through its root pod's annotation (a downward-API
     file to the worker), leaves the ring at a round boundary and ends; cluster 1 trains on to
-    the last update, and the job succeeds with cluster 1's model and says what drained."""
+    the last update, its rounds never waiting for cluster 0, and the job succeeds with cluster
+    1's model and says what drained. (Draining's one real run: `ravnest run`'s, in
+    test_elastic.py, went, its `ravnest drain` answers to tests/unit/test_orders.py and what a
+    restart after a drain does to tests/unit/test_operator_decide.py, the same decide() for both
+    executors.)"""
     kube, kubelet, operator = cluster
     doc = job_doc("shrunk", epochs=30)  # 660 updates
     assert apply(kube, doc, tmp_path).returncode == 0
@@ -390,7 +394,26 @@ def test_providers_removed_from_a_running_job_drain_their_cluster(cluster, tmp_p
     said = json.loads(root["status"]["containerStatuses"][0]["state"]["terminated"]["message"])
     assert said["drained"]["round"] == left["round"]
     assert kubelet.started.count("shrunk-node-0") == 1
-    assert f"drained after round {left['round']}" in kubelet.log_of("shrunk-node-0")
+    # each node of cluster 0 left after the same round, once; cluster 1's never waited for it: no
+    # round of theirs waited out its timeout or was given up, none took it for lost, and every
+    # member of a leaving node's rings was told the round after which it goes on without it
+    plan = json.loads(get(kube, "configmap", "shrunk-node-0")["data"]["node.json"])["plan"]
+    leaving = {n["name"] for n in plan["nodes"] if n["cluster"] == 0}
+    logs = {n["name"]: kubelet.log_of(f"shrunk-{n['name'].replace('_', '-')}")
+            for n in plan["nodes"]}
+    for n in leaving:
+        assert f"{n} drained after round {left['round']} at update {2 * left['round']}" in \
+            logs[n], logs[n][-2000:]  # (reduceFactor 2)
+        assert logs[n].count("drained after round") == 1, logs[n][-2000:]
+    for n in set(logs) - leaving:
+        assert "within 30s" not in logs[n] and "skipped" not in logs[n], logs[n][-3000:]
+        assert "does not answer" not in logs[n], logs[n][-3000:]
+        assert all(f"{m} was lost" not in logs[n] for m in leaving), logs[n][-3000:]
+    for ring in plan["rings"]:
+        for m in set(ring["members"]) & leaving:
+            for n in set(ring["members"]) - leaving:
+                assert f"{m} leaves ring {ring['id']} after round {left['round']}\n" in logs[n], \
+                    logs[n][-3000:]
     print(f"\nshrunk: cluster 0 drained after round {left['round']} of 330")
 
 

@@ -161,3 +161,28 @@ def test_the_runner_refuses_a_file_that_is_no_order_and_trains_on(running: local
     provider = running.plan.node(running.plan.clusters[1].nodes[-1]).provider
     assert draining.order_drain(running.out, [provider], running=True) == [1]
     assert draining.ordered(drain, 1) and draining.refused(drain) == {}
+
+
+def test_ravnest_drain_refuses_bad_orders_saying_why_and_gives_a_good_one(
+        running: local.LocalRun, capsys: pytest.CaptureFixture[str]) -> None:
+    """`ravnest drain` on a running job: a provider the job has not, and every provider of the
+    job, are refused (exit 1, saying why) with nothing ordered; a provider of one cluster orders
+    that cluster's drain, and says so. (The drain itself, at a round boundary of a real run, is
+    the operator tier's: tests/integration/test_operator.py.)"""
+    from ravnest.cli import main
+
+    assert running.plan is not None
+    out, folder = str(running.out), running.out / draining.DRAIN_DIR
+    providers = sorted({n.provider for c in running.plan.clusters
+                        for n in map(running.plan.node, c.nodes)})
+    assert main(["drain", "digits", "-o", out, "--provider", "99"]) == 1
+    assert "provider 99 runs no stage of this job" in capsys.readouterr().err
+    flags = [a for p in providers for a in ("--provider", str(p))]
+    assert main(["drain", "digits", "-o", out, *flags]) == 1
+    assert "would leave no cluster to train" in capsys.readouterr().err
+    assert not folder.exists() or not list(folder.iterdir())  # nothing was ordered
+
+    provider = running.plan.node(running.plan.clusters[1].nodes[-1]).provider
+    assert main(["drain", "digits", "-o", out, "--provider", str(provider)]) == 0
+    assert "cluster(s) 1 drain" in capsys.readouterr().out
+    assert draining.ordered_clusters(folder) == {1}
