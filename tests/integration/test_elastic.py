@@ -257,7 +257,8 @@ def test_providers_added_to_a_running_job_form_a_cluster_that_joins_and_trains(t
     """`ravnest grow` (issue 20, grow): providers listed after the running job's form a new
     cluster (the stages of a planned one) that joins at a round boundary with the latest state,
     while the others never stop; it trains its own data to the end, the final round averages all
-    four, and an edit that is not an addition is refused with nothing ordered."""
+    four, and an edit that is not an addition is refused with nothing ordered. (Growing's one real
+    run: the kind tier's, a 50-epoch job of 181 s, went; tests/e2e/test_cluster.py says why.)"""
     out = tmp_path / "out"
     job = elastic_job(tmp_path, EPOCHS, {"everySteps": 0})
     with local_run(job, out) as run:
