@@ -24,7 +24,7 @@ from processes import pids_with, worker_pid
 from ravnest.run.progress import scrape
 from ravnest.train.fusing import fuse_stage_files
 
-EPOCHS = 30  # (420 updates: the kill at 40, the join round some rounds after)
+EPOCHS = 15  # (210 updates: the kill at 40, the join round some rounds after)
 
 
 def _logged(out: Path) -> dict[str, int]:
