@@ -371,6 +371,8 @@ def test_deleted_worker_pod_costs_only_its_cluster_which_rejoins_live(cluster: C
     finally:
         cluster.kubectl("delete", "rj", "-n", JOBS_NS, name, "--ignore-not-found", "--wait=true",
                         timeout=180, check=False)
+        cluster.kubectl("delete", "configmap", "-n", JOBS_NS, f"{name}-gated-loss",
+                        "--ignore-not-found", check=False)
 
 
 STORY = re.compile(r"rejoin|restarted|is back|all back|was lost|skipped|late|past round|Error|"
