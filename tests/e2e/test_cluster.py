@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
-import importlib.util
 import json
 import re
 import secrets
@@ -264,77 +263,34 @@ def test_deleted_worker_pod_restarts_job_from_checkpoint(cluster: Cluster, relea
                         "--wait=true", timeout=120, check=False)
 
 
-GATED_LOSS = ROOT / "tests" / "integration" / "gated_loss.py"
-"""The test criterion whose leaves wait while a gate file exists (its docstring says how)."""
-
-
-def _gate_env() -> str:
-    spec = importlib.util.spec_from_file_location("gated_loss", GATED_LOSS)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return str(module.GATE_ENV)
-
-
-def gated(cluster: Cluster, doc: dict[str, Any]) -> dict[str, Any]:
-    """`doc` with tests/integration/gated_loss.py as its criterion, from a ConfigMap the job's
-    pod template mounts (its planner imports it too), and its gate at /tmp/gate of each pod (the
-    pods' own emptyDir): `kubectl exec` opens and closes a pod's gate."""
-    name = f"{doc['metadata']['name']}-gated-loss"
-    cluster.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name},
-                   "data": {"gated_loss.py": GATED_LOSS.read_text()}})
-    doc["spec"]["training"]["criterion"] = {"name": "gated_loss:criterion"}
-    doc["spec"]["template"] = {"spec": {
-        "volumes": [{"name": "gated-loss", "configMap": {"name": name}}],
-        "containers": [{"env": [{"name": "PYTHONPATH", "value": "/opt/gated-loss"},
-                                {"name": _gate_env(), "value": "/tmp/gate"}],
-                        "volumeMounts": [{"name": "gated-loss", "mountPath": "/opt/gated-loss",
-                                          "readOnly": True}]}]}}
-    return doc
-
-
 def test_deleted_worker_pod_costs_only_its_cluster_which_rejoins_live(cluster: Cluster,
                                                                        release: str):
     """Elastic training (runPolicy.recovery: cluster, the default) on the cluster: a worker pod of
     cluster 1 is deleted; the operator recreates that cluster's pods alone, they take their state
     from cluster 0 over the job's authenticated links and rejoin it, and cluster 0's pods train on
-    untouched. No checkpoint volume: nothing is read back from disk.
-
-    Cluster 0 must still train when cluster 1 is back, however fast it trains here: its leaf's
-    gate (`gated`) is closed from the deletion until cluster 1's root has picked its join round
-    with cluster 0's and every new pod of cluster 1 asked its ring members, as the operator tier
-    does it (tests/integration/test_operator.py, `_kill_behind_gate`). Without the gate, 60
-    epochs were not enough on a machine where cluster 0 trained them ~2x faster than where the
-    test was written (it finished while cluster 1's pods were still rejoining), and the 150 it
-    took instead cost 243 s of a warm CI run."""
+    untouched. No checkpoint volume: nothing is read back from disk."""
     name = "elastic"
-    epochs = 20
-    doc = gated(cluster, digits_doc(name, epochs=epochs))
+    # Cluster 0 must still train when cluster 1 is back: 60 epochs were not enough on a machine
+    # where cluster 0 trained them ~2x faster than where this test was written (it finished and
+    # its nodes shut down while cluster 1's pods were still rejoining: a race of its own, noted in
+    # issue 35's closing note, which made the operator restart the whole job).
+    epochs = 150
+    doc = digits_doc(name, epochs=epochs)
     try:
         cluster.apply(doc)
 
         def step() -> int:
             return int((status_of(cluster, name).get("progress") or {}).get("step") or 0)
 
-        def log(pod: str) -> str:
-            return cluster.kubectl("logs", "-n", JOBS_NS, pod, check=False).stdout
-
         cluster.wait_for("the elastic job past step 30", lambda: step() >= 30, 600)
         clusters = status_of(cluster, name)["plan"]["clusters"]
         first = [f"{name}-{n.replace('_', '-')}" for n in clusters[0]["nodes"]]
         lost = [f"{name}-{n.replace('_', '-')}" for n in clusters[1]["nodes"]]
         uids = {p: cluster.get("pod", p)["metadata"]["uid"] for p in first + lost}
-        gate = ["exec", "-n", JOBS_NS, first[-1], "--"]  # (cluster 0's leaf)
-        cluster.kubectl(*gate, "touch", "/tmp/gate")
         cluster.kubectl("delete", "pod", "-n", JOBS_NS, lost[-1], "--grace-period=1",
                         "--wait=false")
         cluster.wait_for(f"cluster 1 restarted alone after pod {lost[-1]} was deleted",
                          lambda: status_of(cluster, name).get("recoveries", 0) >= 1, 180)
-        cluster.wait_for("cluster 1's root to pick its join round with cluster 0's", lambda:
-                         f"{clusters[1]['nodes'][0]} rejoins ring" in log(first[0]), 300)
-        cluster.wait_for("cluster 1's new pods to ask their ring members", lambda: all(
-            "answered within" in (said := log(p)) or "rejoined" in said for p in lost), 180)
-        cluster.kubectl(*gate, "rm", "/tmp/gate")
         cluster.wait_for("the elastic job to succeed", lambda: succeeded(cluster, name), 900)
         st = status_of(cluster, name)
         logs = {p: cluster.kubectl("logs", "-n", JOBS_NS, p).stdout for p in first + lost}
@@ -371,8 +327,6 @@ def test_deleted_worker_pod_costs_only_its_cluster_which_rejoins_live(cluster: C
     finally:
         cluster.kubectl("delete", "rj", "-n", JOBS_NS, name, "--ignore-not-found", "--wait=true",
                         timeout=180, check=False)
-        cluster.kubectl("delete", "configmap", "-n", JOBS_NS, f"{name}-gated-loss",
-                        "--ignore-not-found", check=False)
 
 
 STORY = re.compile(r"rejoin|restarted|is back|all back|was lost|skipped|late|past round|Error|"
