@@ -27,8 +27,8 @@ def operator_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[A
     """One apiserver (with etcd and the controller manager), test kubelet and operator for the
     whole session, shared by the operator tier's modules (test_operator, test_operator_faults,
     test_operator_security): each takes it through `operator_harness.module_cluster`, which
-    deletes the module's jobs when it is done, so that the next module starts with none. Starting
-    the three again for each module cost CI about 15 s a module."""
+    deletes the module's jobs when it is done, so that the next module starts with none, instead
+    of each module starting and stopping its own."""
     from operator_harness import operator_cluster
 
     with operator_cluster(tmp_path_factory.mktemp("operator")) as parts:

@@ -51,6 +51,10 @@ class Operator:
         if self.proc:
             stop_process(self.proc, 15, kill=kill)
 
+    def running(self) -> bool:
+        """Whether its `kopf run` was started and has not ended."""
+        return self.proc is not None and self.proc.poll() is None
+
 
 def kctl(kube: LocalApiserver, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     """kubectl against the test apiserver, returning the whole result."""
@@ -140,12 +144,12 @@ def module_cluster(stack: tuple[LocalApiserver, FakeKubelet, Operator]
     deleted and waited for, with their pods and the objects they own, so that the next module
     starts with none of them."""
     kube, _kubelet, operator = stack
-    if operator.proc is None or operator.proc.poll() is not None:
+    if not operator.running():
         operator.start()
     try:
         yield stack
     finally:
-        if operator.proc is None or operator.proc.poll() is not None:
+        if not operator.running():
             operator.start()  # (it removes the jobs' finalizers)
         kctl(kube, "delete", "rj", "--all", "--wait=true", "--timeout=180s", check=False)
         wait_for("the module's jobs and pods gone", lambda: not (get(kube, "rj") or {}).get(

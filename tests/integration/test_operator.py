@@ -29,6 +29,8 @@ from operator_harness import (
 )
 from scoring import digits_accuracy
 
+from ravnest_operator.resources import pod_name
+
 pytestmark = pytest.mark.tools  # (scripts/test runs it once the tools are there)
 
 
@@ -399,8 +401,7 @@ def test_providers_removed_from_a_running_job_drain_their_cluster(cluster, tmp_p
     # member of a leaving node's rings was told the round after which it goes on without it
     plan = json.loads(get(kube, "configmap", "shrunk-node-0")["data"]["node.json"])["plan"]
     leaving = {n["name"] for n in plan["nodes"] if n["cluster"] == 0}
-    logs = {n["name"]: kubelet.log_of(f"shrunk-{n['name'].replace('_', '-')}")
-            for n in plan["nodes"]}
+    logs = {n["name"]: kubelet.log_of(pod_name("shrunk", n["name"])) for n in plan["nodes"]}
     for n in leaving:
         assert f"{n} drained after round {left['round']} at update {2 * left['round']}" in \
             logs[n], logs[n][-2000:]  # (reduceFactor 2)

@@ -55,8 +55,7 @@ def _wait_alive(operator: Operator, timeout: float = 120) -> None:
     url = f"http://127.0.0.1:{operator.liveness_port}/healthz"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert operator.proc is not None and operator.proc.poll() is None, \
-            operator.log.read_text()[-3000:]
+        assert operator.running(), operator.log.read_text()[-3000:]
         try:
             with urllib.request.urlopen(url, timeout=1) as r:
                 if r.status == 200:
