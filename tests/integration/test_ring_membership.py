@@ -383,8 +383,10 @@ def test_a_member_that_answers_again_is_kept_out_until_it_rejoins_only_if_restar
     """x0 watches the other members of its ring. x1's server stops (x1 is lost), and a server
     answers at its address again: a restarted node still rejoining (its REJOIN_SERVICE serving)
     stays out of x0's rounds until it asks to come back in, and its ring link is not used, even
-    though x0's training channel to it cannot connect yet; one that never restarted (no such
-    service: a network cut healed) is taken in again at once."""
+    though x0's training channel to it cannot connect yet; once its rejoin is over and x0 was
+    never told it joins, it is taken in again (kept out, every round of the ring would be
+    skipped from then on: x1 counts x0 in). One that never restarted (no such service: a
+    network cut healed) is taken in again at once."""
     plan = _three_clusters_of_one_stage()
     inbox = Inbox()
     mine = Server("127.0.0.1:0", CREDS, inbox.deliver)
@@ -414,16 +416,23 @@ def test_a_member_that_answers_again_is_kept_out_until_it_rejoins_only_if_restar
                     lambda: _watch_state(wiring, caplog))
         _wait_until(lambda: "was restarted" in caplog.text or not wiring.membership.absent(0),
                     "x0 to decide whether x1 restarted", lambda: _watch_state(wiring, caplog))
+        if restarted:
+            time.sleep(3 * assembling.REJOIN_FOLLOW_SECONDS)  # (asked meanwhile: rejoining)
+            assert wiring.membership.absent(10**6) == {"x1"}  # until it rejoins (`admit`)
+            assert "ring member x1 was restarted: it comes back in when it rejoins" in caplog.text
+            # its rejoin is over, and x0 was never told it joins (its `join` lost, or the loss
+            # of its old process reported after it): taken in again, not kept out for good
+            new.health.set(assembling.REJOIN_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+            _wait_until(lambda: not wiring.membership.absent(0), "x1 to be taken in again",
+                        lambda: _watch_state(wiring, caplog))
+            assert "ring member x1 rejoined without telling this node" in caplog.text
     finally:
         wiring.stop_watching()
         for p in peers.values():
             p.close()
         for server in (mine, other, *([new] if new else [])):
             server.stop()
-    if restarted:
-        assert wiring.membership.absent(10**6) == {"x1"}  # until it rejoins (`admit`)
-        assert "ring member x1 was restarted: it comes back in when it rejoins" in caplog.text
-    else:
+    if not restarted:
         assert wiring.membership.absent(0) == set()
         assert "was restarted" not in caplog.text
 

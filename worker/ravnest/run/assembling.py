@@ -63,6 +63,9 @@ REJOIN_CHECKS = 3
 REJOIN_CHECK_SECONDS = 5.0
 """How often, and for how long each time, a peer that answers again is asked whether it restarted
 (`_rejoining`)."""
+REJOIN_FOLLOW_SECONDS = 1.0
+"""How often a restarted ring member is asked whether its rejoin is over, until this node was
+told it joins (`Wiring.watch_rings`)."""
 
 
 def peer_names(plan: Plan, node: str) -> list[str]:
@@ -113,6 +116,8 @@ class Wiring:
     """A link to another node (name, its gRPC address), as this node's others are made."""
     reach: Callable[[str, str], RingLink] | None = None
     """A data-plane link to another node (name, its ring address), with the ring data plane."""
+    unwatched: threading.Event = field(default_factory=threading.Event)
+    """Set once the watches stopped (`stop_watching`): what follows a peer for them stops too."""
 
     def welcome(self, name: str, address: str, ring_address: str | None) -> None:
         """Link to `name`, a node of a cluster added to the running job that introduced itself
@@ -267,6 +272,7 @@ class Wiring:
                 link = self.ring_links.get(name)
                 if link is not None:
                     link.abort()
+                self._follow_rejoin(name, interrupt)
                 return
             # the round under way was formed without it, and it may be waiting for this node
             # in a round formed with it: both are given up, and the next rounds take it in
@@ -277,7 +283,38 @@ class Wiring:
             self.ring_watch = PeerWatch.started(members, lost, up=self.ready, on_back=back)
 
 
+    def _follow_rejoin(self, name: str, interrupt: Callable[[str, str], None]) -> None:
+        """Ask a restarted ring member, in the background, whether its rejoin is over, until
+        this node was told that it joins (`RingMembership.awaiting` turns False). Over without
+        that (its `join` never came here, or the loss of its old process was reported after the
+        join), it is taken in from the next round, as one back from a cut: it trains with every
+        member it found there, and kept out here it would be kept out for good, each round of
+        the ring skipped after waiting out its timeout on one side or the other."""
+        peer = self.peers[name]
+        stub = health_pb2_grpc.HealthStub(peer.watch_channel)
+        request = health_pb2.HealthCheckRequest(service=REJOIN_SERVICE)
+
+        def follow() -> None:
+            while not self.unwatched.wait(REJOIN_FOLLOW_SECONDS):
+                if not self.membership.awaiting(name):
+                    return  # it joins (or is back): the rounds take it in as they were told
+                try:
+                    answer = stub.Check(request, timeout=REJOIN_CHECK_SECONDS)
+                except (grpc.RpcError, ValueError):
+                    continue  # (not answering: its watch says whether it is lost again)
+                if answer.status == health_pb2.HealthCheckResponse.NOT_SERVING \
+                        and self.membership.awaiting(name):
+                    log.warning("ring member %s rejoined without telling this node: the ring "
+                                "takes it in again from the next round", name)
+                    self.membership.back(name)
+                    interrupt(name, f"{name} rejoined (the ring takes it in again from the "
+                                    "next round)")
+                    return
+
+        threading.Thread(target=follow, daemon=True, name=f"rejoin-{name}").start()
+
     def stop_watching(self) -> None:
+        self.unwatched.set()
         for watch in (self.watch, self.ring_watch):
             if watch is not None:
                 watch.stop()

@@ -107,6 +107,12 @@ class RingMembership:
         with self._lock:
             self._in_from[name] = 0
 
+    def awaiting(self, name: str) -> bool:
+        """Whether `name` is out of the rounds with no round known yet to take it in from (lost,
+        or restarted and not joined)."""
+        with self._lock:
+            return self._in_from.get(name) == math.inf
+
     def admit(self, name: str, round_: int) -> None:
         with self._lock:
             self._in_from[name] = round_
