@@ -379,7 +379,8 @@ class _Moved(Peer):
 
 @pytest.mark.parametrize("restarted", [True, False])
 def test_a_member_that_answers_again_is_kept_out_until_it_rejoins_only_if_restarted(
-        restarted: bool, caplog: pytest.LogCaptureFixture) -> None:
+        restarted: bool, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """x0 watches the other members of its ring. x1's server stops (x1 is lost), and a server
     answers at its address again: a restarted node still rejoining (its REJOIN_SERVICE serving)
     stays out of x0's rounds until it asks to come back in, and its ring link is not used, even
@@ -422,7 +423,10 @@ def test_a_member_that_answers_again_is_kept_out_until_it_rejoins_only_if_restar
             assert "ring member x1 was restarted: it comes back in when it rejoins" in caplog.text
             # its rejoin is over, and x0 was never told it joins (its `join` lost, or the loss
             # of its old process reported after it): taken in again, not kept out for good
+            monkeypatch.setattr(assembling, "REJOIN_SETTLE_SECONDS", 2.0)
             new.health.set(assembling.REJOIN_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+            time.sleep(1.0)  # (seen over, not for long enough yet)
+            assert wiring.membership.absent(10**6) == {"x1"}
             _wait_until(lambda: not wiring.membership.absent(0), "x1 to be taken in again",
                         lambda: _watch_state(wiring, caplog))
             assert "ring member x1 rejoined without telling this node" in caplog.text

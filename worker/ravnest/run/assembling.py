@@ -66,6 +66,11 @@ REJOIN_CHECK_SECONDS = 5.0
 REJOIN_FOLLOW_SECONDS = 1.0
 """How often a restarted ring member is asked whether its rejoin is over, until this node was
 told it joins (`Wiring.watch_rings`)."""
+REJOIN_SETTLE_SECONDS = 10.0
+"""How long a restarted ring member's rejoin must have been over, this node still not told that it
+joins, before it is taken in without its join: that join, sent before the rejoin ended, may still
+wait in this node's queue behind a training step, and taken in earlier the member would be counted
+in rounds before its join round (those rounds skipped, the others holding them without it)."""
 
 
 def peer_names(plan: Plan, node: str) -> list[str]:
@@ -285,16 +290,18 @@ class Wiring:
 
     def _follow_rejoin(self, name: str, interrupt: Callable[[str, str], None]) -> None:
         """Ask a restarted ring member, in the background, whether its rejoin is over, until
-        this node was told that it joins (`RingMembership.awaiting` turns False). Over without
-        that (its `join` never came here, or the loss of its old process was reported after the
-        join), it is taken in from the next round, as one back from a cut: it trains with every
-        member it found there, and kept out here it would be kept out for good, each round of
-        the ring skipped after waiting out its timeout on one side or the other."""
+        this node was told that it joins (`RingMembership.awaiting` turns False). Over for
+        `REJOIN_SETTLE_SECONDS` without that (its `join` never came here, or the loss of its old
+        process was reported after the join), it is taken in from the next round, as one back
+        from a cut: it trains with every member it found there, and kept out here it would be
+        kept out for good, each round of the ring skipped after waiting out its timeout on one
+        side or the other."""
         peer = self.peers[name]
         stub = health_pb2_grpc.HealthStub(peer.watch_channel)
         request = health_pb2.HealthCheckRequest(service=REJOIN_SERVICE)
 
         def follow() -> None:
+            over: float | None = None  # since when its rejoin is seen over
             while not self.unwatched.wait(REJOIN_FOLLOW_SECONDS):
                 if not self.membership.awaiting(name):
                     return  # it joins (or is back): the rounds take it in as they were told
@@ -302,7 +309,11 @@ class Wiring:
                     answer = stub.Check(request, timeout=REJOIN_CHECK_SECONDS)
                 except (grpc.RpcError, ValueError):
                     continue  # (not answering: its watch says whether it is lost again)
-                if answer.status == health_pb2.HealthCheckResponse.NOT_SERVING \
+                if answer.status != health_pb2.HealthCheckResponse.NOT_SERVING:
+                    over = None
+                    continue
+                over = time.monotonic() if over is None else over
+                if time.monotonic() - over >= REJOIN_SETTLE_SECONDS \
                         and self.membership.awaiting(name):
                     log.warning("ring member %s rejoined without telling this node: the ring "
                                 "takes it in again from the next round", name)
