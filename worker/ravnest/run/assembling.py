@@ -287,7 +287,6 @@ class Wiring:
         if members:
             self.ring_watch = PeerWatch.started(members, lost, up=self.ready, on_back=back)
 
-
     def _follow_rejoin(self, name: str, interrupt: Callable[[str, str], None]) -> None:
         """Ask a restarted ring member, in the background, whether its rejoin is over, until
         this node was told that it joins (`RingMembership.awaiting` turns False). Over for
@@ -297,8 +296,6 @@ class Wiring:
         kept out for good, each round of the ring skipped after waiting out its timeout on one
         side or the other."""
         peer = self.peers[name]
-        stub = health_pb2_grpc.HealthStub(peer.watch_channel)
-        request = health_pb2.HealthCheckRequest(service=REJOIN_SERVICE)
 
         def follow() -> None:
             over: float | None = None  # since when its rejoin is seen over
@@ -306,10 +303,10 @@ class Wiring:
                 if not self.membership.awaiting(name):
                     return  # it joins (or is back): the rounds take it in as they were told
                 try:
-                    answer = stub.Check(request, timeout=REJOIN_CHECK_SECONDS)
+                    status = _rejoin_status(peer)
                 except (grpc.RpcError, ValueError):
                     continue  # (not answering: its watch says whether it is lost again)
-                if answer.status != health_pb2.HealthCheckResponse.NOT_SERVING:
+                if status != health_pb2.HealthCheckResponse.NOT_SERVING:
                     over = None
                     continue
                 over = time.monotonic() if over is None else over
@@ -376,6 +373,15 @@ class Wiring:
             self.server.stop()
 
 
+def _rejoin_status(peer: Peer, wait_for_ready: bool = False) -> int:
+    """The status of the peer's `REJOIN_SERVICE`, asked on its watch channel (one Check of
+    `REJOIN_CHECK_SECONDS`); raises grpc.RpcError, or ValueError once the channel is closed."""
+    stub = health_pb2_grpc.HealthStub(peer.watch_channel)
+    answer = stub.Check(health_pb2.HealthCheckRequest(service=REJOIN_SERVICE),
+                        timeout=REJOIN_CHECK_SECONDS, wait_for_ready=wait_for_ready)
+    return int(answer.status)
+
+
 def _rejoining(peer: Peer) -> bool:
     """Whether a peer that answers again is a restarted node still rejoining (`REJOIN_SERVICE`
     serving); NOT_FOUND is a server that never restarted (a network cut healed).
@@ -386,12 +392,10 @@ def _rejoining(peer: Peer) -> bool:
     then taken for one back from a cut, and every ring round waited reduceTimeoutSeconds for a
     node that was not in it yet. A Check that fails otherwise than NOT_FOUND is asked again, up to
     `REJOIN_CHECKS` times; after that the peer is taken for back (the round then finds out)."""
-    stub = health_pb2_grpc.HealthStub(peer.watch_channel)
-    request = health_pb2.HealthCheckRequest(service=REJOIN_SERVICE)
     failure = ""
     for _ in range(REJOIN_CHECKS):
         try:
-            answer = stub.Check(request, timeout=REJOIN_CHECK_SECONDS, wait_for_ready=True)
+            status = _rejoin_status(peer, wait_for_ready=True)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 return False
@@ -399,7 +403,7 @@ def _rejoining(peer: Peer) -> bool:
             continue
         except ValueError:  # the channel is closed: the peer is being closed
             return False
-        return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
+        return bool(status == health_pb2.HealthCheckResponse.SERVING)
     log.warning("could not ask %s whether it was restarted (%s): taken for back", peer.address,
                 failure)
     return False
