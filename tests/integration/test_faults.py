@@ -472,13 +472,17 @@ STEP = "ravnest_step"
 
 
 @pytest.mark.tools  # (ip netns and iptables: scripts/docker-engine installs them)
-@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+# One real run per behaviour (issue 35): the cut on the TCP data plane, whose connections hang in a
+# cut and must be given up and opened again; gRPC's side of it (rounds among the members present,
+# a watch that loses a peer and sees it back) is tested where it is decided, in
+# test_ring_membership.py (both transports) and test_peer_watch.py. The gRPC run cost 71 s of CI.
+@pytest.mark.parametrize("transport", ["tcp"])
 def test_cluster_cut_off_rounds_go_on_without_it_and_take_it_in_again(tmp_path, digits_doc,
                                                                       link, gate, transport):
     """A cut between the clusters: each side's watch loses the other in seconds, its rounds go on
     among the members present (partial rounds, counted) while it trains on, and once the link is
-    back the rounds take the other side in again. On either ring transport (gRPC, or the TCP data
-    plane whose connections hang in a cut and must be given up and opened again).
+    back the rounds take the other side in again. On the TCP data plane, whose connections hang in
+    a cut and must be given up and opened again.
 
     The job is short: from the cut on, its leaves take 50 ms more per micro-batch (gated_loss's
     slow file), and they stop at its gate while the link heals, so that it cannot end before the
@@ -536,7 +540,10 @@ def test_cluster_cut_off_rounds_go_on_without_it_and_take_it_in_again(tmp_path, 
 
 
 @pytest.mark.tools  # (ip netns and iptables: scripts/docker-engine installs them)
-@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+# One real run per behaviour: the slow link on gRPC, where the watch's pings queue behind the
+# ring's bytes; the TCP data plane's rounds that time out on a link that hangs are the cut's run
+# above. The TCP run cost 78 s of CI.
+@pytest.mark.parametrize("transport", ["grpc"])
 def test_slow_link_rounds_take_longer_then_time_out_and_nothing_hangs(tmp_path, digits_doc,
                                                                       link, transport):
     """At 4 Mbit/s rounds take longer; at 256 kbit/s they time out and are skipped (or the
