@@ -14,7 +14,7 @@ import time
 import torch
 from torch.nn import functional
 
-GATE_ENV = "RAVNEST_TEST_GATE"
+GATE_ENV = "GATED_LOSS_GATE"
 SLOW = ".slow"
 """While a file named as the gate plus this exists, the leaves take SLOW_SECONDS more per
 micro-batch: training goes on, slowly enough that a test sees what happens while it does."""
