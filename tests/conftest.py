@@ -72,15 +72,6 @@ def _say_memory(nodeid: str) -> None:
         _RSS_SAID[0] = gb + 2.0
 
 
-def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
-    """When the first test past the unit tier starts, write 0 and a newline into the file
-    RAVNEST_UNIT_TIER_DONE names (scripts/test's kind cluster is made after it: the unit tier
-    uses all the CPU, which the cluster's load onto its workers would take from it)."""
-    done = os.environ.get("RAVNEST_UNIT_TIER_DONE")
-    if done and not nodeid.startswith("tests/unit/") and not os.path.exists(done):
-        Path(done).write_text("0\n")
-
-
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Add each phase of each test to its tier's and its module's time (and say when pytest's
     own memory passed a mark, `_say_memory`)."""

@@ -1,12 +1,10 @@
 """The kind cluster the cluster tier makes here (see conftest.py): made by the tier itself, or ahead
-of it by scripts/test, in the background once the tools and the image are there and the unit tier
-is done (`prepare DIR --after EXIT_FILE...`), beside the integration tests.
+of it by scripts/test, in the background while the integration tests that need the tools run.
 
-Making it took 333 s here with nothing else running (2026-12-03): `scripts/kind-cluster up
---offline` 48 s and the images' load onto the workers 284 s (a docker save of GBs, imported and
-unpacked on each worker), 1.35 of the 2 cores on average, in which the tier trained nothing.
-`python tests/e2e/kind_tier.py prepare DIR` makes it and writes DIR/result.json (what `make`
-returns, or the error); the tier,
+Making it is mostly waiting on the disk: `scripts/kind-cluster up --offline` (about 30 s) and the
+project image's load onto the workers (about 175 s: a docker save of GBs, imported and unpacked on
+each worker), nearly 4 minutes in which the tier trained nothing. `python tests/e2e/kind_tier.py
+prepare DIR` makes it and writes DIR/result.json (what `make` returns, or the error); the tier,
 given RAVNEST_E2E_PREPARED=DIR, waits for that file instead of making the cluster again, and
 deletes the cluster when it is done, as it deletes one it made itself. `python
 tests/e2e/kind_tier.py down` deletes it too (scripts/test on its way out, when the tier did not).
@@ -87,13 +85,10 @@ def down() -> str | None:
     return None
 
 
-def prepare(folder: Path, after: list[Path] | None = None) -> None:
-    """`make` into folder/result.json, written whole (the tier waits for it to appear). With
-    `after`: once each of those files holds an exit status (scripts/test's tools build and docker
-    engine write theirs), and only if each is 0; else the result is that error."""
+def prepare(folder: Path) -> None:
+    """`make` into folder/result.json, written whole (the tier waits for it to appear)."""
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        _wait_for_exits(after or [])
         result: dict[str, Any] = {"ok": True, **make(folder)}
     except NotMade as e:
         result = {"ok": False, "error": str(e)}
@@ -102,23 +97,6 @@ def prepare(folder: Path, after: list[Path] | None = None) -> None:
     tmp = folder / (RESULT + ".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(folder / RESULT)
-
-
-def _wait_for_exits(files: list[Path], poll: float = 2.0) -> None:
-    """Wait until every file holds an exit status (written whole: a line ending in a newline);
-    raise NotMade naming the first that is not 0."""
-    for f in files:
-        said = False
-        while not (text := f.read_text() if f.is_file() else "").endswith("\n"):
-            if not said:
-                print(f"waiting for {f} (an exit status scripts/test's background step writes)",
-                      flush=True)
-                said = True
-            time.sleep(poll)
-        if text.strip() != "0":
-            raise NotMade(f"not made: a step it needs failed (exit status {text.strip()!r} in "
-                          f"{f}; scripts/test's log says which: the k8s tools' build or "
-                          f"scripts/docker-engine)")
 
 
 def _alive(pid: int) -> bool:
@@ -159,7 +137,6 @@ def prepared(folder: Path, timeout: float = 3600, pid: int | None = None) -> dic
 if __name__ == "__main__":
     if sys.argv[1:2] == ["down"] and len(sys.argv) == 2:
         sys.exit(down())
-    if len(sys.argv) < 3 or sys.argv[1] != "prepare" or (
-            len(sys.argv) > 3 and (sys.argv[3] != "--after" or len(sys.argv) == 4)):
-        sys.exit("usage: python tests/e2e/kind_tier.py prepare DIR [--after EXIT_FILE...] | down")
-    prepare(Path(sys.argv[2]), [Path(a) for a in sys.argv[4:]])
+    if len(sys.argv) != 3 or sys.argv[1] != "prepare":
+        sys.exit("usage: python tests/e2e/kind_tier.py prepare DIR | down")
+    prepare(Path(sys.argv[2]))
