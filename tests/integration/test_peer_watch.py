@@ -10,6 +10,7 @@ old PeerTimeout took, so a loaded machine does not fail them."""
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -250,10 +251,27 @@ def test_a_busy_peer_is_not_reported_but_its_death_is(child: Child,
         watch.stop()
 
 
+def _until_not_ready(channel: grpc.Channel) -> None:
+    """Until the channel saw its connection break. A frame sent before that goes on the broken
+    connection and fails at once (UNAVAILABLE: "Stream removed", sendmsg: broken pipe), as it
+    did once beside a CPU-bound run that delayed gRPC's poller after the kill; one sent after it
+    waits for the peer (wait_for_ready), which is what is tested here."""
+    states: queue.Queue[grpc.ChannelConnectivity] = queue.Queue()
+    channel.subscribe(states.put)
+    try:
+        deadline = time.monotonic() + BOUND
+        while states.get(timeout=max(0.0, deadline - time.monotonic())) == \
+                grpc.ChannelConnectivity.READY:
+            pass
+    finally:
+        channel.unsubscribe(states.put)
+
+
 def test_closing_a_peer_whose_server_was_killed_does_not_hang(child: Child) -> None:
     """Frames posted or sent to a killed peer wait for it (wait_for_ready, 300 s timeout) until
     the Peer is closed: then they fail at once, with a TransportError saying so."""
     child.kill()
+    _until_not_ready(child.peer.channel)
     child.peer.post(Frame("forward", {"x": torch.ones(4)}, step=1))
     failures: list[BaseException] = []
 
