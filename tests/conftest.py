@@ -4,7 +4,6 @@ worker processes can import the test models."""
 from __future__ import annotations
 
 import copy
-import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,24 +98,10 @@ def _add_earlier_runs() -> int:
     path = os.environ.get("RAVNEST_TEST_TIMES")
     if not path:
         return 1
-    # (runs side by side in scripts/test end at their own times: one at a time here)
-    with open(path, "a+") as shared:
-        fcntl.flock(shared, fcntl.LOCK_EX)
-        shared.seek(0)
-        try:
-            before = json.loads(shared.read() or "{}")
-        except ValueError:
-            before = {}
-        runs = _add(before)
-        shared.seek(0)
-        shared.truncate()
-        shared.write(json.dumps({"tiers": _TIERS, "not_run": _NOT_RUN, "modules": _MODULES,
-                                 "runs": runs}))
-    return runs
-
-
-def _add(before: dict[str, Any]) -> int:
-    """Add an earlier run's sums to this one's; how many runs they now cover."""
+    try:
+        before = json.loads(Path(path).read_text() or "{}")
+    except (OSError, ValueError):
+        before = {}
     for tier, (tests, seconds) in (before.get("tiers") or {}).items():
         spent = _TIERS.setdefault(tier, [0, 0.0])
         spent[0] += tests
@@ -125,7 +110,10 @@ def _add(before: dict[str, Any]) -> int:
         _NOT_RUN[tier] = _NOT_RUN.get(tier, 0) + n
     for module, seconds in (before.get("modules") or {}).items():
         _MODULES[module] = _MODULES.get(module, 0.0) + seconds
-    return int(before.get("runs") or 0) + 1
+    runs = int(before.get("runs") or 0) + 1
+    Path(path).write_text(json.dumps({"tiers": _TIERS, "not_run": _NOT_RUN,
+                                      "modules": _MODULES, "runs": runs}))
+    return runs
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -137,9 +125,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         return
     total = sum(seconds for _, seconds in _TIERS.values()) or 1.0
     write = terminalreporter.write_line
-    terminalreporter.section("time by tier" + (
-        f" (the {runs} pytest runs of scripts/test so far; those side by side summed)"
-        if runs > 1 else ""))
+    terminalreporter.section("time by tier" + (f" (the {runs} pytest runs of scripts/test so far)"
+                                                if runs > 1 else ""))
     write(f"{'tier':<14}{'tests':>7}{'not run':>9}{'seconds':>10}{'share':>8}")
     for tier, (tests, seconds) in sorted(_TIERS.items(), key=lambda kv: -kv[1][1]):
         write(f"{tier:<14}{int(tests):>7}{_NOT_RUN.get(tier, 0):>9}{seconds:>10.1f}"

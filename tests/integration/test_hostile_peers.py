@@ -23,8 +23,6 @@ from ravnest.comm.framing import Frame
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.transport import Credentials, Peer, Server
 
-pytestmark = pytest.mark.waits  # (scripts/test runs it beside the CPU-bound tests)
-
 CREDS = Credentials(token="s3cret-token", fingerprint="plan-0123abcd")
 TOKEN, PLAN = CREDS.token, CREDS.fingerprint
 GENEROUS = 30.0

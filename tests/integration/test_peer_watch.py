@@ -30,8 +30,6 @@ from ravnest.comm.transport import Credentials, Peer
 from ravnest.comm.watching import PeerWatch
 from ravnest.errors import TransportError
 
-pytestmark = pytest.mark.waits  # (scripts/test runs it beside the CPU-bound tests)
-
 ROOT = Path(__file__).resolve().parents[2]
 CREDS = Credentials(token="s3cret-token", fingerprint="plan-0123abcd")
 BOUND = 15.0

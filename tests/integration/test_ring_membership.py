@@ -25,8 +25,6 @@ from ravnest.run import assembling
 from ravnest.run.assembling import Wiring
 from ravnest.train.allreducing import FINAL_ROUND, RingReducer, reduce_all
 
-pytestmark = pytest.mark.waits  # (scripts/test runs it beside the CPU-bound tests)
-
 CREDS = Credentials(token="ring-test", fingerprint="ring-plan")
 TRANSPORTS = ["grpc", "tcp"]
 HANG_GUARD = 60.0
