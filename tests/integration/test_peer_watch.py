@@ -261,6 +261,9 @@ def _until_not_ready(channel: grpc.Channel) -> None:
         while states.get(timeout=max(0.0, deadline - time.monotonic())) == \
                 grpc.ChannelConnectivity.READY:
             pass
+    except queue.Empty:
+        raise AssertionError(f"the channel to the killed peer still READY after {BOUND} s") \
+            from None
     finally:
         channel.unsubscribe(states.put)
 
