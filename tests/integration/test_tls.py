@@ -157,16 +157,20 @@ def test_certificates_name_the_node_and_keys_stay_private(tmp_path) -> None:
         TlsMaterial.load(tmp_path / "n")
 
 
-def test_a_local_job_with_tls_trains_over_tls(tmp_path, digits_doc) -> None:
+def test_a_local_job_with_tls_trains_over_tls(tmp_path, digits_doc, gate) -> None:
     """Digits, 2 clusters x 2 stages, 1 epoch, `security.tls: true`: a worker answers only TLS
     clients holding a certificate of the run's CA, the job trains, and no private key leaks
     into logs, node metadata, status or summary."""
     digits_doc["spec"]["providers"] = [{"ram": 2, "bandwidth": 1000, "replicas": 4}]
     digits_doc["spec"]["training"]["epochs"] = 1
+    # The leaves wait at their first micro-batch until the probes and forged controls are done:
+    # on a fast machine the 1-epoch job otherwise ended before the first probe answered
+    digits_doc["spec"]["training"]["criterion"] = {"name": "gated_loss:criterion"}
     digits_doc["spec"]["security"] = {"tls": True}
     run = LocalRun(parse_job(digits_doc), tmp_path, progress=False)
     metas = run.prepare()
     assert all(m.tls_dir for m in metas)
+    gate.touch()
     try:
         run.start(metas)
         mine = TlsMaterial.load(tmp_path / "tls" / "node-1")
@@ -179,6 +183,7 @@ def test_a_local_job_with_tls_trains_over_tls(tmp_path, digits_doc) -> None:
         error = _health(metas[0].listen, None)
         assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
         forge_controls(run, "node_0", metas[0].listen, tls=True)
+        gate.unlink()
         assert run.wait().done, "a worker died"
     finally:
         run.stop()
