@@ -186,6 +186,44 @@ def test_a_peer_lost_and_back_is_reported_both_times_with_on_back(child: Child) 
         os.kill(child.proc.pid, signal.SIGCONT)
 
 
+def test_a_peer_restarted_at_its_address_before_it_counts_as_lost_is_lost_and_back(
+        child: Child) -> None:
+    """A ring's watch with `restarted`: the peer's process is killed and a new server answers at
+    its address before the loss would count (here within lost_after, 10 s): asked whether that
+    is a restarted process, and it is, the peer is reported lost, then back (no round may wait
+    for the killed process)."""
+    from ravnest.comm.transport import Server
+
+    back = threading.Event()
+    asked: list[str] = []
+
+    def restarted(name: str) -> bool:
+        asked.append(name)
+        return True
+
+    watch = PeerWatch.started({"stage-1": child.peer}, child.on_lost, lost_after=10.0,
+                              on_back=lambda name: back.set(), restarted=restarted)
+    server = None
+    try:
+        deadline = time.monotonic() + 30
+        while "stage-1" not in watch.seen:
+            assert time.monotonic() < deadline, "the watch never saw the peer serving"
+            time.sleep(0.05)
+        child.kill()
+        server = Server(child.peer.address, CREDS, lambda frame: None, threads=2)
+        server.start()
+        assert child.reported.wait(BOUND), f"no loss reported within {BOUND}s"
+        [(name, reason, _)] = child.lost
+        assert name == "stage-1" and asked == ["stage-1"], (name, asked)
+        assert "answers again as a restarted process since its connection broke" in reason
+        assert back.wait(BOUND), f"no return reported within {BOUND}s"
+        assert watch.lost == {}
+    finally:
+        watch.stop()
+        if server is not None:
+            server.stop(grace=0)
+
+
 def test_a_peer_that_was_expected_to_exit_is_not_reported(child: Child) -> None:
     watch = child.watch()
     try:

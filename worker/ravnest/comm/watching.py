@@ -97,16 +97,23 @@ class PeerWatch:
     connection broke (... Connection refused ...)". Without `on_back`, a peer is reported once
     and no longer watched; with it, a lost peer is asked on, and `on_back(name)` is called when
     it answers SERVING again (a cut healed, a process restarted at its address), after which it
-    is watched as before and may be lost again."""
+    is watched as before and may be lost again.
+
+    With `restarted(name)` too (whether the process answering at the peer's address is a new
+    one), a peer whose watch broke and that answers again within `lost_after` is asked it: a
+    process restarted that fast is reported lost and back all the same (it was seen in a local
+    run: the round under way waited out its timeout for the killed process)."""
 
     def __init__(self, peers: Mapping[str, Watchable], on_lost: Callable[[str, str], None],
                  lost_after: float = LOST_AFTER, poll: float = POLL_SECONDS,
                  silent_after: float = SILENT_AFTER, up: Collection[str] = (),
-                 on_back: Callable[[str], None] | None = None) -> None:
+                 on_back: Callable[[str], None] | None = None,
+                 restarted: Callable[[str], bool] | None = None) -> None:
         """`up`: the peers known to have answered SERVING already (a wait for them passed):
         one that is gone before its watch begins is lost too, not awaited as not up yet."""
         self._on_lost = on_lost
         self._on_back = on_back
+        self._restarted = restarted if on_back is not None else None
         self._lost_after, self._poll, self._silent_after = lost_after, poll, silent_after
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -119,9 +126,10 @@ class PeerWatch:
     @classmethod
     def started(cls, peers: Mapping[str, Watchable], on_lost: Callable[[str, str], None],
                 up: Collection[str] = (), on_back: Callable[[str], None] | None = None,
+                restarted: Callable[[str], bool] | None = None,
                 **options: float) -> PeerWatch:
         """A watch of `peers`, already started."""
-        watch = cls(peers, on_lost, up=up, on_back=on_back, **options)
+        watch = cls(peers, on_lost, up=up, on_back=on_back, restarted=restarted, **options)
         watch.start()
         return watch
 
@@ -208,6 +216,13 @@ class PeerWatch:
                 continue
             else:
                 reason = self._confirm(w)
+                if reason is None and self._restarted is not None and not self._finished(w):
+                    try:
+                        if self._restarted(w.name):
+                            reason = (f"{w.address} answers again as a restarted process "
+                                      f"since its connection broke (watch: {w.ended})")
+                    except Exception:
+                        log.exception("restarted(%r) failed", w.name)
             if reason is not None:
                 self._lose(w, reason)
                 if self._on_back is None or not self._await_back(w):

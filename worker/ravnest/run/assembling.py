@@ -285,7 +285,9 @@ class Wiring:
             interrupt(name, f"{name} is back (the ring takes it in again from the next round)")
 
         if members:
-            self.ring_watch = PeerWatch.started(members, lost, up=self.ready, on_back=back)
+            self.ring_watch = PeerWatch.started(
+                members, lost, up=self.ready, on_back=back,
+                restarted=lambda name: _rejoining(self.peers[name]))
 
     def _follow_rejoin(self, name: str, interrupt: Callable[[str, str], None]) -> None:
         """Ask a restarted ring member, in the background, whether its rejoin is over, until

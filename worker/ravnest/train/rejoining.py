@@ -92,11 +92,19 @@ class RingMembership:
         """member -> the first round it is out of for good (it drained: `leave`)."""
         self._why: dict[str, str] = {}
         """member -> why its watch took it for lost, the last time."""
+        self._early: set[str] = set()
+        """Members that joined while still counted in the rounds: the restarted process's `join`
+        came before this node's watch saw the old process go, so the next loss the watch reports
+        is the old process's, and does not undo the join (until its join round is reached; from
+        then on a loss is the joined process's)."""
 
     def lost(self, name: str, why: str = "") -> None:
         with self._lock:
-            self._in_from[name] = math.inf
             self._why[name] = why
+            if name in self._early:
+                self._early.discard(name)
+                return
+            self._in_from[name] = math.inf
 
     def why(self, names: Iterable[str]) -> str:
         """Why the watch took each of `names` for lost ("" where it did not say)."""
@@ -106,6 +114,7 @@ class RingMembership:
     def back(self, name: str) -> None:
         with self._lock:
             self._in_from[name] = 0
+            self._early.discard(name)
 
     def awaiting(self, name: str) -> bool:
         """Whether `name` is out of the rounds with no round known yet to take it in from (lost,
@@ -115,6 +124,10 @@ class RingMembership:
 
     def admit(self, name: str, round_: int) -> None:
         with self._lock:
+            if self._in_from.get(name, 0) == 0:  # (in the rounds: its old process's loss is
+                self._early.add(name)           # yet to be seen here)
+            elif self._in_from[name] == math.inf:
+                self._early.discard(name)
             self._in_from[name] = round_
 
     def leave(self, name: str, round_: int) -> None:
@@ -130,6 +143,7 @@ class RingMembership:
     def absent(self, round_: int) -> set[str]:
         """The members a round `round_` goes without."""
         with self._lock:
+            self._early -= {n for n in self._early if self._in_from[n] <= round_}
             return {n for n, first in self._in_from.items() if first > round_} | {
                 n for n, out in self._out_from.items() if out <= round_}
 
