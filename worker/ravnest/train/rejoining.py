@@ -124,10 +124,9 @@ class RingMembership:
 
     def admit(self, name: str, round_: int) -> None:
         with self._lock:
-            if self._in_from.get(name, 0) == 0:  # (in the rounds: its old process's loss is
-                self._early.add(name)           # yet to be seen here)
-            elif self._in_from[name] == math.inf:
-                self._early.discard(name)
+            if self._in_from.get(name, 0) == 0:
+                # Still in the rounds here: its old process's loss is yet to be seen.
+                self._early.add(name)
             self._in_from[name] = round_
 
     def leave(self, name: str, round_: int) -> None:
