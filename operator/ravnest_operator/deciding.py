@@ -206,7 +206,7 @@ def as_planned(job: Job, planned: Mapping[str, Any] | None) -> tuple[Job, tuple[
     if planned is None:
         return job, ()
     try:
-        then = parse_job(dict(planned))
+        then = parse_job(dict(planned), template_allow=None)  # (checked when admitted)
     except SpecError:
         return job, ()
     now, before = job.to_dict()["spec"], then.to_dict()["spec"]

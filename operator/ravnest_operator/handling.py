@@ -241,7 +241,7 @@ def _observe(body: dict[str, Any], spec: dict[str, Any], status: dict[str, Any],
     try:
         job = parse_job({"apiVersion": body["apiVersion"], "kind": body["kind"],
                          "metadata": {"name": name, "namespace": namespace, "uid": uid},
-                         "spec": dict(spec)})
+                         "spec": dict(spec)}, template_allow=SETTINGS.allowed(namespace))
     except SpecError as e:
         return replace(seen, problems=tuple(e.problems))
     plan, planned, issuer = _load_plan(name, namespace, uid)

@@ -6,8 +6,11 @@ of the operator that reads them.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from ravnest.podsecurity import EXEMPTIONS
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,16 @@ class Settings:
     it makes), from which each job's authority is derived (`ravnest.comm.identity`): with it, the
     operator can issue identities to the nodes of a job that grows after it restarted. Unset: a
     key made at start, so a job planned before a restart cannot grow after it."""
+    template_allow: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    """namespace ('*': every namespace) -> what its jobs' pod templates may set beyond Pod
+    Security's restricted level (names of `ravnest.podsecurity.EXEMPTIONS`), a cluster admin's
+    choice (RAVNEST_TEMPLATE_ALLOW, a JSON object of lists; the chart's templatePolicy.allow);
+    default none: every namespace's templates are held to it."""
+
+    def allowed(self, namespace: str) -> frozenset[str]:
+        """What `namespace`'s pod templates may set beyond the restricted level."""
+        return self.template_allow.get("*", frozenset()) | self.template_allow.get(
+            namespace, frozenset())
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -41,4 +54,27 @@ class Settings:
             network_policies=environ.get("RAVNEST_NETWORK_POLICIES", "false") == "true",
             metrics_port=int(environ.get("RAVNEST_OPERATOR_METRICS_PORT", cls.metrics_port)),
             final_scrape_seconds=float(environ.get("RAVNEST_FINAL_SCRAPE_SECONDS") or 0),
-            signing_key_file=environ.get("RAVNEST_SIGNING_KEY_FILE", ""))
+            signing_key_file=environ.get("RAVNEST_SIGNING_KEY_FILE", ""),
+            template_allow=_template_allow(environ.get("RAVNEST_TEMPLATE_ALLOW") or "{}"))
+
+
+def _template_allow(text: str) -> dict[str, frozenset[str]]:
+    """RAVNEST_TEMPLATE_ALLOW's value; ValueError naming what is wrong, so that the operator
+    does not start with a policy it misread."""
+    where = "RAVNEST_TEMPLATE_ALLOW"
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({e})") from None
+    if not isinstance(given, dict):
+        raise ValueError(f"{where}: must be a JSON object of namespace -> list of names")
+    out: dict[str, frozenset[str]] = {}
+    for namespace, names in given.items():
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{where}[{namespace!r}]: must be a list of names")
+        unknown = sorted(set(names) - set(EXEMPTIONS))
+        if unknown:
+            raise ValueError(f"{where}[{namespace!r}]: unknown {unknown}; the names are "
+                             f"{', '.join(EXEMPTIONS)}")
+        out[namespace] = frozenset(names)
+    return out

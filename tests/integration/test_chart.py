@@ -52,10 +52,11 @@ from kube import (
 )
 from prometheus_client.metrics import MetricWrapperBase
 
-from ravnest import __version__
+from ravnest import __version__, podsecurity
 from ravnest.spec import parse_job
 from ravnest.train.metrics import Identity, WorkerMetrics
 from ravnest_operator import monitoring
+from ravnest_operator.settings import Settings
 
 pytestmark = pytest.mark.tools  # (scripts/test runs it once the tools are there)
 
@@ -69,7 +70,8 @@ ALL_ON = ["--set", "metrics.serviceMonitor.enabled=true",
           "--set", "metrics.podMonitor.enabled=true",
           "--set", "metrics.prometheusRule.enabled=true",
           "--set", "networkPolicy.enabled=true",
-          "--set", "dashboards.annotations.grafana_folder=Ravnest"]
+          "--set", "dashboards.annotations.grafana_folder=Ravnest",
+          "--set-json", 'templatePolicy.allow={"team-a": ["initContainers"], "*": ["hostPath"]}']
 NAMESPACED = ["--set", f"operator.watchNamespaces={{{','.join(WATCHED)}}}"]
 CONFIGS = {"defaults": [], "all-on": ALL_ON, "namespaced": [*ALL_ON, *NAMESPACED]}
 
@@ -223,6 +225,21 @@ def test_operator_deployment() -> None:
     assert [a for a in args if a.startswith("--namespace")] == [f"--namespace={n}"
                                                                 for n in WATCHED]
     assert "--all-namespaces" not in args
+
+
+def test_the_template_policy_reaches_the_operator() -> None:
+    """templatePolicy.allow is what the operator reads (RAVNEST_TEMPLATE_ALLOW), and the
+    schema's names are the exemptions the operator knows."""
+    def settings(config: str) -> Settings:
+        (c,) = one(rendered(config), "Deployment")["spec"]["template"]["spec"]["containers"]
+        return Settings.from_env({e["name"]: e["value"] for e in c["env"] if "value" in e})
+
+    assert settings("defaults").template_allow == {}
+    assert settings("all-on").allowed("team-a") == {"initContainers", "hostPath"}
+    assert settings("all-on").allowed("team-b") == {"hostPath"}
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    allow = schema["properties"]["templatePolicy"]["properties"]["allow"]
+    assert allow["additionalProperties"]["items"]["enum"] == list(podsecurity.EXEMPTIONS)
 
 
 def test_every_pod_runs_unprivileged_on_a_read_only_root() -> None:
@@ -550,6 +567,8 @@ def test_helm_test_script_under_its_rbac(cluster: Cluster, tmp_path: Path) -> No
     ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
     ("metrics.podMonitor.interval=soon", "/metrics/podMonitor/interval"),
     ("operator.watchNamespaces={Team_A}", "/operator/watchNamespaces/0"),
+    ("templatePolicy.allow.team-a={hostpath}", "/templatePolicy/allow/team-a/0"),
+    ("templatePolicy.allow.Team_A={root}", "invalid propertyName 'Team_A'"),
 ])
 def test_schema_rejects_bad_values(setting: str, message: str) -> None:
     proc = run_helm("template", RELEASE, str(CHART), "--set", setting, check=False)

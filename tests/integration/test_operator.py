@@ -135,6 +135,9 @@ STATUS_REJECTED = [
     ("too-many-stages", {"providers": [{"ram": 4, "replicas": 30}], "plan": {"clusters": 1}},
      "more stages than layers"),
     ("negative-ram", {"providers": [{"ram": "-1"}]}, "spec.providers[0].ram"),
+    ("host-root",
+     {"template": {"spec": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}}},
+     "spec.template.spec.volumes[0].hostPath: a hostPath volume is not allowed"),
 ]
 
 

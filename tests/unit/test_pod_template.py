@@ -5,20 +5,23 @@ explicitly, and what a template may not set is refused by path when the job is v
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from ravnest import parse_job, plan_job
+from ravnest import parse_job, plan_job, podsecurity
 from ravnest.errors import SpecError
 from ravnest_operator import resources
+from ravnest_operator.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 OWNER = resources.Owner("digits", "team-a", "uid-12345678")
 TEMPLATE: dict[str, Any] = {
-    "metadata": {"labels": {"team": "vision", "ravnest.io/job": "stolen"},
+    "metadata": {"labels": {"team": "vision"},
                  "annotations": {"cost-center": "42"}},
     "spec": {
         "containers": [{"name": "ravnest",
@@ -38,12 +41,12 @@ TEMPLATE: dict[str, Any] = {
 }
 
 
-def _job(template: Any = None, **spec: Any):
+def _job(template: Any = None, allow: Any = (), **spec: Any):
     doc = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
     doc["spec"].update(spec)
     if template is not None:
         doc["spec"]["template"] = template
-    return parse_job(doc)
+    return parse_job(doc, template_allow=allow)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +64,7 @@ def test_the_template_lands_on_worker_and_planner_pods(pods):
     for pod in (worker, planner):
         spec, (c,) = pod["spec"], pod["spec"]["containers"]
         assert pod["metadata"]["labels"]["team"] == "vision"
-        assert pod["metadata"]["labels"]["ravnest.io/job"] == "digits"  # ours win
+        assert pod["metadata"]["labels"]["ravnest.io/job"] == "digits"
         assert pod["metadata"]["annotations"]["cost-center"] == "42"
         assert {"name": "HF_HOME", "value": "/cache"} in c["env"]
         assert c["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
@@ -197,3 +200,124 @@ def test_the_finishing_pod_reads_the_roots_metadata_with_the_workers_hardening()
         "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"]
     assert container["resources"] == {"limits": {"memory": "8Gi"}}  # the template's are workers'
     assert spec["activeDeadlineSeconds"] == 1800
+
+
+def _container(**security: Any) -> dict[str, Any]:
+    return {"spec": {"containers": [{"name": "ravnest", "securityContext": security}]}}
+
+
+# What Pod Security's restricted level refuses, each with the path the error names and the
+# exemption a cluster admin could grant the namespace for it (None: never the template's).
+BEYOND_RESTRICTED = [
+    (_container(privileged=True), "spec.template.spec.containers[0].securityContext.privileged",
+     "privileged"),
+    (_container(allowPrivilegeEscalation=True),
+     "spec.template.spec.containers[0].securityContext.allowPrivilegeEscalation", "privileged"),
+    (_container(procMount="Unmasked"),
+     "spec.template.spec.containers[0].securityContext.procMount", "privileged"),
+    (_container(seccompProfile={"type": "Unconfined"}),
+     "spec.template.spec.containers[0].securityContext.seccompProfile.type", "privileged"),
+    (_container(capabilities={"add": ["SYS_ADMIN"], "drop": ["ALL"]}),
+     "spec.template.spec.containers[0].securityContext.capabilities.add", "capabilities"),
+    (_container(capabilities={"add": ["NET_BIND_SERVICE"]}),
+     "spec.template.spec.containers[0].securityContext.capabilities.drop", "capabilities"),
+    (_container(runAsUser=0), "spec.template.spec.containers[0].securityContext.runAsUser",
+     "root"),
+    ({"spec": {"securityContext": {"runAsNonRoot": False}}},
+     "spec.template.spec.securityContext.runAsNonRoot", "root"),
+    ({"spec": {"securityContext": {"seLinuxOptions": {"user": "system_u"}}}},
+     "spec.template.spec.securityContext.seLinuxOptions", "privileged"),
+    ({"spec": {"securityContext": {"sysctls": [{"name": "kernel.msgmax", "value": "1"}]}}},
+     "spec.template.spec.securityContext.sysctls[0]", "privileged"),
+    ({"spec": {"securityContext": {"windowsOptions": {"hostProcess": True}}}},
+     "spec.template.spec.securityContext.windowsOptions.hostProcess", "privileged"),
+    ({"spec": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}},
+     "spec.template.spec.volumes[0].hostPath", "hostPath"),
+    ({"spec": {"volumes": [{"name": "n", "nfs": {"server": "x", "path": "/"}}]}},
+     "spec.template.spec.volumes[0].nfs", "volumes"),
+    ({"spec": {"volumes": [{"name": "t", "projected": {"sources": [
+        {"serviceAccountToken": {"path": "token"}}]}}]}},
+     "spec.template.spec.volumes[0].projected.sources[0].serviceAccountToken",
+     "serviceAccountToken"),
+    ({"spec": {"automountServiceAccountToken": True}},
+     "spec.template.spec.automountServiceAccountToken", "serviceAccountToken"),
+    ({"spec": {"initContainers": [{"name": "i", "image": "busybox"}]}},
+     "spec.template.spec.initContainers", "initContainers"),
+    ({"spec": {"tolerations": [{"operator": "Exists"}]}}, "spec.template.spec.tolerations[0]",
+     "scheduling"),
+    ({"spec": {"priorityClassName": "system-node-critical"}},
+     "spec.template.spec.priorityClassName", "scheduling"),
+    ({"metadata": {"annotations": {
+        "container.apparmor.security.beta.kubernetes.io/ravnest": "unconfined"}}},
+     "spec.template.metadata.annotations['container.apparmor.security.beta.kubernetes.io/"
+     "ravnest']", "privileged"),
+    ({"metadata": {"labels": {"ravnest.io/job": "other"}}},
+     "spec.template.metadata.labels['ravnest.io/job']", None),
+    ({"metadata": {"annotations": {"ravnest.io/recovery": "1"}}},
+     "spec.template.metadata.annotations['ravnest.io/recovery']", None),
+]
+
+
+@pytest.mark.parametrize(("template", "path", "exemption"), BEYOND_RESTRICTED)
+def test_a_template_beyond_pod_securitys_restricted_level_is_refused_by_path(
+        template, path, exemption):
+    with pytest.raises(SpecError) as e:
+        _job(template)
+    (problem,) = e.value.problems
+    assert problem.startswith(f"{path}: "), problem
+    if exemption is None:  # the operator's keys: allowed to nobody
+        with pytest.raises(SpecError):
+            _job(template, allow=set(podsecurity.EXEMPTIONS))
+    else:  # the admin's exemption for the namespace lets it through, and no other does
+        assert repr(exemption) in problem and "templatePolicy.allow" in problem
+        assert _job(template, allow={exemption}).spec.template is not None
+        with pytest.raises(SpecError):
+            _job(template, allow=set(podsecurity.EXEMPTIONS) - {exemption})
+
+
+def test_what_the_restricted_level_allows_a_template_keeps():
+    """Everything restricted allows, set explicitly, passes: the check is the level, not a ban
+    on security fields."""
+    job = _job({"metadata": {"annotations": {
+        "container.apparmor.security.beta.kubernetes.io/ravnest": "runtime/default"}},
+        "spec": {
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 2000, "runAsGroup": 0,
+                                "fsGroup": 3000, "seccompProfile": {"type": "Localhost",
+                                                                    "localhostProfile": "p.json"},
+                                "seLinuxOptions": {"type": "container_t", "level": "s0:c1"},
+                                "sysctls": [{"name": "net.ipv4.tcp_keepalive_time",
+                                             "value": "60"}]},
+            "containers": [{"name": "ravnest", "securityContext": {
+                "allowPrivilegeEscalation": False, "privileged": False,
+                "readOnlyRootFilesystem": False, "procMount": "Default",
+                "capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]},
+                "appArmorProfile": {"type": "RuntimeDefault"}}}],
+            "volumes": [{"name": "c", "configMap": {"name": "x"}},
+                        {"name": "e", "ephemeral": {"volumeClaimTemplate": {"spec": {}}}},
+                        {"name": "p", "projected": {"sources": [{"secret": {"name": "s"}}]}},
+                        {"name": "d", "csi": {"driver": "x"}}],
+            "automountServiceAccountToken": False,
+            "tolerations": [{"key": "gpu", "operator": "Exists"}],
+            "priorityClassName": "research"}})
+    assert job.spec.template is not None
+
+
+def test_every_refusal_is_listed_at_once():
+    with pytest.raises(SpecError) as e:
+        _job({"spec": {"initContainers": [{"name": "i"}], "automountServiceAccountToken": True,
+                       "containers": [{"name": "ravnest", "securityContext": {
+                           "privileged": True, "runAsUser": 0}}]}})
+    assert len(e.value.problems) == 4, e.value.problems
+
+
+def test_the_operator_reads_the_admins_exemptions_per_namespace():
+    allow = json.dumps({"ml-infra": ["hostPath", "root"], "*": ["initContainers"]})
+    settings = Settings.from_env({"RAVNEST_TEMPLATE_ALLOW": allow})
+    assert settings.allowed("ml-infra") == {"hostPath", "root", "initContainers"}
+    assert settings.allowed("team-a") == {"initContainers"}
+    assert Settings.from_env({}).allowed("ml-infra") == frozenset()
+    for bad, says in [("{", "not JSON"), ('["hostPath"]', "JSON object"),
+                      ('{"a": "hostPath"}', "list of names"),
+                      ('{"a": ["hostpath"]}', "unknown ['hostpath']")]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            Settings.from_env({"RAVNEST_TEMPLATE_ALLOW": bad})

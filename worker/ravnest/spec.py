@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -26,7 +27,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from ravnest import storing
+from ravnest import podsecurity, storing
 from ravnest.errors import SpecError, shown
 
 _QUANTITY = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
@@ -695,13 +696,25 @@ def _bounded(document: Any) -> None:
             stack.extend(node)
 
 
-def parse_job(document: Any) -> Job:
-    """Validate a parsed YAML/JSON document; raise SpecError listing every problem by path."""
+def parse_job(document: Any, *, template_allow: Collection[str] | None = ()) -> Job:
+    """Validate a parsed YAML/JSON document; raise SpecError listing every problem by path.
+
+    `spec.template` is held to Pod Security's restricted level (`ravnest.podsecurity`) but for
+    what `template_allow` names (`podsecurity.EXEMPTIONS`: a cluster admin's choice for the
+    job's namespace). None skips that check, for the copies of a job the operator wrote itself
+    (its plan's, a node's metadata), checked when the job was admitted."""
     if not isinstance(document, dict):
         got = "an empty document" if document is None else f"a {type(document).__name__}"
         raise SpecError([f"<document>: must be a mapping (a RavnestJob), got {got}"])
     _bounded(document)
-    return parse_section(Job, document)
+    job = parse_section(Job, document)
+    if template_allow is not None and job.spec.template is not None:
+        template = job.spec.template.model_dump(by_alias=True, exclude_none=True)
+        found = podsecurity.problems(template, template_allow)
+        if found:
+            raise SpecError([f"{_path(('spec', 'template', *loc))}: {what}"
+                             for loc, what in found])
+    return job
 
 
 def parse_section(model: type[_M], document: dict[str, Any]) -> _M:

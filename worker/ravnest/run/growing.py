@@ -59,7 +59,7 @@ def order_growth(out: Path, edited: Job, running: bool) -> list[int]:
     with locking.orders_locked(out):
         given = [order for _, order in orders(folder, set()) if isinstance(order, dict)]
         if given:  # (the job as the last order left it)
-            job = parse_job(given[-1]["job"])
+            job = parse_job(given[-1]["job"], template_allow=None)  # (checked when ordered)
         added = added_providers(job, edited)
         folder.mkdir(exist_ok=True)
         number = 1 + max((int(p.name[6:-5]) for p in folder.glob(ORDER_GLOB)

@@ -131,7 +131,7 @@ class NodeMetadata:
     def from_dict(cls, d: dict[str, Any]) -> NodeMetadata:
         if d.get("kind") != KIND:
             raise SpecError([f"kind: expected {KIND!r}, got {d.get('kind')!r}"])
-        return cls(job=parse_job(d["job"]) if "job" in d else None,
+        return cls(job=parse_job(d["job"], template_allow=None) if "job" in d else None,
                    plan=Plan.from_dict(d["plan"]), node=d["node"],
                    addresses=dict(d["addresses"]), output_dir=d["outputDir"],
                    listen=d.get("listen", cls.listen),
