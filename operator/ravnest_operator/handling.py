@@ -27,6 +27,7 @@ from ravnest.comm.identity import Authority
 from ravnest.comm.tls import TlsMaterial, issue, make_authority
 from ravnest.errors import SpecError
 from ravnest.plan.plans import Plan
+from ravnest.run.jobstatus import finite
 from ravnest.run.progress import scrape
 from ravnest.spec import parse_job
 
@@ -355,7 +356,7 @@ def _reconcile_once(kwargs: dict[str, Any], wait: bool) -> None:
             reconcile(body, dict(body.get("spec") or {}), status, name, namespace,
                       kwargs["uid"], patch)
             if patch.get("status"):
-                _write_status(name, namespace, dict(patch["status"]))
+                _write_status(name, namespace, finite(status, patch["status"]))
     finally:
         lock.release()
     monitoring.observe_phase(namespace, name, patch.status.get("phase") or status.get("phase"))

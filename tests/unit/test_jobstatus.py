@@ -4,6 +4,8 @@ of jobs by phase has a series for each of its phases."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from prometheus_client import REGISTRY
 
@@ -183,3 +185,30 @@ def test_a_local_runs_status_shows_its_drain_orders_as_the_operators_does(tmp_pa
     drained = written(Phase.SUCCEEDED)
     assert drained["drained"] == [{**order, "round": 7, "updates": 14}]
     assert "notDrained" not in drained and "draining" not in drained
+
+
+def test_a_status_with_nan_or_inf_is_written_with_nulls_and_says_which():
+    """JSON has no NaN: the apiserver refuses (400) a status patch holding one, and a job whose
+    validation loss is NaN (by design, when it cannot be computed) would never be written again."""
+    from ravnest.run.jobstatus import NON_FINITE, condition, finite
+
+    current = {"phase": "Running", "conditions": [
+        {"type": "Running", "status": "True", "reason": "AllRunning", "message": ""}]}
+    patch = {"phase": "Succeeded",
+             "progress": {"step": 12, "loss": 0.5, "validationLoss": float("nan")},
+             "result": {"losses": [1.0, float("inf")], "best": float("-inf")}}
+    out = finite(current, patch, at="2026-12-04T00:00:00Z")
+    json.dumps(out, allow_nan=False)  # what the apiserver takes
+    assert out["progress"] == {"step": 12, "loss": 0.5, "validationLoss": None}
+    assert out["result"] == {"losses": [1.0, None], "best": None}
+    assert out["phase"] == "Succeeded" and patch["progress"]["validationLoss"] != 0  # (a copy)
+    said = condition(out["conditions"], NON_FINITE)
+    assert said is not None and said["status"] == "True"
+    assert said["message"] == ("written as null: status.progress.validationLoss (nan), "
+                               "status.result.losses[1] (inf), status.result.best (-inf)")
+    assert condition(out["conditions"], "Running") == current["conditions"][0]  # kept
+    check_patch(out)
+    # the next finite write says so; one with nothing to say adds no condition
+    again = finite(out, {"progress": {"validationLoss": 0.25}})
+    assert condition(again["conditions"], NON_FINITE)["status"] == "False"
+    assert finite(current, {"phase": "Running"}) == {"phase": "Running"}

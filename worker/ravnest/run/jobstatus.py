@@ -10,6 +10,7 @@ lacks is a failing test here, not a field the apiserver silently prunes. Field n
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from enum import StrEnum
@@ -236,3 +237,38 @@ def check_patch(fields: Mapping[str, Any]) -> JobStatus:
         problems = ["status." + ".".join(str(p) for p in err["loc"]) + f": {err['msg']}"
                     for err in e.errors()]
         raise StatusError("; ".join(problems)) from None
+
+
+NON_FINITE = "NonFiniteValues"
+"""The condition that says which status numbers were not finite, and were written as null."""
+
+
+def finite(current: Mapping[str, Any], patch: Mapping[str, Any],
+           at: str | None = None) -> dict[str, Any]:
+    """`patch` (status fields to write over `current`) with every NaN or infinite number in it
+    made None, and the NonFiniteValues condition saying which were (True), or that none were
+    (False, once it had been True). JSON has no such numbers, so the apiserver refuses a status
+    that holds one (400), and a job whose validation loss is NaN by design would never have its
+    status written again: stuck in its phase, its TTL never applied."""
+    found: list[str] = []
+    out = _finite(dict(patch), "status", found)
+    conditions = list(out.get("conditions") or current.get("conditions") or [])
+    if found:
+        shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
+        out["conditions"] = set_condition(conditions, NON_FINITE, True, "NotFinite",
+                                          f"written as null: {shown}", at)
+    elif is_true(conditions, NON_FINITE):
+        out["conditions"] = set_condition(conditions, NON_FINITE, False, "Finite",
+                                          "every number in the status is finite", at)
+    return out
+
+
+def _finite(value: Any, path: str, found: list[str]) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        found.append(f"{path} ({value})")
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v, f"{path}.{k}", found) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v, f"{path}[{i}]", found) for i, v in enumerate(value)]
+    return value
