@@ -24,7 +24,7 @@ from ravnest.plan.handoff import decode
 from ravnest.plan.plans import Plan, ProviderInfo, SparePlan, spare_name
 from ravnest.run import elastic, progress, supervising
 from ravnest.run.jobstatus import FINISHED, Phase, set_condition
-from ravnest.spec import Job, parse_job
+from ravnest.spec import Job, durable_volume, parse_job
 
 from . import resources
 from .actions import (
@@ -48,9 +48,10 @@ from .planning import PlannerPod
 from .settings import Settings
 from .statuses import Observation, observe, parse_time, timestamp
 
-NOT_DURABLE = ("checkpoints are on the pods' emptyDir volumes: a restart or a suspend starts over "
-               "from step 0; to keep them, set spec.checkpoint.path to an object store "
-               "(s3://bucket/prefix) or a claim (pvc://claim/path), or mount "
+NOT_DURABLE = ("checkpoints are on volumes that go with the pods (emptyDir, ephemeral, an inline "
+               "csi or a node's hostPath): a restart or a suspend starts over from step 0; to "
+               "keep them, set spec.checkpoint.path to an object store (s3://bucket/prefix) or a "
+               "claim (pvc://claim/path), or mount a persistentVolumeClaim as "
                "spec.checkpoint.volume")
 
 
@@ -757,18 +758,20 @@ def _durability(job: Job) -> str:
     """The reason of the DurableCheckpoints condition: where checkpoints live (EmptyDir: they
     die with the pods)."""
     c = job.spec.checkpoint
-    if c.volume or _on_template_volume(job):
+    if (c.volume and durable_volume(c.volume)) or _on_template_volume(job):
         return "Volume"
+    if c.volume:
+        return "EmptyDir"  # an emptyDir, ephemeral, csi or hostPath volume: gone with the pod
     return {"pvc": "Claim", "file": "EmptyDir"}.get(storing.scheme(c.path), "ObjectStore")
 
 
 def _on_template_volume(job: Job) -> bool:
     """Whether checkpoint.path is an absolute path below a mount of the pod template whose
-    volume is not an emptyDir (e.g. the user's own persistentVolumeClaim)."""
+    volume outlives the pod (e.g. the user's own persistentVolumeClaim)."""
     path, pod = job.spec.checkpoint.path, job.spec.template and job.spec.template.spec
     if not path.startswith("/") or not pod or not pod.containers:
         return False
-    kept = {v.get("name") for v in pod.volumes or [] if "emptyDir" not in v}
+    kept = {v.get("name") for v in pod.volumes or [] if durable_volume(v)}
     return any(m.get("name") in kept and (path + "/").startswith(
                    str(m.get("mountPath", "")).rstrip("/") + "/")
                for m in pod.containers[0].volume_mounts or [])
@@ -778,7 +781,7 @@ def _resumes(job: Job) -> str:
     """What a restart or resume of the job's pods continues from."""
     if _durability(job) != "EmptyDir":
         return "resumes from the last checkpoint"
-    return "starts over from step 0 (its checkpoints were on the pods' emptyDir volumes)"
+    return "starts over from step 0 (its checkpoints were on volumes that go with the pods)"
 
 
 def _suspend(run: _Pass, phase: str | None, conditions: list[dict[str, Any]],

@@ -57,7 +57,7 @@ SETTINGS = Settings(worker_image="ravnest:test", final_scrape_seconds=30)
 EARLIER = "2000-01-01T00:00:00Z"
 WHOLE = {"recovery": "job"}
 """runPolicy: a lost worker restarts the whole job (the default, cluster, restarts its cluster)."""
-EMPTY = "starts over from step 0 (its checkpoints were on the pods' emptyDir volumes)"
+EMPTY = "starts over from step 0 (its checkpoints were on volumes that go with the pods)"
 """What a restart or resume of the digits example (no checkpoint volume) continues from."""
 
 
@@ -333,6 +333,30 @@ def test_checkpoints_on_an_object_store_or_a_claim_outlive_the_pods(digits, path
     assert (cond["status"], cond["reason"], cond["message"]) == (
         "True", reason, f"checkpoints go to {path}")
     assert d.actions == []
+
+
+@pytest.mark.parametrize("volume", [{"emptyDir": {}}, {"emptyDir": {"medium": "Memory"}},
+                                    {"ephemeral": {"volumeClaimTemplate": {"spec": {}}}},
+                                    {"csi": {"driver": "inline.example.com"}}])
+def test_a_checkpoint_volume_that_goes_with_the_pods_is_not_durable(digits, volume):
+    status = {"phase": "Created", "conditions": [_cond("Created")]}
+    d = decide(_observed(digits, status, checkpoint={"volume": volume}), NOW, SETTINGS)
+    cond = _conditions(d)["DurableCheckpoints"]
+    assert (cond["status"], cond["reason"], cond["message"]) == ("False", "EmptyDir", NOT_DURABLE)
+    assert d.actions == [Event("NoDurableCheckpoints", NOT_DURABLE, warning=True)]
+
+
+@pytest.mark.parametrize("volume", [{"nfs": {"server": "nfs.example", "path": "/ckpt"}},
+                                    {"cephfs": {"monitors": ["10.0.0.1:6789"]}}])
+def test_a_network_disk_as_checkpoint_volume_is_durable(digits, volume):
+    """(Beyond the restricted level: a cluster admin's templatePolicy.allow 'volumes'.)"""
+    status = {"phase": "Created", "conditions": [_cond("Created")]}
+    doc = copy.deepcopy(digits[0])
+    doc["spec"]["checkpoint"] = {"volume": volume}
+    seen = replace(_observed(digits, status, checkpoint={}),
+                   job=parse_job(doc, template_allow={"volumes"}))
+    d = decide(seen, NOW, SETTINGS)
+    assert _conditions(d)["DurableCheckpoints"]["reason"] == "Volume"
 
 
 @pytest.mark.parametrize("path", ["/scratch/ckpt", "/keeper/ckpt", "keep/ckpt"])

@@ -321,3 +321,47 @@ def test_the_operator_reads_the_admins_exemptions_per_namespace():
                       ('{"a": ["hostpath"]}', "unknown ['hostpath']")]:
         with pytest.raises(ValueError, match=re.escape(says)):
             Settings.from_env({"RAVNEST_TEMPLATE_ALLOW": bad})
+
+
+def test_the_checkpoint_volume_is_held_to_the_same_level():
+    """spec.checkpoint.volume is mounted in every pod the operator makes: a hostPath there is
+    the host's filesystem as surely as one in the template."""
+    host = {"hostPath": {"path": "/"}}
+    with pytest.raises(SpecError) as e:
+        _job(checkpoint={"volume": host})
+    (problem,) = e.value.problems
+    assert problem.startswith("spec.checkpoint.volume.hostPath: a hostPath volume is not "
+                              "allowed"), problem
+    assert _job(checkpoint={"volume": host}, allow={"hostPath"}).spec.checkpoint.volume == host
+    with pytest.raises(SpecError, match=r"spec\.checkpoint\.volume\.nfs: a nfs volume"):
+        _job(checkpoint={"volume": {"nfs": {"server": "n", "path": "/"}}})
+    claim = {"persistentVolumeClaim": {"claimName": "ckpt"}}
+    assert _job(checkpoint={"volume": claim}).spec.checkpoint.volume == claim
+
+
+@pytest.mark.parametrize(("volume", "says"), [
+    ({"name": "mine", "persistentVolumeClaim": {"claimName": "c"}},
+     "must be one volume source (e.g. persistentVolumeClaim: {claimName: ...}), got ['name', "
+     "'persistentVolumeClaim']; the operator names the volume"),
+    ({"emptyDir": {}, "persistentVolumeClaim": {"claimName": "c"}}, "must be one volume source"),
+    ({}, "must be one volume source (e.g. persistentVolumeClaim: {claimName: ...}), got none"),
+    ({"persistentVolume": {"claimName": "c"}}, "'persistentVolume' is not a volume source"),
+    ({"configMap": {"name": "x"}}, "a configMap volume is read-only"),
+    ({"persistentVolumeClaim": "c"}, "persistentVolumeClaim: must be a mapping, got 'c'"),
+])
+def test_a_checkpoint_volume_must_be_one_writable_volume_source(volume, says):
+    """What the apiserver would refuse with 422 when the first pod is made is refused by the
+    validator, by path, before anything is made."""
+    with pytest.raises(SpecError) as e:
+        _job(checkpoint={"volume": volume})
+    (problem,) = e.value.problems
+    assert problem.startswith("spec.checkpoint.volume: ") and says in problem, problem
+
+
+@pytest.mark.parametrize(("field", "value"), [("dnsPolicy", "Bogus"),
+                                              ("preemptionPolicy", "Sometimes")])
+def test_a_pod_field_the_apiserver_would_refuse_is_refused_by_path(field, value):
+    with pytest.raises(SpecError) as e:
+        _job({"spec": {field: value}})
+    (problem,) = e.value.problems
+    assert problem.startswith(f"spec.template.spec.{field}: "), problem

@@ -73,6 +73,12 @@ def problems(template: Mapping[str, Any], allowed: Collection[str] = ()) -> list
     return out
 
 
+def volume_problems(volume: Mapping[str, Any], allowed: Collection[str] = ()) -> list[Problem]:
+    """`problems` of one volume the operator mounts in every pod (spec.checkpoint.volume),
+    placed in the volume."""
+    return [(loc[3:], what) for loc, what in problems({"spec": {"volumes": [volume]}}, allowed)]
+
+
 def _findings(t: Mapping[str, Any]) -> Iterator[tuple[Loc, str | None, str]]:
     meta = _mapping(t.get("metadata"))
     for part in ("labels", "annotations"):

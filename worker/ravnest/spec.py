@@ -357,6 +357,29 @@ def _location(v: str | None) -> str | None:
     return v
 
 
+VOLUME_SOURCES = frozenset({
+    "awsElasticBlockStore", "azureDisk", "azureFile", "cephfs", "cinder", "configMap", "csi",
+    "downwardAPI", "emptyDir", "ephemeral", "fc", "flexVolume", "flocker", "gcePersistentDisk",
+    "gitRepo", "glusterfs", "hostPath", "image", "iscsi", "nfs", "persistentVolumeClaim",
+    "photonPersistentDisk", "portworxVolume", "projected", "quobyte", "rbd", "scaleIO", "secret",
+    "storageos", "vsphereVolume"})
+"""The volume sources of a Kubernetes Pod (core/v1 VolumeSource)."""
+READ_ONLY_VOLUMES = frozenset({"configMap", "downwardAPI", "image", "projected", "secret"})
+DURABLE_VOLUMES = frozenset({
+    "awsElasticBlockStore", "azureDisk", "azureFile", "cephfs", "cinder", "fc", "flocker",
+    "gcePersistentDisk", "glusterfs", "iscsi", "nfs", "persistentVolumeClaim",
+    "photonPersistentDisk", "portworxVolume", "quobyte", "rbd", "scaleIO", "storageos",
+    "vsphereVolume"})
+"""Volume sources whose data outlives the pod and its node: claims and network or cloud disks.
+Not emptyDir, ephemeral (a claim made and deleted with the pod), an inline csi volume (CSI's
+ephemeral volumes), gitRepo or hostPath (the node's disk: a pod made again may land elsewhere)."""
+
+
+def durable_volume(volume: dict[str, Any]) -> bool:
+    """Whether a volume (a source, named or not) keeps what is written to it past its pod."""
+    return any(k in DURABLE_VOLUMES for k in volume)
+
+
 class CheckpointSpec(_Model):
     path: str = "checkpoints"
     """Where checkpoints go, shared by all nodes: a path (relative: in the node's output folder;
@@ -375,6 +398,26 @@ class CheckpointSpec(_Model):
     """A Kubernetes volume source (e.g. persistentVolumeClaim) mounted at ``path`` in pods."""
 
     _path_form = field_validator("path")(_location)
+
+    @field_validator("volume")
+    @classmethod
+    def _volume_source(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        kinds = sorted(str(k) for k in v)
+        if len(kinds) != 1:
+            raise ValueError(f"must be one volume source (e.g. persistentVolumeClaim: "
+                             f"{{claimName: ...}}), got {shown(kinds) if kinds else 'none'}"
+                             + ("; the operator names the volume" if "name" in v else ""))
+        kind = kinds[0]
+        if kind not in VOLUME_SOURCES:
+            raise ValueError(f"{shown(kind)} is not a volume source; one of "
+                             f"{', '.join(sorted(VOLUME_SOURCES))}")
+        if kind in READ_ONLY_VOLUMES:
+            raise ValueError(f"a {kind} volume is read-only: checkpoints could not be written")
+        if not isinstance(v[kind], dict):
+            raise ValueError(f"{kind}: must be a mapping, got {shown(v[kind])}")
+        return v
 
 
 class OutputSpec(_Model):
@@ -504,12 +547,12 @@ class TemplatePodSpec(_Model):
     automount_service_account_token: bool | None = None
     priority_class_name: str | None = None
     priority: int | None = None
-    preemption_policy: str | None = None
+    preemption_policy: Literal["PreemptLowerPriority", "Never"] | None = None
     runtime_class_name: str | None = None
     scheduler_name: str | None = None
     security_context: dict[str, Any] | None = None
     """Merged over the operator's pod security context: a key set here overrides it."""
-    dns_policy: str | None = None
+    dns_policy: Literal["ClusterFirst", "ClusterFirstWithHostNet", "Default", "None"] | None = None
     dns_config: dict[str, Any] | None = None
     host_aliases: list[dict[str, Any]] | None = None
     termination_grace_period_seconds: int | None = Field(None, ge=0)
@@ -710,10 +753,16 @@ def parse_job(document: Any, *, template_allow: Collection[str] | None = ()) -> 
     job = parse_section(Job, document)
     if template_allow is not None and job.spec.template is not None:
         template = job.spec.template.model_dump(by_alias=True, exclude_none=True)
-        found = podsecurity.problems(template, template_allow)
-        if found:
-            raise SpecError([f"{_path(('spec', 'template', *loc))}: {what}"
-                             for loc, what in found])
+        found: list[podsecurity.Problem] = [
+            (("spec", "template", *loc), what)
+            for loc, what in podsecurity.problems(template, template_allow)]
+    else:
+        found = []
+    if template_allow is not None and job.spec.checkpoint.volume is not None:
+        found += [(("spec", "checkpoint", "volume", *loc), what) for loc, what in
+                  podsecurity.volume_problems(job.spec.checkpoint.volume, template_allow)]
+    if found:
+        raise SpecError([f"{_path(loc)}: {what}" for loc, what in found])
     return job
 
 
