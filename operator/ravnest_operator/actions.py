@@ -38,7 +38,8 @@ class Create:
 
 @dataclass(frozen=True)
 class DeletePod:
-    """Delete a worker pod (grace period 5 s); one already gone is not an error."""
+    """Delete a pod of the job with its own grace period (terminationGracePeriodSeconds: the
+    template's, else `resources.GRACE_SECONDS`); one already gone is not an error."""
     name: str
 
 

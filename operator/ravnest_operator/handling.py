@@ -128,7 +128,7 @@ def _create(obj: dict[str, Any]) -> bool:
 
 def _delete_pod(name: str, namespace: str) -> None:
     try:
-        _core().delete_namespaced_pod(name, namespace, grace_period_seconds=5)
+        _core().delete_namespaced_pod(name, namespace)  # with the pod's own grace period
     except ApiException as e:
         if e.status != 404:
             raise kopf.TemporaryError(f"deleting pod {name}: {e.status} {e.reason}",

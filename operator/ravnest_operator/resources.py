@@ -289,15 +289,22 @@ def planner_pod(owner: Owner, job: Job, image: str) -> dict[str, Any]:
                    "spec": spec}, job.spec.template, resources=False)
 
 
+GRACE_SECONDS = 10
+"""A job's pods' terminationGracePeriodSeconds unless its template says otherwise."""
+
+
 def _hardened(container: dict[str, Any], volumes: list[dict[str, Any]],
               **fields: Any) -> dict[str, Any]:
     """The spec of a pod of the job (worker or planner) around its one container: it runs once
     (restartPolicy Never), with no service-account token and no service links, as uid 10001 with
     RuntimeDefault seccomp, a read-only root filesystem, no capabilities, no privilege
-    escalation, and an emptyDir at /tmp; `fields` are the pod's own."""
+    escalation, and an emptyDir at /tmp; `fields` are the pod's own. A worker ends on SIGTERM at
+    once (its last checkpoint is on storage), so its grace period is short; the template's
+    terminationGracePeriodSeconds, which the operator's deletions honour, may make it longer."""
     return {
         **fields,
         "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": GRACE_SECONDS,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "securityContext": copy.deepcopy(POD_SECURITY),

@@ -365,3 +365,21 @@ def test_a_pod_field_the_apiserver_would_refuse_is_refused_by_path(field, value)
         _job({"spec": {field: value}})
     (problem,) = e.value.problems
     assert problem.startswith(f"spec.template.spec.{field}: "), problem
+
+
+def test_the_pods_grace_period_is_the_templates():
+    """The operator deletes pods with their own grace period (it used to force 5 s): a
+    template that needs longer to shut down gets it, on worker and planner pods alike."""
+    bare, _, _ = pods_of(None)
+    assert bare["spec"]["terminationGracePeriodSeconds"] == resources.GRACE_SECONDS
+    worker, planner = pods_of({"spec": {"terminationGracePeriodSeconds": 120}})[1:]
+    assert worker["spec"]["terminationGracePeriodSeconds"] == 120
+    assert planner["spec"]["terminationGracePeriodSeconds"] == 120
+
+
+def pods_of(template: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    job = _job(template)
+    plan = plan_job(job)[0]
+    return (resources.pod(OWNER, _job(), plan, plan.nodes[0], "ravnest:test"),
+            resources.pod(OWNER, job, plan, plan.nodes[0], "ravnest:test"),
+            resources.planner_pod(OWNER, job, "ravnest:test"))
