@@ -28,7 +28,6 @@ from ravnest.comm.tls import TlsMaterial, issue, make_authority
 from ravnest.errors import SpecError
 from ravnest.plan.plans import Plan
 from ravnest.run.jobstatus import finite
-from ravnest.run.progress import scrape
 from ravnest.spec import parse_job
 
 from . import monitoring, resources
@@ -52,6 +51,7 @@ from .actions import (
 )
 from .crds import GROUP, PLURAL, VERSION
 from .deciding import FINISHED, Observed, added_providers, as_planned, decide, removed_providers
+from .scraping import Scrapes
 from .settings import Settings
 from .statuses import progress
 
@@ -220,13 +220,14 @@ def _certificates(owner: resources.Owner, plan: Plan,
     return {n: issue(ca, n, resources.tls_dns_names(owner, n)) for n in plan.names()}
 
 
-def _scraped(hosts: tuple[str, ...], started: str | None) -> dict[str, Any]:
-    """Progress from the cluster roots' metrics; nothing when any of them cannot be read."""
-    try:
-        samples = [scrape(resources.METRICS_PORT, host=h, timeout=1.0) for h in hosts]
-    except OSError:
-        return {}
-    return progress(samples, started)
+SCRAPES = Scrapes(resources.METRICS_PORT)
+
+
+def _scraped(uid: str, hosts: tuple[str, ...], started: str | None) -> dict[str, Any]:
+    """Progress from the cluster roots' metrics as the last scrape read them; nothing when any
+    of them could not be read (`scraping`: the pass does not wait for a scrape)."""
+    samples = SCRAPES.latest(uid, hosts)
+    return progress(samples, started) if samples else {}
 
 
 def _observe(body: dict[str, Any], spec: dict[str, Any], status: dict[str, Any], name: str,
@@ -281,7 +282,8 @@ def _carry_out(action: Action, body: dict[str, Any], patch: kopf.Patch,
         post = kopf.warn if action.warning else kopf.info
         post(kopf.Body(cast(kopf.RawBody, body)), reason=action.reason, message=action.message)
     elif isinstance(action, ScrapeProgress):
-        patch.status["progress"] = {**action.base, **_scraped(action.hosts, action.started)}
+        patch.status["progress"] = {**action.base,
+                                    **_scraped(owner.uid, action.hosts, action.started)}
     elif isinstance(action, CountRestart):
         monitoring.restarted()
     elif isinstance(action, CountRecovery):
@@ -359,7 +361,10 @@ def _reconcile_once(kwargs: dict[str, Any], wait: bool) -> None:
                 _write_status(name, namespace, finite(status, patch["status"]))
     finally:
         lock.release()
-    monitoring.observe_phase(namespace, name, patch.status.get("phase") or status.get("phase"))
+    phase = patch.status.get("phase") or status.get("phase")
+    if phase in FINISHED:
+        SCRAPES.forget(kwargs["uid"])
+    monitoring.observe_phase(namespace, name, phase)
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
@@ -377,5 +382,6 @@ def on_timer(**kwargs: Any) -> None:
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
 def on_delete(**kwargs: Any) -> None:
     monitoring.forget(kwargs["namespace"], kwargs["name"])
+    SCRAPES.forget(kwargs["uid"])
     with _locks_guard:
         _locks.pop(kwargs["uid"], None)

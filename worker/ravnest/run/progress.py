@@ -6,21 +6,105 @@ compute progress here, so the numbers in a terminal and in `kubectl get rj` are 
 
 from __future__ import annotations
 
-import urllib.request
+import http.client
+import socket
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+SCRAPE_BYTES = 4 * 2**20
+"""The most a metrics answer may hold (a worker's is a few KiB): a larger one is refused unread,
+not held in memory (a tenant's endpoint is the tenant's to make)."""
 
-def scrape(port: int, host: str = "127.0.0.1", timeout: float = 1.0) -> dict[str, float]:
-    """Unlabelled view of a worker's metrics: sample name -> value (first sample wins)."""
-    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as r:
-        text = r.read().decode()
+
+TOO_LONG = "the metrics endpoint took too long to answer"
+
+
+class ScrapeError(OSError):
+    """A metrics endpoint that did not answer in time, answered too much, or not metrics."""
+
+
+class _DeadlineSocket(socket.socket):
+    """A socket whose every read and write waits at most until one deadline: a server that
+    drips its answer a byte at a time ends the scrape at the deadline, not at the last byte."""
+
+    deadline = 0.0
+
+    def _left(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise ScrapeError(TOO_LONG)
+        self.settimeout(left)
+
+    def recv_into(self, *args: Any, **kwargs: Any) -> int:
+        self._left()
+        try:
+            return super().recv_into(*args, **kwargs)
+        except TimeoutError as e:
+            raise ScrapeError(TOO_LONG) from e
+
+    def recv(self, *args: Any, **kwargs: Any) -> bytes:
+        self._left()
+        try:
+            return super().recv(*args, **kwargs)
+        except TimeoutError as e:
+            raise ScrapeError(TOO_LONG) from e
+
+    def sendall(self, *args: Any, **kwargs: Any) -> None:
+        self._left()
+        try:
+            super().sendall(*args, **kwargs)
+        except TimeoutError as e:
+            raise ScrapeError(TOO_LONG) from e
+
+
+class _Connection(http.client.HTTPConnection):
+    def __init__(self, host: str, port: int, deadline: float) -> None:
+        super().__init__(host, port, timeout=max(0.001, deadline - time.monotonic()))
+        self.deadline = deadline
+
+    def connect(self) -> None:
+        raw = socket.create_connection((self.host, self.port),
+                                       timeout=max(0.001, self.deadline - time.monotonic()))
+        sock = _DeadlineSocket(raw.family, raw.type, raw.proto, fileno=raw.detach())
+        sock.deadline = self.deadline
+        self.sock = sock
+
+
+def scrape(port: int, host: str = "127.0.0.1", timeout: float = 1.0,
+           max_bytes: int = SCRAPE_BYTES) -> dict[str, float]:
+    """Unlabelled view of a worker's metrics: sample name -> value (first sample wins).
+
+    `timeout` bounds the whole scrape (connect, headers, body), `max_bytes` its answer; either
+    exceeded, or an answer that is not Prometheus's text format, raises ScrapeError (an OSError,
+    as an endpoint that does not answer does)."""
+    conn = _Connection(host, port, time.monotonic() + timeout)
+    try:
+        conn.request("GET", "/metrics", headers={"Accept": "text/plain"})
+        r = conn.getresponse()
+        if r.status != 200:
+            raise ScrapeError(f"the metrics endpoint answered {r.status} {r.reason}")
+        length = r.getheader("Content-Length")
+        if length and length.isdigit() and int(length) > max_bytes:
+            raise ScrapeError(f"a metrics answer of {int(length)} bytes (at most {max_bytes})")
+        body = bytearray()
+        while chunk := r.read(min(65536, max_bytes + 1 - len(body))):
+            body += chunk
+            if len(body) > max_bytes:
+                raise ScrapeError(f"a metrics answer of more than {max_bytes} bytes")
+    except (http.client.HTTPException, ValueError) as e:
+        raise ScrapeError(f"not an HTTP answer: {e}") from e
+    finally:
+        conn.close()
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, sample.value)
+    try:
+        for family in text_string_to_metric_families(body.decode()):
+            for sample in family.samples:
+                out.setdefault(sample.name, sample.value)
+    except (ValueError, UnicodeDecodeError, TypeError, IndexError) as e:
+        raise ScrapeError(f"not Prometheus metrics: {e}") from e
     return out
 
 
