@@ -448,6 +448,12 @@ def _plan(run: _Pass, job: Job) -> Plan | None:
         except PlanError as e:
             run.fail("PlanFailed", f"planner pod {name} handed back no usable plan: {e}")
             return None
+        owner = resources.Owner(run.observed.name, run.observed.namespace, run.observed.uid)
+        too_large = resources.oversized(owner, job, plan)
+        if too_large:
+            run.fail("PlanFailed", f"planner pod {name} handed back a plan too large to store "
+                                   f"({too_large}); nothing was made")
+            return None
         run.out.do(CreateJobObjects(job, plan), DeletePod(name),
                    Event("Planned", f"{plan.summary()} plan {plan.fingerprint} from pod {name}"))
         return plan

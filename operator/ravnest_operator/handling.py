@@ -174,7 +174,7 @@ def _load_plan(job: str, namespace: str, uid: str
                                   f"waiting for it to be garbage-collected", delay=5)
     data = cm.data or {}
     planned = data.get(resources.PLANNED_JOB)
-    return Plan.from_dict(json.loads(data["plan.json"])), (
+    return Plan.from_dict(json.loads(data[resources.PLAN_FILE])), (
         json.loads(planned) if planned else None), data.get(resources.AUTHORITY_KEY, "")
 
 

@@ -45,6 +45,10 @@ from .templating import merged
 
 DATA_DIR = "/ravnest"
 METADATA_DIR = "/etc/ravnest"
+PLAN_DIR = "/etc/ravnest-plan"
+"""Where the job's pods mount the plan ConfigMap's plan and job (stored once for all nodes: the
+node metadata names the files, `NodeMetadata.to_dict`)."""
+PLAN_VOLUME = "ravnest-plan"
 TLS_DIR = "/etc/ravnest-tls"
 IDENTITY_DIR = "/etc/ravnest-identity"
 """Where a worker pod mounts its node's identity (`identity_secret`), `identity.json`."""
@@ -74,6 +78,8 @@ RECOVERY_ANNOTATION = "ravnest.io/recovery"
 PROVIDER_ANNOTATION = "ravnest.io/provider"
 """The provider (index into the expanded spec.providers) whose placement a pod has: a worker pod's
 node's own, or the spare's that took its stage over."""
+PLAN_FILE = "plan.json"
+"""In the plan ConfigMap: the plan."""
 PLANNED_JOB = "job.json"
 """In the plan ConfigMap: the job as it was planned."""
 SPARE_LABEL = "ravnest.io/spare"
@@ -246,7 +252,7 @@ def plan_configmap(owner: Owner, plan: Plan, job: Job, authority: bytes = b"") -
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": _meta(owner, plan_configmap_name(owner.name), job_labels(owner.name),
                           {"ravnest.io/plan": plan.fingerprint}),
-        "data": {"plan.json": plan.to_json(), "plan.txt": plan.table() + "\n",
+        "data": {PLAN_FILE: plan.to_json(), "plan.txt": plan.table() + "\n",
                  PLANNED_JOB: json.dumps(job.to_dict(), sort_keys=True),
                  **({AUTHORITY_KEY: authority.hex()} if authority else {})},
     }
@@ -327,7 +333,18 @@ def node_metadata(owner: Owner, job: Job, plan: Plan, node: str,
         identity_file=f"{IDENTITY_DIR}/{IDENTITY_FILE}" if identity else None,
         ring_addresses=({n: address(owner, n, RING_PORT) for n in plan.names()}
                         if _tcp_ring(job) else None),
-        ring_listen=listen_all(RING_PORT)).to_dict()
+        ring_listen=listen_all(RING_PORT)).to_dict(plan_file=f"{PLAN_DIR}/{PLAN_FILE}",
+                                                   job_file=f"{PLAN_DIR}/{PLANNED_JOB}")
+
+
+def _plan_volume(owner: Owner) -> dict[str, Any]:
+    """The plan ConfigMap (its plan and job, as the node metadata names them; no items named:
+    a plan ConfigMap an earlier operator made, without the job, mounts as well, and its nodes'
+    metadata holds the job itself)."""
+    return {"name": PLAN_VOLUME, "configMap": {"name": plan_configmap_name(owner.name)}}
+
+
+PLAN_MOUNT = {"name": PLAN_VOLUME, "mountPath": PLAN_DIR, "readOnly": True}
 
 
 def node_configmap(owner: Owner, job: Job, plan: Plan, node: NodePlan) -> dict[str, Any]:
@@ -414,13 +431,14 @@ def pod(owner: Owner, job: Job, plan: Plan, node: NodePlan, image: str,
         "readinessProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 2},
         "resources": _resources(provider),
         "volumeMounts": [{"name": "node-metadata", "mountPath": METADATA_DIR, "readOnly": True},
-                         {"name": "data", "mountPath": DATA_DIR},
+                         dict(PLAN_MOUNT), {"name": "data", "mountPath": DATA_DIR},
                          {"name": "drain", "mountPath": DRAIN_DIR, "readOnly": True},
                          *_claim_mounts(job)],
     }
     spec = _hardened(container, [{"name": "node-metadata",
                                   "configMap": {"name": pod_name(owner.name, node.name)}},
-                                 _data_volume(job), _drain_volume(node), *_claim_volumes(job)],
+                                 _plan_volume(owner), _data_volume(job), _drain_volume(node),
+                                 *_claim_volumes(job)],
                      hostname=dns_label(node.name), subdomain=service_name(owner.name))
     if job.spec.security.tls:
         _mount_tls(spec, owner, node.name)
@@ -487,10 +505,12 @@ def spare_pod(owner: Owner, job: Job, plan: Plan, provider_index: int,
         "args": ["worker", "--spare", "--metadata", f"{METADATA_DIR}/node.json"],
         "env": [{"name": TORCH_THREADS_ENV, "value": "1"}],
         "resources": _resources(provider),
-        "volumeMounts": [{"name": "node-metadata", "mountPath": METADATA_DIR, "readOnly": True}],
+        "volumeMounts": [{"name": "node-metadata", "mountPath": METADATA_DIR, "readOnly": True},
+                         dict(PLAN_MOUNT)],
     }
     spec = _hardened(container, [{"name": "node-metadata",
-                                  "configMap": {"name": spare_configmap_name(owner.name)}}])
+                                  "configMap": {"name": spare_configmap_name(owner.name)}},
+                                 _plan_volume(owner)])
     _place(spec, provider)
     name = pod_name(owner.name, spare_name(provider_index))
     return merged({"apiVersion": "v1", "kind": "Pod",
@@ -555,11 +575,11 @@ def finisher_pod(owner: Owner, job: Job, plan: Plan, image: str) -> dict[str, An
                  "env": _s3_credentials(job),
                  "resources": copy.deepcopy(out.resources or PLANNER_RESOURCES),
                  "volumeMounts": [{"name": "node-metadata", "mountPath": METADATA_DIR,
-                                   "readOnly": True}, *_claim_mounts(job)]}
+                                   "readOnly": True}, dict(PLAN_MOUNT), *_claim_mounts(job)]}
     root = plan.clusters[0].nodes[0]
     spec = _hardened(container, [{"name": "node-metadata",
                                   "configMap": {"name": pod_name(owner.name, root)}},
-                                 *_claim_volumes(job)],
+                                 _plan_volume(owner), *_claim_volumes(job)],
                      activeDeadlineSeconds=out.timeout_seconds)
     return merged({"apiVersion": "v1", "kind": "Pod",
                    "metadata": _meta(owner, finisher_name(owner.name),
@@ -604,10 +624,30 @@ def static_objects(owner: Owner, job: Job, plan: Plan, token: str, authority: Au
         objects.append(tls_secret(owner, certificates))
     if network_policies:
         objects.append(network_policy(owner, ring=_tcp_ring(job)))
-    if plan.spares:
-        objects.append(spare_configmap(owner, job, plan))
-    return [*objects, *(node_configmap(owner, job, plan, n) for n in plan.nodes),
-            plan_configmap(owner, plan, job, authority.public)]
+    return [*objects, *configmaps(owner, job, plan, authority.public)]
+
+
+def configmaps(owner: Owner, job: Job, plan: Plan, authority: bytes = b"") -> list[dict[str, Any]]:
+    """The job's ConfigMaps in creation order: the spares', one per node, and last the plan's."""
+    return [*([spare_configmap(owner, job, plan)] if plan.spares else []),
+            *(node_configmap(owner, job, plan, n) for n in plan.nodes),
+            plan_configmap(owner, plan, job, authority)]
+
+
+CONFIGMAP_BYTES = (1 << 20) - (16 << 10)
+"""What one ConfigMap's data may hold: the apiserver refuses more than 1 MiB (a margin kept for
+the authority key and the object's metadata)."""
+
+
+def oversized(owner: Owner, job: Job, plan: Plan) -> str | None:
+    """Why the job's ConfigMaps cannot be stored (None: they can), checked before any is made:
+    a plan too large to store would leave those made before it and the job stuck planning."""
+    for cm in configmaps(owner, job, plan):
+        size = sum(len(k) + len(v.encode()) for k, v in cm["data"].items())
+        if size > CONFIGMAP_BYTES:
+            return (f"ConfigMap {cm['metadata']['name']} would hold {size} bytes, more than the "
+                    f"{CONFIGMAP_BYTES} a ConfigMap may")
+    return None
 
 
 def pods(owner: Owner, job: Job, plan: Plan, image: str, attempt: int = 0,

@@ -212,7 +212,7 @@ class FakeKubelet(threading.Thread):
     def _worker_files(self, p: Any, job: str, pod_dir: Path) -> str:
         """A worker pod's node metadata, rewritten for this host: its IP."""
         container = p.spec.containers[0]
-        meta = NodeMetadata.from_dict(json.loads(self._configmap_of(p)["node.json"]))
+        meta = self._metadata_of(p)
         ip = self.ip(job, p.spec.hostname)
         # the gRPC addresses, and the ring data plane's (training.ringTransport: tcp)
         meta = meta.rehosted({n: self.ip(job, dns_label(n)) for n in meta.addresses}, ip)
@@ -234,7 +234,7 @@ class FakeKubelet(threading.Thread):
         """A finishing pod's node metadata (the cluster-0 root's, from its ConfigMap), or a spare
         pod's, with an output folder of its own; it serves nothing, so it needs no address of its
         own."""
-        meta = NodeMetadata.from_dict(json.loads(self._configmap_of(p)["node.json"]))
+        meta = self._metadata_of(p)
         (pod_dir / "data").mkdir(exist_ok=True)
         replace(meta, output_dir=str(pod_dir / "data")).save(pod_dir / "node.json")
         return "127.0.0.1"
@@ -254,6 +254,20 @@ class FakeKubelet(threading.Thread):
         """The data of the ConfigMap the pod mounts (its node metadata, or a planner's job)."""
         name = next(v.config_map.name for v in p.spec.volumes if v.config_map)
         return dict(self.api.read_namespaced_config_map(name, p.metadata.namespace).data)
+
+    def _metadata_of(self, p: Any) -> NodeMetadata:
+        """A pod's node metadata, its plan and job read from the ConfigMaps the pod mounts where
+        the metadata names them (the plan ConfigMap's, at its mount path), as in a real pod."""
+        mounts = {m.mount_path: m.name for m in p.spec.containers[0].volume_mounts or []}
+        volumes = {v.name: v.config_map.name for v in p.spec.volumes if v.config_map}
+
+        def read(path: str) -> str:
+            folder, key = path.rsplit("/", 1)
+            data = self.api.read_namespaced_config_map(volumes[mounts[folder]],
+                                                       p.metadata.namespace).data
+            return str(data[key])
+
+        return NodeMetadata.from_dict(json.loads(self._configmap_of(p)["node.json"]), read=read)
 
     def _data_volume(self, p: Any, job: str, pod_dir: Path) -> Path:
         """The folder behind the pod's data volume: a claim's is one per job and claim, shared by

@@ -407,7 +407,7 @@ def test_providers_removed_from_a_running_job_drain_their_cluster(cluster, tmp_p
     # each node of cluster 0 left after the same round, once; cluster 1's never waited for it: no
     # round of theirs waited out its timeout or was given up, none took it for lost, and every
     # member of a leaving node's rings was told the round after which it goes on without it
-    plan = json.loads(get(kube, "configmap", "shrunk-node-0")["data"]["node.json"])["plan"]
+    plan = json.loads(get(kube, "configmap", "shrunk-plan")["data"]["plan.json"])
     leaving = {n["name"] for n in plan["nodes"] if n["cluster"] == 0}
     logs = {n["name"]: kubelet.log_of(pod_name("shrunk", n["name"])) for n in plan["nodes"]}
     for n in leaving:

@@ -78,7 +78,9 @@ def test_metadata_that_is_not_node_metadata_is_a_spec_error(tmp_path):
 def test_addresses_keep_their_ports_on_other_hosts(job_and_plan):
     job, plan = job_and_plan
     cm = resources.node_configmap(OWNER, job, plan, plan.nodes[0])
-    meta = NodeMetadata.from_dict(json.loads(cm["data"]["node.json"]))
+    shared = resources.plan_configmap(OWNER, plan, job)["data"]
+    meta = NodeMetadata.from_dict(json.loads(cm["data"]["node.json"]),
+                                  read=lambda path: shared[path.rsplit("/", 1)[1]])
     hosts = {n: f"127.1.1.{10 + i}" for i, n in enumerate(plan.names())}
     moved = meta.rehosted(hosts, "127.1.1.10")
     assert moved.listen == "127.1.1.10:50051" and moved.ring_listen == "127.1.1.10:50052"
@@ -102,11 +104,14 @@ def test_the_operators_pods_take_ports_environment_and_metadata_from_the_one_mod
     assert (resources.GRPC_PORT, resources.RING_PORT, resources.METRICS_PORT) == (
         metadata.GRPC_PORT, metadata.RING_PORT, metadata.METRICS_PORT)
     cm = resources.node_configmap(OWNER, job, plan, node)
-    meta = NodeMetadata.from_dict(json.loads(cm["data"]["node.json"]))
+    shared = resources.plan_configmap(OWNER, plan, job)["data"]
+    meta = NodeMetadata.from_dict(json.loads(cm["data"]["node.json"]),
+                                  read=lambda path: shared[path.rsplit("/", 1)[1]])
     assert meta.listen == f"0.0.0.0:{metadata.GRPC_PORT}"
     assert meta.ring_listen == f"0.0.0.0:{metadata.RING_PORT}"
     assert meta.metrics_port == metadata.METRICS_PORT and meta.tls_dir == resources.TLS_DIR
-    assert json.loads(cm["data"]["node.json"]) == json.loads(json.dumps(meta.to_dict()))
+    assert json.loads(cm["data"]["node.json"]) == json.loads(json.dumps(meta.to_dict(
+        plan_file=f"{resources.PLAN_DIR}/plan.json", job_file=f"{resources.PLAN_DIR}/job.json")))
 
 
 def test_no_other_module_spells_out_the_metadata_ports_or_the_workers_environment():

@@ -415,6 +415,22 @@ def test_a_planner_that_hands_back_a_foreign_plan_fails_the_job(digits):
         assert not any(isinstance(a, CreateJobObjects) for a in d.actions)
 
 
+def test_a_plan_too_large_to_store_fails_the_job_before_anything_is_made(digits):
+    """The plan ConfigMap holds the plan and the job: one past the apiserver's 1 MiB was refused
+    after the node ConfigMaps were made, and the job sat in Planning for ever."""
+    _, _, plan = digits
+    big = {"metadata": {"annotations": {"note": "x" * (1 << 20)}}}
+    done = _planner("Succeeded", 0, "Completed", encode(plan))
+    d = decide(_observed(digits, _planning(), pods=[done], plan=False, template=big), NOW,
+               SETTINGS)
+    cond = _conditions(d)["Failed"]
+    assert cond["reason"] == "PlanFailed"
+    assert re.match(r"planner pod digits-planner handed back a plan too large to store "
+                    r"\(ConfigMap digits-plan would hold \d+ bytes, more than the 1032192 a "
+                    r"ConfigMap may\); nothing was made$", cond["message"]), cond["message"]
+    assert not any(isinstance(a, CreateJobObjects | Create) for a in d.actions)
+
+
 def test_a_job_created_suspended_starts_no_planner_until_resumed(digits):
     d = decide(_observed(digits, {}, plan=False, runPolicy={"suspend": True}), NOW, SETTINGS)
     assert d.status["phase"] == "Suspended"

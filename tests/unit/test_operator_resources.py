@@ -110,16 +110,28 @@ def test_each_node_gets_an_identity_only_its_pod_mounts(job_and_plan):
     assert mounted == ["digits-node-2-identity"]
     assert {"name": "identity", "mountPath": resources.IDENTITY_DIR,
             "readOnly": True} in c["volumeMounts"]
-    meta = NodeMetadata.from_dict(json.loads(resources.node_configmap(
-        OWNER, job, plan, node)["data"]["node.json"]))
+    meta = _metadata(job, plan, node)
     assert meta.identity_file == f"{resources.IDENTITY_DIR}/{resources.IDENTITY_FILE}"
+
+
+def _metadata(job, plan, node) -> NodeMetadata:
+    """A node's metadata as its pod reads it: its ConfigMap's, with the plan and job from the
+    plan ConfigMap's files at the path the pod mounts them."""
+    shared = resources.plan_configmap(OWNER, plan, job)["data"]
+    cm = resources.node_configmap(OWNER, job, plan, node)
+
+    def read(path: str) -> str:
+        folder, key = path.rsplit("/", 1)
+        assert folder == resources.PLAN_DIR
+        return shared[key]
+
+    return NodeMetadata.from_dict(json.loads(cm["data"]["node.json"]), read=read)
 
 
 def test_node_metadata_is_what_the_worker_reads(job_and_plan):
     job, plan = job_and_plan
     node = plan.nodes[3]
-    cm = resources.node_configmap(OWNER, job, plan, node)
-    meta = NodeMetadata.from_dict(json.loads(cm["data"]["node.json"]))
+    meta = _metadata(job, plan, node)
     assert meta.node == node.name and meta.plan == plan and meta.job == job
     assert meta.addresses["node_0"] == "node-0.digits-workers.team-a.svc:50051"
     assert meta.namespace == "team-a"
@@ -262,8 +274,7 @@ def test_tls_secret_and_each_pod_mounts_only_its_own_key(job_and_plan):
                                       {"key": "node_2.key", "path": "tls.key"}]
     assert {"name": "tls", "mountPath": resources.TLS_DIR, "readOnly": True} in c["volumeMounts"]
     assert c["readinessProbe"]["tcpSocket"] == {"port": resources.GRPC_PORT}
-    meta = NodeMetadata.from_dict(json.loads(resources.node_configmap(
-        OWNER, job, plan, node)["data"]["node.json"]))
+    meta = _metadata(job, plan, node)
     assert meta.tls_dir == resources.TLS_DIR
 
     plain_job, _ = job_and_plan
@@ -314,8 +325,7 @@ def test_a_tcp_ring_job_opens_the_ring_port_to_its_own_workers_only(job_and_plan
         pod = resources.pod(OWNER, j, plan, plan.nodes[0], "ravnest:test")
         ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
         assert ("ring" in ports) == ring
-        meta = NodeMetadata.from_dict(json.loads(
-            resources.node_configmap(OWNER, j, plan, plan.nodes[0])["data"]["node.json"]))
+        meta = _metadata(j, plan, plan.nodes[0])
         (policy,) = [o for o in resources.static_objects(OWNER, j, plan, "s", AUTHORITY,
                                                          network_policies=True)
                      if o["kind"] == "NetworkPolicy"]
@@ -352,3 +362,38 @@ def test_a_cuda_providers_pod_asks_for_one_gpu_and_says_its_device(digits_doc):
             for i in (0, 1, 2)] == ["cpu", "cuda", "cuda"]
     planner = resources.planner_pod(OWNER, job, "img")["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in json.dumps(planner["resources"])
+
+
+def test_the_plan_is_stored_once_not_in_every_nodes_configmap():
+    """A provider of 100 replicas made 100 node ConfigMaps each holding the whole plan and job
+    (53.8 MB for one job); now they hold their own node's part, and every pod of the job mounts
+    the one plan ConfigMap where the metadata names its files."""
+    doc = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
+    doc["spec"]["providers"] = [{"ram": 4, "replicas": 24}]
+    doc["spec"]["plan"] = {"clusters": 6}
+    job = parse_job(doc)
+    plan = plan_job(job)[0]
+    sizes = [len(json.dumps(resources.node_configmap(OWNER, job, plan, n)))
+             for n in plan.nodes]
+    whole = len(json.dumps(resources.plan_configmap(OWNER, plan, job)))
+    assert len(plan.nodes) == 24 and max(sizes) < whole / 4, (max(sizes), whole)
+    for pod in (resources.pod(OWNER, job, plan, plan.nodes[5], "i"),
+                resources.finisher_pod(OWNER, job, plan, "i")):
+        spec = pod["spec"]
+        assert {"name": "ravnest-plan", "configMap": {"name": "digits-plan"}} in spec["volumes"]
+        assert {"name": "ravnest-plan", "mountPath": "/etc/ravnest-plan",
+                "readOnly": True} in spec["containers"][0]["volumeMounts"]
+    assert _metadata(job, plan, plan.nodes[5]).plan == plan
+
+
+def test_metadata_with_its_plan_written_in_still_loads(job_and_plan, tmp_path):
+    """Node ConfigMaps an earlier operator made (plan and job inline), and the local runner's
+    files, read as before; relative plan files are found beside the metadata."""
+    job, plan = job_and_plan
+    meta = _metadata(job, plan, plan.nodes[0])
+    assert NodeMetadata.from_dict(json.loads(json.dumps(meta.to_dict()))) == meta
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    (tmp_path / "job.json").write_text(json.dumps(job.to_dict()))
+    (tmp_path / "node.json").write_text(json.dumps(meta.to_dict(plan_file="plan.json",
+                                                                job_file="job.json")))
+    assert NodeMetadata.load(tmp_path / "node.json") == meta

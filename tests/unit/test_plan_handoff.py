@@ -100,6 +100,20 @@ def _nodes(plan: Plan, i: int, **changes) -> tuple:
     (lambda p: {"clusters": p.clusters[:1]}, "1 clusters where spec.plan.clusters asks for 2"),
     (lambda p: {"rings": (dataclasses.replace(p.rings[0], members=("node_0", "node_77")),
                           *p.rings[1:])}, "plan.rings[0].members: not nodes of the plan"),
+    (lambda p: {"rings": (dataclasses.replace(p.rings[0], id="r" * 200_000), *p.rings[1:])},
+     "plan.rings[0].id: 'rrrrrrrrrrrrrrrrrrrr' is not ring<number>"),
+    (lambda p: {"rings": (dataclasses.replace(p.rings[0], members=()), *p.rings[1:])},
+     "plan.rings[0].members: none"),
+    (lambda p: {"rings": (dataclasses.replace(p.rings[0], members=p.rings[0].members[::-1]),
+                          *p.rings[1:])}, "not one node per cluster, in cluster order"),
+    (lambda p: {"rings": (dataclasses.replace(p.rings[0], state=("not.a.weight",)),
+                          *p.rings[1:])}, "plan.rings[0].state: not state its members hold"),
+    (lambda p: {"nodes": _nodes(p, 0, state=("w",) * 2)}, "plan.nodes[0].state: a name"),
+    (lambda p: {"planned_clusters": -1}, "plan.planned_clusters: -1"),
+    (lambda p: {"planned_clusters": 99}, "plan.planned_clusters: 99"),
+    (lambda p: {"samples_per_second": float("nan")}, "plan.samples_per_second: nan"),
+    (lambda p: {"nodes": _nodes(p, 1, ram_gb=float("inf"))}, "plan.nodes[1].ram_gb: inf"),
+    (lambda p: {"nodes": _nodes(p, 1, params=-5)}, "plan.nodes[1].params: -5"),
 ])
 def test_a_plan_that_does_not_fit_the_job_is_refused(sorter, change, says):
     _, job, plan = sorter

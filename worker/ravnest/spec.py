@@ -480,10 +480,10 @@ class SecuritySpec(_Model):
     operator, or by `ravnest run`); the job token is checked on top."""
 
 
-RESERVED_VOLUMES = ("node-metadata", "data", "tmp", "tls", "identity", "job", "claim-0",
-                    "claim-1", "drain")
+RESERVED_VOLUMES = ("node-metadata", "ravnest-plan", "data", "tmp", "tls", "identity", "job",
+                    "claim-0", "claim-1", "drain")
 """Volume names of the job's pods the operator sets; a pod template may not reuse them."""
-RESERVED_MOUNTS = ("/etc/ravnest", "/ravnest", "/tmp", "/etc/ravnest-tls",
+RESERVED_MOUNTS = ("/etc/ravnest", "/etc/ravnest-plan", "/ravnest", "/tmp", "/etc/ravnest-tls",
                    "/etc/ravnest-identity", "/etc/ravnest-drain", storing.PVC_ROOT)
 """Mount paths of the job's containers the operator sets (and below `storing.PVC_ROOT`, where
 the claims of ``pvc://`` locations go)."""

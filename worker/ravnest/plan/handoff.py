@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
+import re
 import zlib
 from typing import Any
 
@@ -34,6 +36,8 @@ its table) and every node's."""
 NAME_LIMIT = 256
 """Characters of a layer name the operator takes (they go into the job's status)."""
 ROLES = ("root", "stem", "leaf", "root-leaf")
+RING_ID = re.compile(r"^ring[0-9]{1,6}$")
+"""A ring's id as the planner names it (`planning`): it goes into the plan's table and status."""
 _PLAN = pydantic.TypeAdapter(Plan)
 
 
@@ -79,7 +83,8 @@ def decode(message: str, spec: JobSpec) -> Plan:
 def check(plan: Plan, spec: JobSpec) -> None:
     """Refuse a plan that does not fit the job: each problem named, PlanError."""
     problems = [*_node_problems(plan, len(spec.expanded_providers())),
-                *_cluster_problems(plan, spec.plan.clusters), *_ring_problems(plan)]
+                *_cluster_problems(plan, spec.plan.clusters), *_ring_problems(plan),
+                *_figure_problems(plan)]
     if not problems and plan.fingerprint != fingerprint(plan, identity(spec)):
         problems.append(f"fingerprint {plan.fingerprint!r} is not this job's plan's")
     if problems:
@@ -99,6 +104,8 @@ def _node_problems(plan: Plan, providers: int) -> list[str]:
             out.append(f"{where}: layers {n.start}..{n.end} are not a range")
         if max(len(n.first_layer), len(n.last_layer)) > NAME_LIMIT:
             out.append(f"{where}: a layer name is longer than {NAME_LIMIT} characters")
+        if any(len(name) > NAME_LIMIT for name in n.state) or len(set(n.state)) != len(n.state):
+            out.append(f"{where}.state: a name longer than {NAME_LIMIT} characters, or twice")
     for i, sp in enumerate(plan.spares):
         out += _provider_problems(f"plan.spares[{i}]", sp.name, "spare", sp.provider, providers,
                                   seen)
@@ -155,10 +162,47 @@ def _cluster_problems(plan: Plan, wanted: int | None) -> list[str]:
 
 
 def _ring_problems(plan: Plan) -> list[str]:
-    names = set(plan.names())
+    """Each ring: a planner's id, one node per cluster in cluster order, and state its members
+    all hold."""
+    nodes = {n.name: n for n in plan.nodes}
     ids = [r.id for r in plan.rings]
-    out = [f"plan.rings[{i}].members: not nodes of the plan" for i, r in enumerate(plan.rings)
-           if not set(r.members) <= names or len(set(r.members)) != len(r.members)]
+    out = []
+    for i, r in enumerate(plan.rings):
+        where = f"plan.rings[{i}]"
+        if not RING_ID.match(r.id):
+            out.append(f"{where}.id: {r.id[:20]!r} is not ring<number>")
+        if not r.members:
+            out.append(f"{where}.members: none")
+            continue
+        if not set(r.members) <= set(nodes) or len(set(r.members)) != len(r.members):
+            out.append(f"{where}.members: not nodes of the plan")
+            continue
+        clusters = [nodes[m].cluster for m in r.members]
+        if clusters != sorted(set(clusters)):
+            out.append(f"{where}.members: not one node per cluster, in cluster order")
+        if not r.state or any(not set(r.state) <= set(nodes[m].state) for m in r.members):
+            out.append(f"{where}.state: not state its members hold")
     if len(set(ids)) != len(ids):
         out.append("plan.rings: two rings share an id")
+    return out
+
+
+def _figure_problems(plan: Plan) -> list[str]:
+    """The estimates and sizes: finite and not negative (they go into the job's status); a
+    planner's plan has no clusters added since (`planned_clusters` is the operator's)."""
+    figures = {"model_bytes": plan.model_bytes, "memory_bytes": plan.memory_bytes,
+               "samples_per_second": plan.samples_per_second,
+               **{f"nodes[{i}].{k}": getattr(n, k) for i, n in enumerate(plan.nodes)
+                  for k in ("params", "memory_bytes", "ram_gb", "seconds_per_microbatch")},
+               **{f"clusters[{i}].seconds_per_batch": c.seconds_per_batch
+                  for i, c in enumerate(plan.clusters)},
+               **{f"spares[{i}].ram_gb": sp.ram_gb for i, sp in enumerate(plan.spares)}}
+    out = [f"plan.{k}: {v!r} is not a finite figure of 0 or more" for k, v in figures.items()
+           if not (math.isfinite(v) and v >= 0)]
+    if plan.planned_clusters:
+        out.append(f"plan.planned_clusters: {plan.planned_clusters} (a plan handed back has "
+                   f"no clusters added to it)")
+    if len(plan.kept_whole) > len(plan.nodes) * 1000 or any(
+            len(a) > NAME_LIMIT or len(b) > NAME_LIMIT for a, b in plan.kept_whole):
+        out.append(f"plan.kept_whole: a name or reason longer than {NAME_LIMIT} characters")
     return out

@@ -9,7 +9,7 @@ worker reads and the address helpers live here so that writers and readers canno
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -108,14 +108,26 @@ class NodeMetadata:
     """This node's identity (`ravnest.comm.identity`), which only it may read: the key and
     certificate it proves itself to its peers with. Every worker needs one."""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, plan_file: str | None = None, job_file: str | None = None
+                ) -> dict[str, Any]:
+        """The JSON form. `plan_file`, `job_file`: where the reader finds the plan and the job
+        (JSON files that every node of the job shares: on Kubernetes the plan ConfigMap's, so a
+        job of a hundred nodes stores its plan once, not a hundred times), instead of them
+        written in; a relative path is relative to the metadata file."""
         d: dict[str, Any] = {
             "apiVersion": API_VERSION, "kind": KIND, "node": self.node,
-            "plan": self.plan.to_dict(), "addresses": self.addresses,
+            "addresses": self.addresses,
             "outputDir": self.output_dir, "listen": self.listen,
             "metricsPort": self.metrics_port, "namespace": self.namespace}
+        if plan_file is None:
+            d["plan"] = self.plan.to_dict()
+        else:
+            d["planFile"] = plan_file
         if self.job is not None:
-            d["job"] = self.job.to_dict()
+            if job_file is None:
+                d["job"] = self.job.to_dict()
+            else:
+                d["jobFile"] = job_file
         if self.tls_dir is not None:
             d["tlsDir"] = self.tls_dir
         if self.ring_addresses is not None:
@@ -128,11 +140,17 @@ class NodeMetadata:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> NodeMetadata:
+    def from_dict(cls, d: dict[str, Any],
+                  read: Callable[[str], str] = lambda path: Path(path).read_text()
+                  ) -> NodeMetadata:
+        """The metadata of a JSON form; `read(path)`: the text of a `planFile` or `jobFile`."""
         if d.get("kind") != KIND:
             raise SpecError([f"kind: expected {KIND!r}, got {d.get('kind')!r}"])
-        return cls(job=parse_job(d["job"], template_allow=None) if "job" in d else None,
-                   plan=Plan.from_dict(d["plan"]), node=d["node"],
+        plan = d["plan"] if "plan" in d else json.loads(read(str(d["planFile"])))
+        job = d["job"] if "job" in d else (
+            json.loads(read(str(d["jobFile"]))) if "jobFile" in d else None)
+        return cls(job=parse_job(job, template_allow=None) if job is not None else None,
+                   plan=Plan.from_dict(plan), node=d["node"],
                    addresses=dict(d["addresses"]), output_dir=d["outputDir"],
                    listen=d.get("listen", cls.listen),
                    metrics_port=int(d.get("metricsPort", cls.metrics_port)),
@@ -149,7 +167,8 @@ class NodeMetadata:
     @classmethod
     def load(cls, path: str | Path) -> NodeMetadata:
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
+            return cls.from_dict(json.loads(Path(path).read_text()),
+                                 read=lambda file: (Path(path).parent / file).read_text())
         except SpecError as e:
             raise SpecError([f"{path}: {p}" for p in e.problems]) from e
         except (OSError, ValueError, KeyError) as e:
