@@ -9,7 +9,7 @@ from __future__ import annotations
 import http.client
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -32,32 +32,24 @@ class _DeadlineSocket(socket.socket):
 
     deadline = 0.0
 
-    def _left(self) -> None:
+    def _within(self, op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise ScrapeError(TOO_LONG)
         self.settimeout(left)
+        try:
+            return op(*args, **kwargs)
+        except TimeoutError as e:
+            raise ScrapeError(TOO_LONG) from e
 
     def recv_into(self, *args: Any, **kwargs: Any) -> int:
-        self._left()
-        try:
-            return super().recv_into(*args, **kwargs)
-        except TimeoutError as e:
-            raise ScrapeError(TOO_LONG) from e
+        return int(self._within(super().recv_into, *args, **kwargs))
 
     def recv(self, *args: Any, **kwargs: Any) -> bytes:
-        self._left()
-        try:
-            return super().recv(*args, **kwargs)
-        except TimeoutError as e:
-            raise ScrapeError(TOO_LONG) from e
+        return bytes(self._within(super().recv, *args, **kwargs))
 
     def sendall(self, *args: Any, **kwargs: Any) -> None:
-        self._left()
-        try:
-            super().sendall(*args, **kwargs)
-        except TimeoutError as e:
-            raise ScrapeError(TOO_LONG) from e
+        self._within(super().sendall, *args, **kwargs)
 
 
 class _Connection(http.client.HTTPConnection):
