@@ -113,6 +113,11 @@ class _Pass:
         return timestamp(self.now)
 
     @property
+    def owner(self) -> resources.Owner:
+        """The job, as the objects it owns name it."""
+        return resources.Owner(self.observed.name, self.observed.namespace, self.observed.uid)
+
+    @property
     def run_policy(self) -> dict[str, Any]:
         return dict(self.observed.spec.get("runPolicy") or {})
 
@@ -435,7 +440,7 @@ def _plan(run: _Pass, job: Job) -> Plan | None:
         _planning(run, f"waiting for the earlier planner pod {name} to be deleted")
         return None
     if found is None:
-        owner = resources.Owner(run.observed.name, run.observed.namespace, run.observed.uid)
+        owner = run.owner
         run.out.do(Create(resources.planner_configmap(owner, job)),
                    Create(resources.planner_pod(owner, job, run.settings.worker_image)),
                    Event("Planning", f"planner pod {name} started"))
@@ -448,7 +453,7 @@ def _plan(run: _Pass, job: Job) -> Plan | None:
         except PlanError as e:
             run.fail("PlanFailed", f"planner pod {name} handed back no usable plan: {e}")
             return None
-        owner = resources.Owner(run.observed.name, run.observed.namespace, run.observed.uid)
+        owner = run.owner
         too_large = resources.oversized(owner, job, plan)
         if too_large:
             run.fail("PlanFailed", f"planner pod {name} handed back a plan too large to store "
@@ -667,7 +672,7 @@ def _create_missing(run: _Pass, job: Job, plan: Plan, obs: Observation, restarts
                     spares: _Spares) -> None:
     """Create the worker pods that are missing (as this attempt's and their cluster's recovery's;
     placed as the spare that took a node over, if one did) and the spares' pods."""
-    owner = resources.Owner(run.observed.name, run.observed.namespace, run.observed.uid)
+    owner = run.owner
     gone = elastic.gone_nodes(plan, run.drained)
     for node in plan.nodes:
         if node.name in obs.nodes and obs.nodes[node.name].phase == "Missing":
@@ -834,7 +839,7 @@ def _finish(run: _Pass, job: Job, plan: Plan, phase: str,
         _finishing(run, conditions, f"waiting for the earlier finishing pod {name} to be deleted")
         return
     if found is None:
-        owner = resources.Owner(run.observed.name, run.observed.namespace, run.observed.uid)
+        owner = run.owner
         run.out.do(Create(resources.finisher_pod(owner, job, plan, run.settings.worker_image)),
                    Event("Finishing", f"finishing pod {name} writes the outputs to {uri}"))
         _finishing(run, conditions, f"finishing pod {name} started")

@@ -751,14 +751,14 @@ def parse_job(document: Any, *, template_allow: Collection[str] | None = ()) -> 
         raise SpecError([f"<document>: must be a mapping (a RavnestJob), got {got}"])
     _bounded(document)
     job = parse_section(Job, document)
-    if template_allow is not None and job.spec.template is not None:
+    if template_allow is None:
+        return job
+    found: list[podsecurity.Problem] = []
+    if job.spec.template is not None:
         template = job.spec.template.model_dump(by_alias=True, exclude_none=True)
-        found: list[podsecurity.Problem] = [
-            (("spec", "template", *loc), what)
-            for loc, what in podsecurity.problems(template, template_allow)]
-    else:
-        found = []
-    if template_allow is not None and job.spec.checkpoint.volume is not None:
+        found += [(("spec", "template", *loc), what)
+                  for loc, what in podsecurity.problems(template, template_allow)]
+    if job.spec.checkpoint.volume is not None:
         found += [(("spec", "checkpoint", "volume", *loc), what) for loc, what in
                   podsecurity.volume_problems(job.spec.checkpoint.volume, template_allow)]
     if found:

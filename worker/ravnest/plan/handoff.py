@@ -204,5 +204,6 @@ def _figure_problems(plan: Plan) -> list[str]:
                    f"no clusters added to it)")
     if len(plan.kept_whole) > len(plan.nodes) * 1000 or any(
             len(a) > NAME_LIMIT or len(b) > NAME_LIMIT for a, b in plan.kept_whole):
-        out.append(f"plan.kept_whole: a name or reason longer than {NAME_LIMIT} characters")
+        out.append(f"plan.kept_whole: more than 1000 entries a node, or a name or reason "
+                   f"longer than {NAME_LIMIT} characters")
     return out

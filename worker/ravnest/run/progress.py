@@ -54,7 +54,7 @@ class _DeadlineSocket(socket.socket):
 
 class _Connection(http.client.HTTPConnection):
     def __init__(self, host: str, port: int, deadline: float) -> None:
-        super().__init__(host, port, timeout=max(0.001, deadline - time.monotonic()))
+        super().__init__(host, port)  # (no timeout of its own: connect bounds each step)
         self.deadline = deadline
 
     def connect(self) -> None:
