@@ -44,6 +44,15 @@ class DeletePod:
 
 
 @dataclass(frozen=True)
+class Delete:
+    """Delete an object this pass made (a Pod with its own grace period, as `DeletePod`): a pass
+    whose object the apiserver refused leaves nothing of itself half made. One already gone is
+    not an error."""
+    kind: str
+    name: str
+
+
+@dataclass(frozen=True)
 class GrowJob:
     """Providers were added to a running job (issue 20, grow): create the ConfigMaps of the new
     `nodes`, replace the others' with the grown plan, then replace the plan ConfigMap's plan and
@@ -120,9 +129,9 @@ class CountFinished:
     started: str | None
 
 
-Action = (SetStatus | CreateJobObjects | Create | GrowJob | DeletePod | AnnotatePod | DeleteJob
-          | Event | ScrapeProgress | CountRestart | CountRecovery | CountTakeover | CountDrain
-          | CountRunning | CountFinished)
+Action = (SetStatus | CreateJobObjects | Create | GrowJob | DeletePod | Delete | AnnotatePod
+          | DeleteJob | Event | ScrapeProgress | CountRestart | CountRecovery | CountTakeover
+          | CountDrain | CountRunning | CountFinished)
 
 
 @dataclass

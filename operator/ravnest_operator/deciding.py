@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ from .actions import (
     Create,
     CreateJobObjects,
     Decision,
+    Delete,
     DeleteJob,
     DeletePod,
     Event,
@@ -45,6 +47,7 @@ from .actions import (
     ScrapeProgress,
 )
 from .planning import PlannerPod
+from .refusals import Refusal
 from .settings import Settings
 from .statuses import Observation, observe, parse_time, timestamp
 
@@ -93,6 +96,9 @@ class Observed:
     when providers were added (`added`), the one time it is needed."""
     pods: tuple[dict[str, Any], ...] = field(default_factory=tuple)
     """The job's pods, as the API returns them."""
+    disrupted: Mapping[str, str] = field(default_factory=dict)
+    """Pods the operator saw disrupted (evicted, preempted: `statuses.disruption`) that may be
+    gone by now, by name: their loss is a disruption, not a failure."""
 
 
 @dataclass
@@ -144,7 +150,31 @@ def decide(observed: Observed, now: dt.datetime, settings: Settings) -> Decision
     """Move one job one step towards its goal: the status fields and actions, in order. The
     status says which generation of the spec the pass acted on (status.observedGeneration), and
     each condition it set or changed, which generation that was (its observedGeneration)."""
-    out = _decide(observed, now, settings)
+    return _stamped(observed, _decide(observed, now, settings))
+
+
+REFUSED = "Refused"
+"""The reason a job fails with when the apiserver refused an object made for it."""
+
+
+def decide_refused(observed: Observed, now: dt.datetime, settings: Settings, refusal: Refusal,
+                   made: Sequence[tuple[str, str]]) -> Decision:
+    """The pass that `decide` began ends here when the apiserver refused an object it made
+    (`refusals.refusal`: sending it again cannot change the answer): the job fails, its Failed
+    condition and a Warning Event naming the object and the fields refused; the objects this
+    pass made (`made`: kind and name, in the order made) are deleted, newest first, so nothing of
+    it is left half made, but for its Secrets: the operator may create a Secret and nothing
+    more (it never reads or deletes one), and the job's go when the job is deleted; and the job's
+    pods go as runPolicy.cleanPodPolicy says. The status the pass had set so far is not written:
+    this decision's is the pass's whole status."""
+    run = _Pass(observed, now, settings, dict(observed.status))
+    run.fail(REFUSED, refusal.said())
+    run.out.do(*(Delete(kind, name) for kind, name in reversed(made) if kind != "Secret"))
+    run.clean(run.run_policy.get("cleanPodPolicy", "Running"))
+    return _stamped(observed, run.out)
+
+
+def _stamped(observed: Observed, out: Decision) -> Decision:
     generation = observed.generation
     if generation is None:
         return out
@@ -420,6 +450,24 @@ def _planned(run: _Pass, job: Job, plan: Plan) -> None:
         run.out.do(Event("NoDurableCheckpoints", NOT_DURABLE, warning=True))
 
 
+def rest(status: Mapping[str, Any], spec: Mapping[str, Any], now: dt.datetime,
+         interval: float) -> float:
+    """Seconds until a job needs its next timed pass (`ticking`): `interval` while it is not
+    finished; a finished one only when its runPolicy.ttlSecondsAfterFinished ends (at once if it
+    has), else never (math.inf: nothing happens to it until it changes)."""
+    if status.get("phase") not in FINISHED:
+        return interval
+    ttl = (spec.get("runPolicy") or {}).get("ttlSecondsAfterFinished")
+    done = status.get("completionTime")
+    if not isinstance(ttl, int | float) or isinstance(ttl, bool) or not isinstance(done, str):
+        return math.inf
+    try:
+        ends = parse_time(done) + dt.timedelta(seconds=ttl)
+    except (ValueError, OverflowError):
+        return math.inf
+    return max((ends - now).total_seconds(), 0.0)
+
+
 def _expire(run: _Pass) -> None:
     """A finished job is deleted once ttlSecondsAfterFinished has passed since it finished."""
     ttl = run.run_policy.get("ttlSecondsAfterFinished")
@@ -517,7 +565,7 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
         run.out.set({"conditions": conditions})
     restarts = int(run.status.get("restarts", 0))
     recoveries = _cluster_recoveries(run.status, plan)
-    obs = observe(run.observed.name, plan, list(run.observed.pods))
+    obs = observe(run.observed.name, plan, list(run.observed.pods), run.observed.disrupted)
     rejoining = _still_rejoining(run, plan, obs, recoveries)
     runs_on = _runs_on(run.status, job, plan)
     spares = _Spares.of(run, job, plan, runs_on)
@@ -642,6 +690,7 @@ def _recover(run: _Pass, plan: Plan, obs: Observation, after: supervising.AfterL
     rejoining = rejoining | {cluster}
     run.out.set({"recoveries": after.memory.recoveries,
                  "lastFailures": after.memory.last_failures(),
+                 "disruptions": after.memory.disruptions(),
                  "clusterRecoveries": [recoveries.get(i, 0)
                                        for i in range(max(recoveries) + 1)],
                  "rejoining": sorted(rejoining),
@@ -816,6 +865,7 @@ def _restart(run: _Pass, job: Job, obs: Observation, after: supervising.AfterLos
     text = after.said(taken, resumes=_resumes(job))
     run.out.set({"restarts": after.memory.restarts, "phase": Phase.RESTARTING, "rejoining": [],
                  "clusterRecoveries": [], "lastFailures": after.memory.last_failures(),
+                 "disruptions": after.memory.disruptions(),
                  "conditions": supervising.on_loss(conditions, after, text, run.at)})
     run.out.do(Event("Restarting", after.failure, warning=True), CountRestart())
 

@@ -1,10 +1,11 @@
 """kopf handlers: the glue between Kubernetes and the operator's decisions (`deciding`).
 
-Each pass over a RavnestJob, run on every change and on a timer, reads what exists (the job's plan
-ConfigMap and pods), lets `deciding.decide` choose the next step and carries its actions out, so an
-operator restarted at any point adopts what is there and creates no duplicates. Planning runs in
-kopf's handler thread, never on the event loop. Objects are owned by the job, so deleting it
-garbage-collects them.
+Each pass over a RavnestJob, run on every change and every few seconds (`ticking`), reads what
+exists (the job's plan ConfigMap and pods), lets `deciding.decide` choose the next step and carries
+its actions out, so an operator restarted at any point adopts what is there and creates no
+duplicates. Passes run in threads, never on kopf's event loop. Objects are owned by the job, so
+deleting it garbage-collects them; the job carries no finalizer, so deleting it never waits for
+an operator.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -42,6 +44,7 @@ from .actions import (
     CountTakeover,
     Create,
     CreateJobObjects,
+    Delete,
     DeleteJob,
     DeletePod,
     Event,
@@ -50,10 +53,22 @@ from .actions import (
     SetStatus,
 )
 from .crds import GROUP, PLURAL, VERSION
-from .deciding import FINISHED, Observed, added_providers, as_planned, decide, removed_providers
+from .deciding import (
+    FINISHED,
+    Observed,
+    added_providers,
+    as_planned,
+    decide,
+    decide_refused,
+    removed_providers,
+    rest,
+)
+from .disruptions import Disrupted
+from .refusals import Refusal, refusal
 from .scraping import Scrapes
 from .settings import Settings
 from .statuses import progress
+from .ticking import Ticker, Tracked
 
 SETTINGS = Settings.from_env(os.environ)
 """The operator's settings, read from its environment once, when kopf imports this module."""
@@ -86,14 +101,17 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     except kubernetes.config.ConfigException:
         kubernetes.config.load_kube_config()
     settings.posting.level = logging.INFO
-    # A job deleted while its timer is mid-reconcile keeps kopf's finalizer until the timer has
-    # exited; kopf re-checks only every 60 s by default, so `kubectl delete` would hang that long.
-    settings.background.cancellation_polling = 1.0
     if not SETTINGS.signing_key_file:
         logging.getLogger(__name__).warning(
             "RAVNEST_SIGNING_KEY_FILE is not set: the jobs' identities come from a key made now, "
             "so a job planned before this operator restarts cannot grow after it")
     monitoring.serve(SETTINGS.metrics_port)
+    TICKER.start()  # (here: its passes post Events in kopf's context)
+
+
+@kopf.on.cleanup()
+def stop_ticking(**_: Any) -> None:
+    TICKER.stop()
 
 
 @kopf.on.probe(id="apiserver")
@@ -106,24 +124,67 @@ def _core() -> kubernetes.client.CoreV1Api:
     return kubernetes.client.CoreV1Api()
 
 
-def _create(obj: dict[str, Any]) -> bool:
-    """Create an object; False if it already exists (idempotent)."""
-    api = _core()
-    ns = obj["metadata"]["namespace"]
-    create: Any = {"Service": api.create_namespaced_service,
-                   "Secret": api.create_namespaced_secret,
-                   "ConfigMap": api.create_namespaced_config_map,
-                   "Pod": api.create_namespaced_pod,
-                   "NetworkPolicy": kubernetes.client.NetworkingV1Api(
-                       api.api_client).create_namespaced_network_policy}[obj["kind"]]
+class Refused(Exception):
+    """The apiserver refused an object of the pass (`refusals.refusal`): the pass ends, and
+    `reconcile` fails the job (`deciding.decide_refused`)."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.said())
+        self.refusal = refusal
+
+
+def _refused_or_retried(e: ApiException, kind: str, name: str, doing: str) -> Exception:
+    """What an API error on making an object ends the pass with: Refused, or a retry."""
+    refused = refusal(kind, name, e.status, e.reason, e.body)
+    if refused is not None:
+        return Refused(refused)
+    return kopf.TemporaryError(f"{doing} {kind} {name}: {e.status} {e.reason}", delay=5)
+
+
+def _api(kind: str, verb: str) -> Any:
+    """The client method that does `verb` (create, delete) to the job's objects of `kind`
+    (named one by one: tests/integration/deriving_rbac.py reads the chart's RBAC off them)."""
+    core = _core()
+    net = kubernetes.client.NetworkingV1Api(core.api_client)
+    policy = kubernetes.client.PolicyV1Api(core.api_client)
+    methods: dict[str, dict[str, Any]] = {
+        "create": {"Service": core.create_namespaced_service,
+                   "Secret": core.create_namespaced_secret,
+                   "ConfigMap": core.create_namespaced_config_map,
+                   "Pod": core.create_namespaced_pod,
+                   "NetworkPolicy": net.create_namespaced_network_policy,
+                   "PodDisruptionBudget": policy.create_namespaced_pod_disruption_budget},
+        "delete": {"Service": core.delete_namespaced_service,
+                   "ConfigMap": core.delete_namespaced_config_map,
+                   "NetworkPolicy": net.delete_namespaced_network_policy,
+                   "PodDisruptionBudget": policy.delete_namespaced_pod_disruption_budget}}
+    return methods[verb][kind]
+
+
+def _create(obj: dict[str, Any], made: list[tuple[str, str]]) -> bool:
+    """Create an object (noted in `made`); False if it already exists (idempotent)."""
+    kind, name = obj["kind"], obj["metadata"]["name"]
     try:
-        create(ns, obj)
+        _api(kind, "create")(obj["metadata"]["namespace"], obj)
     except ApiException as e:
         if e.status == 409:
             return False
-        raise kopf.TemporaryError(f"creating {obj['kind']} {obj['metadata']['name']}: "
-                                  f"{e.status} {e.reason}", delay=5) from e
+        raise _refused_or_retried(e, kind, name, "creating") from e
+    made.append((kind, name))
     return True
+
+
+def _delete(kind: str, name: str, namespace: str) -> None:
+    """Delete an object this pass made; one already gone is not an error."""
+    if kind == "Pod":
+        _delete_pod(name, namespace)
+        return
+    try:
+        _api(kind, "delete")(name, namespace)
+    except ApiException as e:
+        if e.status != 404:
+            raise kopf.TemporaryError(f"deleting {kind} {name}: {e.status} {e.reason}",
+                                      delay=5) from e
 
 
 def _delete_pod(name: str, namespace: str) -> None:
@@ -178,16 +239,16 @@ def _load_plan(job: str, namespace: str, uid: str
         json.loads(planned) if planned else None), data.get(resources.AUTHORITY_KEY, "")
 
 
-def _grow(owner: resources.Owner, action: GrowJob) -> None:
+def _grow(owner: resources.Owner, action: GrowJob, made: list[tuple[str, str]]) -> None:
     """The new nodes' ConfigMaps; the running nodes' replaced with the grown plan (a pod made
     again, alone or with the whole job, takes the new nodes into its rings; a running worker does
     not read it again); last the plan ConfigMap's (a pass that stopped half-way is done again)."""
     authority = _authority(owner)
     for name in action.nodes:
-        _create(resources.identity_secret(owner, authority.issue(name)))
+        _create(resources.identity_secret(owner, authority.issue(name)), made)
     for node in action.plan.nodes:
         cm = resources.node_configmap(owner, action.job, action.plan, node)
-        if node.name not in action.nodes or not _create(cm):
+        if node.name not in action.nodes or not _create(cm, made):
             _replace(cm)
     _replace(resources.plan_configmap(owner, action.plan, action.job, authority.public))
 
@@ -197,9 +258,8 @@ def _replace(cm: dict[str, Any]) -> None:
     try:
         update(cm["metadata"]["name"], cm["metadata"]["namespace"], cm)
     except ApiException as e:
-        raise kopf.TemporaryError(f"growing the plan: replacing ConfigMap "
-                                  f"{cm['metadata']['name']}: {e.status} {e.reason}",
-                                  delay=5) from e
+        raise _refused_or_retried(e, "ConfigMap", cm["metadata"]["name"],
+                                  "growing the plan: replacing") from e
 
 
 def _delete_job(name: str, namespace: str) -> None:
@@ -250,16 +310,18 @@ def _observe(body: dict[str, Any], spec: dict[str, Any], status: dict[str, Any],
     now = job
     job, changed = as_planned(job, planned)
     added = added_providers(now, job, changed)
+    pods = _pods(name, namespace, uid)
     return replace(seen, job=job, plan=plan, changed=changed,
                    removed=removed_providers(now, job, changed), added=added,
-                   edited=now if added else None, pods=tuple(_pods(name, namespace, uid)),
+                   edited=now if added else None, pods=tuple(pods),
+                   disrupted=DISRUPTED.of(uid, pods),
                    signs=not added or issuer == _authority(
                        resources.Owner(name, namespace, uid)).public.hex())
 
 
 def _carry_out(action: Action, body: dict[str, Any], patch: kopf.Patch,
-               owner: resources.Owner) -> None:
-    """Do one step of a decision."""
+               owner: resources.Owner, made: list[tuple[str, str]]) -> None:
+    """Do one step of a decision (`made`: the objects the pass made, each noted as made)."""
     if isinstance(action, SetStatus):
         patch.status.update(action.fields)
     elif isinstance(action, CreateJobObjects):
@@ -267,20 +329,21 @@ def _carry_out(action: Action, body: dict[str, Any], patch: kopf.Patch,
         for obj in resources.static_objects(owner, action.job, action.plan,
                                             secrets.token_hex(16), _authority(owner), tls,
                                             SETTINGS.network_policies):
-            _create(obj)
+            _create(obj, made)
     elif isinstance(action, Create):
-        _create(dict(action.manifest))
+        _create(dict(action.manifest), made)
     elif isinstance(action, DeletePod):
         _delete_pod(action.name, owner.namespace)
+    elif isinstance(action, Delete):
+        _delete(action.kind, action.name, owner.namespace)
     elif isinstance(action, GrowJob):
-        _grow(owner, action)
+        _grow(owner, action, made)
     elif isinstance(action, AnnotatePod):
         _annotate_pod(action.name, owner.namespace, action.key, action.value)
     elif isinstance(action, DeleteJob):
         _delete_job(owner.name, owner.namespace)
     elif isinstance(action, Event):
-        post = kopf.warn if action.warning else kopf.info
-        post(kopf.Body(cast(kopf.RawBody, body)), reason=action.reason, message=action.message)
+        _post_event(body, action)
     elif isinstance(action, ScrapeProgress):
         patch.status["progress"] = {**action.base,
                                     **_scraped(owner.uid, action.hosts, action.started)}
@@ -298,14 +361,52 @@ def _carry_out(action: Action, body: dict[str, Any], patch: kopf.Patch,
         monitoring.finished(action.previous, action.phase, action.started)
 
 
+EVENT_CHARS = 1024
+"""At most this much of an Event's message is posted (as kopf's poster did)."""
+COMPONENT = "ravnest-operator"
+
+
+def _post_event(body: dict[str, Any], event: Event) -> None:
+    """A core v1 Event on the job, posted by the pass itself (its thread may be the ticker's,
+    outside kopf's context); one the apiserver does not take is logged, never fatal."""
+    meta = body["metadata"]
+    now = dt.datetime.now(dt.UTC)
+    message = event.message if len(event.message) <= EVENT_CHARS else (
+        event.message[:EVENT_CHARS - 3] + "...")
+    try:
+        _core().create_namespaced_event(meta["namespace"], kubernetes.client.CoreV1Event(
+            metadata=kubernetes.client.V1ObjectMeta(generate_name=f"{meta['name']}.",
+                                                    namespace=meta["namespace"]),
+            involved_object=kubernetes.client.V1ObjectReference(
+                api_version=body.get("apiVersion"), kind=body.get("kind"), name=meta["name"],
+                namespace=meta["namespace"], uid=meta.get("uid")),
+            reason=event.reason, message=message,
+            type="Warning" if event.warning else "Normal",
+            source=kubernetes.client.V1EventSource(component=COMPONENT),
+            reporting_component=COMPONENT, reporting_instance=socket.gethostname()[:128],
+            first_timestamp=now, last_timestamp=now, count=1))
+    except ApiException as e:
+        logging.getLogger(__name__).warning("job %s/%s: Event %s not posted: %s %s",
+                                            meta["namespace"], meta["name"], event.reason,
+                                            e.status, e.reason)
+
+
 def reconcile(body: dict[str, Any], spec: dict[str, Any], status: dict[str, Any], name: str,
               namespace: str, uid: str, patch: kopf.Patch) -> None:
     """Move one job one step towards its goal: observe, decide, carry out."""
     observed = _observe(body, spec, status, name, namespace, uid)
-    decision = decide(observed, dt.datetime.now(dt.UTC), SETTINGS)
+    now = dt.datetime.now(dt.UTC)
+    decision = decide(observed, now, SETTINGS)
     owner = resources.Owner(name, namespace, uid)
-    for action in decision.steps:
-        _carry_out(action, body, patch, owner)
+    made: list[tuple[str, str]] = []
+    try:
+        for action in decision.steps:
+            _carry_out(action, body, patch, owner, made)
+    except Refused as e:
+        logging.getLogger(__name__).warning("job %s/%s: %s", namespace, name, e)
+        patch.pop("status", None)  # (the pass's status so far: this decision's replaces it)
+        for action in decide_refused(observed, now, SETTINGS, e.refusal, made).steps:
+            _carry_out(action, body, patch, owner, [])
 
 
 _locks: dict[str, threading.Lock] = {}
@@ -336,52 +437,86 @@ def _write_status(name: str, namespace: str, status: dict[str, Any]) -> None:
         _content_type="application/merge-patch+json")
 
 
-def _reconcile_once(kwargs: dict[str, Any], wait: bool) -> None:
-    """Change handlers and the timer share one lock per job: passes never overlap. Each pass
+def _reconcile_once(kwargs: dict[str, Any], wait: bool) -> float | None:
+    """Change handlers and the ticker share one lock per job: passes never overlap. Each pass
     reads the job as it is now and writes its status before the next pass begins: the body kopf
     hands a handler can be older than the status the last pass wrote (kopf applies a handler's
     patch after it returns, and sees it only when the watch brings it back), and a pass deciding
     on an older status than its plan and pods would take its own doing for a fault (pods it just
     created as stale, a cluster it just restarted or added as lost) and restart that cluster
-    again."""
+    again. Seconds until the job's next timed pass (`deciding.rest`), or None when the job is
+    gone (or is another job of its name now)."""
     lock = _lock(kwargs["uid"])
     if not lock.acquire(blocking=wait):
-        return
+        return SETTINGS.reconcile_interval
     name, namespace = kwargs["name"], kwargs["namespace"]
     try:
         body = _current(name, namespace, kwargs["uid"])
         if body is None:
-            return  # deleted since: its deletion handler follows
+            return None  # deleted since
         status = dict(body.get("status") or {})
+        spec = dict(body.get("spec") or {})
         patch = kopf.Patch()
         with monitoring.reconciling():
-            reconcile(body, dict(body.get("spec") or {}), status, name, namespace,
-                      kwargs["uid"], patch)
+            reconcile(body, spec, status, name, namespace, kwargs["uid"], patch)
             if patch.get("status"):
                 _write_status(name, namespace, finite(status, patch["status"]))
     finally:
         lock.release()
-    phase = patch.status.get("phase") or status.get("phase")
-    if phase in FINISHED:
+    after = {**status, **patch.get("status", {})}
+    if after.get("phase") in FINISHED:
         SCRAPES.forget(kwargs["uid"])
-    monitoring.observe_phase(namespace, name, phase)
+    monitoring.observe_phase(namespace, name, after.get("phase"))
+    return rest(after, spec, dt.datetime.now(dt.UTC), SETTINGS.reconcile_interval)
+
+
+def _tick(job: Tracked) -> float | None:
+    """The ticker's pass over a job (none while another of its passes runs)."""
+    kwargs = {"uid": job.uid, "name": job.name, "namespace": job.namespace}
+    due = _reconcile_once(kwargs, wait=False)
+    if due is None:
+        _gone(kwargs)
+    return due
+
+
+TICKER = Ticker(SETTINGS.reconcile_interval, _tick)
+"""Every job's pass every reconcile_interval seconds, between its changes (`ticking`: kopf's
+timers would put a finalizer on the job, and a job deleted while no operator runs would hang)."""
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 def on_change(**kwargs: Any) -> None:
-    _reconcile_once(kwargs, wait=True)
-
-
-@kopf.timer(GROUP, VERSION, PLURAL, interval=SETTINGS.reconcile_interval, sharp=False)
-def on_timer(**kwargs: Any) -> None:
-    _reconcile_once(kwargs, wait=False)
+    TICKER.track(Tracked(kwargs["uid"], kwargs["name"], kwargs["namespace"]))
+    if _reconcile_once(kwargs, wait=True) is None:
+        _gone(kwargs)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
 def on_delete(**kwargs: Any) -> None:
-    monitoring.forget(kwargs["namespace"], kwargs["name"])
+    _gone(kwargs)
+
+
+DISRUPTED = Disrupted()
+"""The job's pods seen disrupted, until its passes have seen them gone (`disruptions`)."""
+
+
+@kopf.on.event("", "v1", "pods", labels={resources.JOB_LABEL: kopf.PRESENT})
+def on_pod(body: kopf.Body, **_: Any) -> None:
+    """Every change of a job's pod, its deletion included: a disrupted one (evicted, preempted)
+    is noted, and its job's pass runs now, while the pod may still be there to be seen."""
+    job = DISRUPTED.note(cast(dict[str, Any], dict(body)))
+    if job is not None:
+        TICKER.poke(job)
+
+
+def _gone(kwargs: dict[str, Any]) -> None:
+    """Forget a job deleted (or replaced by another of its name): no deletion waits on this
+    (no finalizer), so a job deleted while no operator ran is forgotten by its first pass."""
+    TICKER.forget(kwargs["uid"])
     SCRAPES.forget(kwargs["uid"])
+    DISRUPTED.forget(kwargs["uid"])
     with _locks_guard:
         _locks.pop(kwargs["uid"], None)
+    monitoring.forget(kwargs["namespace"], kwargs["name"])  # (a new job's next pass sets it)

@@ -82,6 +82,8 @@ PLAN_FILE = "plan.json"
 """In the plan ConfigMap: the plan."""
 PLANNED_JOB = "job.json"
 """In the plan ConfigMap: the job as it was planned."""
+JOB_LABEL = "ravnest.io/job"
+"""The label every object of a job carries, its value the job's name."""
 SPARE_LABEL = "ravnest.io/spare"
 """On a spare pod: the provider it holds."""
 DRAIN_ANNOTATION = "ravnest.io/drain"
@@ -192,6 +194,23 @@ def service(owner: Owner) -> dict[str, Any]:
                  "selector": {"ravnest.io/job": owner.name},
                  "ports": [{"name": "grpc", "port": GRPC_PORT, "targetPort": GRPC_PORT},
                            {"name": "metrics", "port": METRICS_PORT, "targetPort": METRICS_PORT}]},
+    }
+
+
+def disruption_budget(owner: Owner, plan: Plan) -> dict[str, Any]:
+    """The job's PodDisruptionBudget: voluntary disruptions (a drain's evictions) take its
+    worker pods one at a time, and none while one of them is not ready (a pipeline stalls on any
+    lost worker: each eviction restarts a cluster, or the job, from what it holds). An eviction is
+    a disruption, not a failure: backoffLimit does not count it. minAvailable, a count of the
+    plan's workers (a percentage or maxUnavailable needs the pods' owner to have a scale
+    subresource: without one the disruption controller counts no pod, and the budget holds
+    nothing back)."""
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": _meta(owner, f"{owner.name}-workers", job_labels(owner.name)),
+        "spec": {"minAvailable": max(len(plan.nodes) - 1, 0),
+                 "selector": {"matchLabels": {JOB_LABEL: owner.name,
+                                              "app.kubernetes.io/component": "worker"}}},
     }
 
 
@@ -612,11 +631,12 @@ def _mount_tls(spec: dict[str, Any], owner: Owner, node: str) -> None:
 def static_objects(owner: Owner, job: Job, plan: Plan, token: str, authority: Authority,
                    certificates: dict[str, TlsMaterial] | None = None,
                    network_policies: bool = False) -> list[dict[str, Any]]:
-    """Everything but the pods, in creation order: Service, Secrets (the token, each node's
-    identity from `authority`, the TLS material), NetworkPolicy, one ConfigMap per node, and last
-    the plan ConfigMap, whose existence marks the job planned (so an operator that died half-way
-    creates the rest again). `certificates`: node -> its TLS material, when the job uses TLS."""
-    objects = [service(owner), token_secret(owner, token),
+    """Everything but the pods, in creation order: Service, PodDisruptionBudget, Secrets (the
+    token, each node's identity from `authority`, the TLS material), NetworkPolicy, one ConfigMap
+    per node, and last the plan ConfigMap, whose existence marks the job planned (so an operator
+    that died half-way creates the rest again). `certificates`: node -> its TLS material, when
+    the job uses TLS."""
+    objects = [service(owner), disruption_budget(owner, plan), token_secret(owner, token),
                *(identity_secret(owner, authority.issue(n)) for n in plan.names())]
     if job.spec.security.tls:
         if certificates is None or set(certificates) != set(plan.names()):

@@ -18,7 +18,7 @@ class Settings:
     worker_image: str = "ravnest:latest"
     """The worker pods' image (RAVNEST_WORKER_IMAGE); default ravnest:latest."""
     reconcile_interval: float = 2.0
-    """Seconds between the timer's passes over each job (RAVNEST_RECONCILE_INTERVAL); default 2."""
+    """Seconds between the ticker's passes over each job (RAVNEST_RECONCILE_INTERVAL); default 2."""
     network_policies: bool = False
     """Whether each job gets a NetworkPolicy (RAVNEST_NETWORK_POLICIES=true); default off."""
     metrics_port: int = 8080

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,10 +46,13 @@ class NodeState:
     failed worker's error, or its log's last line when it died without one)."""
     ending: Ending = NOT_ENDED
     """How its container ended (`termination.of_pod`)."""
+    disrupted: str = ""
+    """Why the pod was disrupted (`disruption`), when it was."""
 
     def seen(self, node: str) -> Seen:
         """The node as the supervisor's rules (`ravnest.run.supervising`) take it."""
-        return Seen(node, self.cluster, NodePhase.of(self.phase), self.ending, self.deleting)
+        return Seen(node, self.cluster, NodePhase.of(self.phase), self.ending, self.deleting,
+                    self.disrupted)
 
     def failure(self) -> str:
         """How the pod failed (its phase Failed) or was lost (deleted, or gone): a pod deleted
@@ -58,6 +62,8 @@ class NodeState:
             f"failed with exit code {self.exit_code}"
             + (f" ({self.reason})" if self.reason else "")
             + (f": {self.said}" if self.said else ""))
+        if self.disrupted:
+            return f"pod {self.pod} was disrupted ({self.disrupted})"
         if self.deleting or self.phase == "Missing":
             return f"pod {self.pod} was deleted" + (f" and {failed}" if failed else "")
         return f"pod {self.pod} {failed or 'was lost'}"
@@ -88,15 +94,37 @@ def _int(value: Any) -> int:
         return 0
 
 
-def observe(job: str, plan: Plan, pods: list[dict[str, Any]]) -> Observation:
-    """Per-node state from the job's pods (dicts as the API returns them)."""
+DISRUPTION_TARGET = "DisruptionTarget"
+"""The pod condition Kubernetes sets on a pod it is about to delete for a disruption: evicted
+(EvictionByEvictionAPI, a drain), preempted (PreemptionByScheduler), deleted by its node's taints
+(DeletionByTaintManager) or ended by its kubelet (TerminationByKubelet)."""
+DISRUPTION_REASON = 64
+"""At most this many characters of a disruption's reason are kept."""
+
+
+def disruption(pod: dict[str, Any]) -> str:
+    """Why a pod (as the API returns it) was disrupted: its DisruptionTarget condition's reason,
+    or Evicted for one its kubelet evicted (a node under pressure); empty if it was not."""
+    status = pod.get("status") or {}
+    for c in status.get("conditions") or []:
+        if isinstance(c, dict) and c.get("type") == DISRUPTION_TARGET and c.get("status") == "True":
+            reason = c.get("reason")
+            return str(reason)[:DISRUPTION_REASON] if reason else DISRUPTION_TARGET
+    return "Evicted" if status.get("reason") == "Evicted" else ""
+
+
+def observe(job: str, plan: Plan, pods: list[dict[str, Any]],
+            disrupted: Mapping[str, str] | None = None) -> Observation:
+    """Per-node state from the job's pods (dicts as the API returns them; `disrupted`: pod name
+    -> why, for pods seen disrupted before they were gone)."""
     by_name = {p["metadata"]["name"]: p for p in pods}
     obs = Observation()
     for node in plan.nodes:
         name = pod_name(job, node.name)
         p = by_name.get(name)
         if p is None:
-            obs.nodes[node.name] = NodeState(pod=name, phase="Missing", cluster=node.cluster)
+            obs.nodes[node.name] = NodeState(pod=name, phase="Missing", cluster=node.cluster,
+                                             disrupted=(disrupted or {}).get(name, ""))
             continue
         status = p.get("status") or {}
         ended = termination.of_pod(p)
@@ -107,7 +135,7 @@ def observe(job: str, plan: Plan, pods: list[dict[str, Any]]) -> Observation:
             ip=status.get("podIP"), attempt=_int(annotations.get(ATTEMPT_ANNOTATION)),
             recovery=_int(annotations.get(RECOVERY_ANNOTATION)), cluster=node.cluster,
             deleting=bool(p["metadata"].get("deletionTimestamp")), said=ended.said,
-            ending=ended)
+            ending=ended, disrupted=disruption(p))
     return obs
 
 

@@ -35,6 +35,8 @@ KOPF_NEEDS: set[Triple] = {
     ("ravnest.io", "ravnestjobs", "patch"),
     # the handlers' patch.status, sent to the status subresource (the CRD has one)
     ("ravnest.io", "ravnestjobs/status", "patch"),
+    # the jobs' pods, watched by label for handling.on_pod (a list, then a watch)
+    ("", "pods", "list"), ("", "pods", "watch"),
     # handler failures and kopf.info/warn/event are posted as core v1 Events
     ("", "events", "create"),
     # the resource observer lists and watches CRDs to notice served resources (dis)appearing
@@ -65,12 +67,21 @@ def _api_classes() -> tuple[type, ...]:
                  if name.endswith("Api"))
 
 
+# Client methods of one name in several API classes, and the class the operator calls it on.
+CALLED_ON = {
+    # handling._post_event posts core v1 Events (as kopf does); EventsV1Api has one too
+    "create_namespaced_event": "CoreV1Api",
+}
+
+
 @functools.cache
 def _endpoint(method: str) -> tuple[type, str, str]:
     """(API class, HTTP method, path template) of a kubernetes client method, from the code the
     client generates for it (`_<method>_serialize`)."""
     found = set()
     for cls in _api_classes():
+        if method in CALLED_ON and cls.__name__ != CALLED_ON[method]:
+            continue
         serialize = getattr(cls, f"_{method}_serialize", None)
         if serialize is not None:
             found |= {(cls, *m) for m in _SERIALIZE.findall(inspect.getsource(serialize))}

@@ -11,7 +11,7 @@ RBAC lets it do anything), serves HTTPS with a self-signed certificate on 127.0.
 service-account tokens with a key pair made here with openssl. Nothing runs a kubelet; the
 ServiceAccount admission plugin is off so Pods are accepted without the token controller.
 `controller_manager=True` also runs kube-controller-manager (garbage collection, namespace deletion,
-service accounts).
+service accounts, disruption budgets' status).
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ def local_apiserver(workdir: Path | None = None, *, controller_manager: bool = F
                 kcm, f"--kubeconfig={kubeconfig}", "--leader-elect=false",
                 "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
                 "--controllers=garbage-collector-controller,namespace-controller,"
-                "serviceaccount-controller,serviceaccount-token-controller",
+                "serviceaccount-controller,serviceaccount-token-controller,disruption-controller",
                 f"--service-account-private-key-file={sa_key}",
                 f"--root-ca-file={work / 'certs' / 'apiserver.crt'}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",

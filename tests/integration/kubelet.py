@@ -316,9 +316,17 @@ class FakeKubelet(threading.Thread):
         first operation tests its uid): the operator may have deleted it meanwhile and created
         another of the same name, which must not be given this one's end (a real kubelet
         reports by uid). A pod of that name that is another one is left alone."""
-        ops = [{"op": "test", "path": "/metadata/uid", "value": p.metadata.uid},
-               *({"op": "add", "path": f"/status/{k}", "value": v} for k, v in status.items())]
         try:
+            if "conditions" in status:  # (set by type, as a kubelet does: DisruptionTarget kept)
+                now = self.api.read_namespaced_pod(p.metadata.name, p.metadata.namespace)
+                setting = {c["type"] for c in status["conditions"]}
+                status = {**status, "conditions": [
+                    *(self.api.api_client.sanitize_for_serialization(c)
+                      for c in now.status.conditions or [] if c.type not in setting),
+                    *status["conditions"]]}
+            ops = [{"op": "test", "path": "/metadata/uid", "value": p.metadata.uid},
+                   *({"op": "add", "path": f"/status/{k}", "value": v}
+                     for k, v in status.items())]
             self.api.patch_namespaced_pod_status(p.metadata.name, p.metadata.namespace, ops,
                                                  _content_type="application/json-patch+json")
         except ApiException as e:

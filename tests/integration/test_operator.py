@@ -433,10 +433,43 @@ def _step_at_least(kube, operator, job: str, step: int) -> None:
     wait_for(f"{job} step {step}", far_enough, 300, kube, operator)
 
 
+def _evict(name: str) -> Any:
+    """Evict a pod through the Eviction API, as a drain does (None: its budget refused, 429)."""
+    import kubernetes
+
+    core = kubernetes.client.CoreV1Api()
+    try:
+        return core.create_namespaced_pod_eviction(name, "default", kubernetes.client.V1Eviction(
+            metadata=kubernetes.client.V1ObjectMeta(name=name, namespace="default")))
+    except kubernetes.client.ApiException as e:
+        if e.status == 429:
+            return None
+        raise
+
+
 def test_backoff_limit_zero_fails_naming_pod_and_exit_code(cluster, tmp_path):
+    """backoffLimit 0: a drain's eviction of a worker restarts the job (a disruption: the job's
+    PodDisruptionBudget lets one worker go, and no second until the job runs again); then a
+    worker that crashes fails it."""
+    import kubernetes
+
     kube, kubelet, operator = cluster
+    kubernetes.config.load_kube_config(str(kube.kubeconfig))
     doc = job_doc("fragile", epochs=4, runPolicy__backoffLimit=0, runPolicy__recovery="job")
     assert apply(kube, doc, tmp_path).returncode == 0
+    _step_at_least(kube, operator, "fragile", 3)
+    wait_for("the budget to allow an eviction", lambda: _evict("fragile-node-2") is not None, 60,
+             kube, operator)
+    assert _evict("fragile-node-3") is None  # (one at a time)
+    wait_for("the restart", lambda: (get(kube, "rj", "fragile")["status"].get("disruptions")
+                                     or {}).get("restarts") == 1, 60, kube, operator)
+    status = get(kube, "rj", "fragile")["status"]
+    restarting = {c["type"]: c for c in status["conditions"]}["Restarting"]
+    assert restarting["reason"] == "Disrupted", restarting
+    assert restarting["message"].startswith(
+        "pod fragile-node-2 was disrupted (EvictionByEvictionAPI); a disruption, not counted "
+        "against backoffLimit"), restarting
+    assert status["restarts"] == 1 and status["phase"] != "Failed"
     _kill_when(kube, kubelet, operator, "fragile", "fragile-node-1", 5)
     wait_for("fragile to fail", lambda: phase_of(kube, "fragile") == "Failed", 60, kube,
              operator)
@@ -473,11 +506,19 @@ def test_suspend_then_resume_continues_from_checkpoint(cluster, tmp_path):
 
 
 def test_deleting_a_running_job_leaves_nothing_behind(cluster, tmp_path):
+    """Deleted while no operator runs (kopf's timers put a finalizer on the job, and the delete
+    hung until an operator came back): the job goes at once, the garbage collector takes what it
+    owned, and the operator started again makes none of it again."""
     kube, kubelet, operator = cluster
     assert apply(kube, job_doc("doomed", epochs=3), tmp_path).returncode == 0
     wait_for("doomed running", lambda: phase_of(kube, "doomed") == "Running", 120, kube,
              operator)
-    kctl(kube, "delete", "rj", "doomed", "--wait=true", "--timeout=60s")
+    assert not get(kube, "rj", "doomed")["metadata"].get("finalizers")
+    operator.stop(kill=True)
+    try:
+        kctl(kube, "delete", "rj", "doomed", "--wait=true", "--timeout=30s")
+    finally:
+        operator.start()
 
     def gone() -> bool:
         left = []

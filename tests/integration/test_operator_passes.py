@@ -8,8 +8,6 @@ once; an elastic job's restarted cluster recovered twice and was left out)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import copy
 
 import kopf
@@ -31,34 +29,28 @@ def kube(tmp_path_factory: pytest.TempPathFactory):
         yield kube
 
 
-def _pass(job: dict, status: dict) -> tuple[kopf.Patch, list[str]]:
-    """One pass as kopf's timer calls it, handed `job` with `status` (kopf's copy): kopf's patch
-    it leaves, and the reasons of the Events it posted (kopf.info and kopf.warn queue them for
-    kopf's poster, which is not running here: the queue is read instead)."""
-    from kopf._core.engines import posting
+def _events(uid: str) -> dict[str, str]:
+    """The Events on the job with this uid: name -> reason."""
+    found = kubernetes.client.CoreV1Api().list_namespaced_event(
+        "default", field_selector=f"involvedObject.uid={uid}")
+    return {e.metadata.name: (int(e.metadata.resource_version), e.reason) for e in found.items}
 
+
+def _pass(job: dict, status: dict) -> tuple[kopf.Patch, list[str]]:
+    """One pass as the ticker calls it, handed `job` with `status` (kopf's copy): kopf's patch
+    it leaves, and the reasons of the Events it posted on the job, in the order posted (read
+    back from the apiserver)."""
     from ravnest_operator import handling
 
     meta = job["metadata"]
     patch = kopf.Patch()
     body = {**copy.deepcopy(job), "status": status}
-    loop = asyncio.new_event_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-
-    def run() -> None:
-        posting.settings_var.set(kopf.OperatorSettings())
-        posting.event_queue_loop_var.set(loop)
-        posting.event_queue_var.set(queue)
-        handling._reconcile_once({"body": body, "spec": body["spec"], "status": status,
-                                  "name": meta["name"], "namespace": meta["namespace"],
-                                  "uid": meta["uid"], "patch": patch}, wait=True)
-
-    try:
-        contextvars.copy_context().run(run)
-        loop.run_until_complete(asyncio.sleep(0))  # the queued events
-        return patch, [queue.get_nowait().reason for _ in range(queue.qsize())]
-    finally:
-        loop.close()
+    before = _events(meta["uid"])
+    handling._reconcile_once({"body": body, "spec": body["spec"], "status": status,
+                              "name": meta["name"], "namespace": meta["namespace"],
+                              "uid": meta["uid"], "patch": patch}, wait=True)
+    posted = [e for name, e in _events(meta["uid"]).items() if name not in before]
+    return patch, [reason for _, reason in sorted(posted)]
 
 
 def _pods(kube: LocalApiserver, job: str) -> list[str]:
@@ -117,6 +109,7 @@ FULL = {
                  "etaSeconds": 12},
     "startTime": "2026-11-28T04:00:00Z", "completionTime": "2026-11-28T04:01:00Z", "restarts": 1,
     "recoveries": 2, "clusterRecoveries": [0, 2], "rejoining": [1], "abandoned": [2],
+    "disruptions": {"restarts": 1, "recoveries": 1},
     "lastFailures": {"job": "exit code 1: ValueError: boom", "clusters": [None, "exit code 3: x"]},
     "draining": [{"cluster": 1, "providers": [3, 4], "orderedAt": "2026-11-28T04:00:30Z"}],
     "drained": [{"cluster": 2, "providers": [5], "orderedAt": "2026-11-28T04:00:10Z", "round": 7,
@@ -172,3 +165,69 @@ def test_a_pass_does_not_act_on_a_new_job_of_the_same_name(kube, tmp_path):
     assert _pods(kube, "again") == []
     assert "status" not in get(kube, "rj", "again")
 
+
+
+def _configmaps(kube: LocalApiserver, job: str) -> list[str]:
+    return sorted(c["metadata"]["name"] for c in get(
+        kube, "configmaps", selector=f"ravnest.io/job={job}")["items"])
+
+
+def _failed(kube: LocalApiserver, job: str) -> dict:
+    status = get(kube, "rj", job)["status"]
+    assert status["phase"] == "Failed", status
+    return {c["type"]: c for c in status["conditions"]}["Failed"]
+
+
+def test_a_pod_the_apiserver_refuses_fails_the_job_and_leaves_nothing_half_made(kube, tmp_path):
+    """The template's nodeSelector has a key the apiserver refuses (422): the first pass made the
+    planner's ConfigMap, then its pod was refused. The job fails at once naming the pod and the
+    field, with a Warning Event, and the ConfigMap goes again; a second pass retries nothing."""
+    doc = job_doc("refused", template={"spec": {"nodeSelector": {"bad key!": "x"}}})
+    assert apply(kube, doc, tmp_path).returncode == 0
+    job = get(kube, "rj", "refused")
+    _, events = _pass(job, status={})
+    assert events == ["Refused"]
+    failed = _failed(kube, "refused")
+    assert failed["reason"] == "Refused", failed
+    assert "refused Pod refused-planner: 422 Invalid" in failed["message"], failed
+    assert "(fields: spec.nodeSelector)" in failed["message"], failed
+    assert _pods(kube, "refused") == [] and _configmaps(kube, "refused") == []
+    again = get(kube, "rj", "refused")
+    _, events = _pass(again, status=again["status"])
+    assert events == [] and _pods(kube, "refused") == []
+
+
+def test_a_worker_pod_refused_deletes_the_pods_its_pass_made(kube, tmp_path):
+    """One provider's resources ask for more CPU than their limit (the planner pod takes none of
+    them): planning goes through, then the pass that makes the worker pods has that provider's
+    refused, and the pods it had made before are deleted; the job fails naming it."""
+    from ravnest import parse_job, plan_job
+    from ravnest.plan.handoff import encode
+    from ravnest_operator.resources import pod_name
+
+    doc = job_doc("halfway")
+    plan, _, _ = plan_job(parse_job(doc))
+    last = plan.nodes[-1]  # (its pod is made last: the others are made before it is refused)
+    doc["spec"]["providers"][last.provider]["resources"] = {"requests": {"cpu": "2"},
+                                                            "limits": {"cpu": "1"}}
+    assert plan_job(parse_job(doc))[0].fingerprint == plan.fingerprint
+    assert apply(kube, doc, tmp_path).returncode == 0
+    job = get(kube, "rj", "halfway")
+    _pass(job, status={})
+    assert _pods(kube, "halfway") == ["halfway-planner"]
+    core = kubernetes.client.CoreV1Api()
+    core.patch_namespaced_pod_status("halfway-planner", "default", {"status": {
+        "phase": "Succeeded", "containerStatuses": [{
+            "name": "planner", "image": "ravnest:test", "imageID": "", "ready": False,
+            "restartCount": 0, "state": {"terminated": {
+                "exitCode": 0, "reason": "Completed", "message": encode(plan)}}}]}})
+    _, events = _pass(job, status=get(kube, "rj", "halfway")["status"])
+    assert "Planned" in events and get(kube, "rj", "halfway")["status"]["phase"] == "Planned"
+    made = _configmaps(kube, "halfway")
+    _, events = _pass(job, status=get(kube, "rj", "halfway")["status"])
+    assert events == ["Refused"], events
+    failed = _failed(kube, "halfway")
+    assert f"refused Pod {pod_name('halfway', last.name)}: 422 Invalid" in failed["message"]
+    assert "spec.containers[0].resources.requests" in failed["message"], failed
+    assert [p for p in _pods(kube, "halfway") if p != "halfway-planner"] == []
+    assert _configmaps(kube, "halfway") == made  # (an earlier pass's: the failed job keeps them)

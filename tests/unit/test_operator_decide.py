@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import datetime as dt
 import json
+import math
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -33,6 +34,7 @@ from ravnest_operator.actions import (
     Create,
     CreateJobObjects,
     Decision,
+    Delete,
     DeleteJob,
     DeletePod,
     Event,
@@ -46,8 +48,11 @@ from ravnest_operator.deciding import (
     added_providers,
     as_planned,
     decide,
+    decide_refused,
     removed_providers,
+    rest,
 )
+from ravnest_operator.refusals import Refusal
 from ravnest_operator.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -494,6 +499,62 @@ def test_a_planned_job_gets_its_pods(digits):
     assert "phase" not in d.status
 
 
+REFUSAL = Refusal("Pod", "digits-node-1", 422, "Invalid", "spec.dnsPolicy: Unsupported value",
+                  ("spec.dnsPolicy",))
+
+
+def test_an_object_refused_fails_the_job_and_undoes_what_the_pass_made(digits):
+    """The apiserver refused the second pod of a planned job's pass: the job fails naming the pod
+    and its field, and the first pod, made by that pass, goes again."""
+    status = {"phase": "Planned", "conditions": [_cond("Created"), _cond("Planned")]}
+    seen = dataclasses.replace(_observed(digits, status), generation=3)
+    made = [("Pod", "digits-node-0")]
+    d = decide_refused(seen, NOW, SETTINGS, REFUSAL, made)
+    assert d.status["phase"] == "Failed" and d.status["completionTime"] == AT
+    failed = _conditions(d)["Failed"]
+    assert failed["reason"] == "Refused" and failed["message"] == REFUSAL.said()
+    assert failed["observedGeneration"] == 3 and d.status["observedGeneration"] == 3
+    assert "spec.dnsPolicy" in failed["message"] and "digits-node-1" in failed["message"]
+    assert _conditions(d)["Running"]["status"] == "False"
+    assert d.actions == [Event("Refused", REFUSAL.said(), warning=True),
+                         CountFinished("Planned", "Failed", None),
+                         Delete("Pod", "digits-node-0")]
+    assert "nodes" not in d.status  # (the refused pass's own status is not written)
+
+
+def test_a_refusal_deletes_the_objects_made_newest_first_and_cleans_the_pods(digits):
+    _, _, plan = digits
+    pods = [_pod(plan, 0, "Running"), _pod(plan, 1, "Succeeded")]
+    made = [("Secret", "digits-token"), ("Service", "digits-workers"),
+            ("ConfigMap", "digits-node-0")]
+    d = decide_refused(_observed(digits, _running(), pods), NOW, SETTINGS, REFUSAL, made)
+    deletes = [a for a in d.actions if isinstance(a, Delete | DeletePod)]
+    # (a Secret stays: the operator only ever creates one; pods: cleanPodPolicy Running)
+    assert deletes == [Delete("ConfigMap", "digits-node-0"), Delete("Service", "digits-workers"),
+                       DeletePod(pods[0]["metadata"]["name"])]
+    kept = decide_refused(_observed(digits, _running(), pods,
+                                    runPolicy={"cleanPodPolicy": "None"}),
+                          NOW, SETTINGS, REFUSAL, [])
+    assert not [a for a in kept.actions if isinstance(a, Delete | DeletePod)]
+
+
+def test_a_finished_job_rests_until_its_ttl_ends_or_for_good():
+    """The ticker's next pass: every interval while a job is in progress; a finished job's
+    once its TTL ends (at once when it has), none without a TTL, or with a malformed one."""
+    done = {"phase": "Succeeded", "completionTime": AT}
+    assert rest({"phase": "Running"}, {}, NOW, 2.0) == 2.0
+    assert rest({}, {"runPolicy": {"ttlSecondsAfterFinished": 5}}, NOW, 2.0) == 2.0
+    assert rest(done, {"runPolicy": {"ttlSecondsAfterFinished": 60}}, NOW, 2.0) == 59.75
+    later = NOW + dt.timedelta(seconds=600)
+    assert rest({**done, "phase": "Failed"}, {"runPolicy": {"ttlSecondsAfterFinished": 60}},
+                later, 2.0) == 0.0
+    for spec in ({}, {"runPolicy": {"ttlSecondsAfterFinished": True}},
+                 {"runPolicy": {"ttlSecondsAfterFinished": 1e300}}):
+        assert rest(done, spec, NOW, 2.0) == math.inf
+    assert rest({"phase": "Failed", "completionTime": "nonsense"},
+                {"runPolicy": {"ttlSecondsAfterFinished": 1}}, NOW, 2.0) == math.inf
+
+
 def test_only_missing_pods_are_created_with_the_current_attempt(digits):
     _, _, plan = digits
     status = {"phase": "Restarting", "restarts": 2, "conditions": [_cond("Created")]}
@@ -563,6 +624,28 @@ def test_a_failed_pod_restarts_the_job_within_backoff_limit(digits):
                                                  "exitCode": 137, "reason": "Error"}
     assert d.actions == [*(DeletePod(p["metadata"]["name"]) for p in pods),
                          Event("Restarting", message, warning=True), CountRestart()]
+
+
+def test_a_pod_gone_after_an_eviction_restarts_the_job_past_backoff_limit(digits):
+    """backoffLimit 0, every restart used: the pod the watch saw evicted is gone by this pass;
+    the job restarts (a disruption), and its status counts the restart apart."""
+    _, _, plan = digits
+    pods = _pods(plan, "Running", attempt=1)
+    gone = pods.pop(2)["metadata"]["name"]
+    observed = dataclasses.replace(
+        _observed(digits, _running(restarts=1, disruptions={"restarts": 1, "recoveries": 0}),
+                  pods, runPolicy={**WHOLE, "backoffLimit": 0}),
+        disrupted={gone: "EvictionByEvictionAPI"})
+    d = decide(observed, NOW, SETTINGS)
+    assert d.status["phase"] == "Restarting" and d.status["restarts"] == 2
+    assert d.status["disruptions"] == {"restarts": 2, "recoveries": 0}
+    restarting = _conditions(d)["Restarting"]
+    assert restarting["reason"] == "Disrupted"
+    assert restarting["message"] == (
+        f"pod {gone} was disrupted (EvictionByEvictionAPI); a disruption, not counted against "
+        f"backoffLimit: the job restarts and {EMPTY}")
+    lost = decide(dataclasses.replace(observed, disrupted={}), NOW, SETTINGS)
+    assert lost.status["phase"] == "Failed"  # (gone, not seen disrupted: a failure)
 
 
 def test_a_pod_lost_from_a_running_job_restarts_it(digits):

@@ -66,6 +66,7 @@ def test_static_objects_are_owned_labelled_and_named(job_and_plan):
     kinds = [o["kind"] for o in objs]
     assert kinds.count("ConfigMap") == 1 + len(plan.nodes)
     assert kinds.count("Service") == 1 and kinds.count("Secret") == 1 + len(plan.names())
+    assert kinds.count("PodDisruptionBudget") == 1
     for o in objs:
         assert o["metadata"]["namespace"] == "team-a"
         assert o["metadata"]["ownerReferences"] == [{

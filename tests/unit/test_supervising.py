@@ -513,3 +513,76 @@ def test_both_supervisors_turn_a_decision_into_the_same_conditions(plan):
          "message": "too long", "lastTransitionTime": "T8"},
         {"type": "Running", "status": "False", "reason": "DeadlineExceeded", "message": "",
          "lastTransitionTime": "T8"}]
+
+
+def _evicted(pod: dict[str, Any], reason: str = "EvictionByEvictionAPI") -> dict[str, Any]:
+    """A pod as the apiserver leaves it once it is evicted: DisruptionTarget, being deleted."""
+    pod["metadata"]["deletionTimestamp"] = "2026-11-28T07:00:00Z"
+    pod["status"]["conditions"] = [{"type": "Ready", "status": "True"},
+                                   {"type": "DisruptionTarget", "status": "True",
+                                    "reason": reason, "message": "Eviction API: evicting"}]
+    return pod
+
+
+def _seen(plan, pods, disrupted=None):
+    return {n: s.seen(n) for n, s in statuses.observe("digits", plan, pods, disrupted)
+            .nodes.items()}
+
+
+def test_an_evicted_pod_restarts_the_job_without_counting_against_backoff_limit(plan):
+    """backoffLimit 0: a failure fails the job at once; evictions (a drain), preemptions and a
+    node's kubelet evicting restart it, again and again, the restarts remembered apart."""
+    policy = RunPolicy(recovery="job", backoff_limit=0)
+    memory = Memory()
+    for reason in ("EvictionByEvictionAPI", "PreemptionByScheduler", "TerminationByKubelet"):
+        pods = [_pod(n, RUNNING) for n in plan.names()]
+        _evicted(pods[2], reason)
+        states = statuses.observe("digits", plan, pods).nodes
+        decided = decide_running(plan, policy, _seen(plan, pods), memory,
+                                 lambda down, states=states: "; ".join(
+                                     states[s.node].failure() for s in down))
+        loss = decided.loss
+        assert loss is not None and loss.act == Act.RESTART_JOB and loss.disruption
+        assert loss.reason == "Disrupted"
+        assert loss.failure == f"pod digits-node-2 was disrupted ({reason})"
+        assert "a disruption, not counted against backoffLimit" in loss.said()
+        memory = loss.memory
+    assert (memory.restarts, memory.disrupted_restarts, memory.counted_restarts) == (3, 3, 0)
+    assert memory.disruptions() == {"restarts": 3, "recoveries": 0}
+    assert Memory.of_status({"restarts": 3, "disruptions": memory.disruptions()}) == memory
+    # a failure now is the first one counted: backoffLimit 0 fails the job
+    pods = [_pod(n, RUNNING) for n in plan.names()]
+    pods[2] = _pod("node_2", failed())
+    failure = decide_running(plan, policy, _seen(plan, pods), memory, lambda down: "boom").loss
+    assert failure is not None and failure.act == Act.FAIL and not failure.disruption
+    assert failure.said() == "boom"  # (no "after N restart(s)": none counted, backoffLimit 0)
+
+
+def test_a_pod_evicted_by_its_kubelet_or_gone_after_a_disruption_is_disrupted(plan):
+    """A kubelet's eviction leaves the pod Failed with reason Evicted; a pod the watch saw
+    disrupted may be gone by the pass (`disrupted`); with a failed one beside it, the loss is a
+    failure."""
+    pods = [_pod(n, RUNNING) for n in plan.names() if n != "node_3"]
+    pods[1]["status"] = {"phase": "Failed", "reason": "Evicted",
+                         "message": "The node was low on resource: memory."}
+    seen = _seen(plan, pods, {resources.pod_name("digits", "node_3"): "PreemptionByScheduler"})
+    assert seen["node_1"].disrupted == "Evicted"
+    assert seen["node_3"].disrupted == "PreemptionByScheduler"
+    decided = decide_running(plan, RunPolicy(), seen, Memory(recoveries=5), lambda d: "gone")
+    # one cluster lost, the other whole: it restarts alone, recoveryLimit (5) not counting it
+    assert decided.loss is not None and decided.loss.act == Act.RESTART_CLUSTER
+    assert decided.loss.disruption and decided.loss.cluster == 1
+    assert decided.loss.memory.disrupted_recoveries == 1
+    assert decided.loss.memory.counted_recoveries == 5
+    assert "not counted against recoveryLimit" in decided.loss.said()
+    pods.append(_pod("node_3", failed()))
+    mixed = decide_running(plan, RunPolicy(recovery="job"), _seen(plan, pods), Memory(),
+                           lambda d: "x").loss
+    assert mixed is not None and not mixed.disruption and mixed.memory.disrupted_restarts == 0
+
+
+def test_a_status_cannot_claim_more_disruptions_than_restarts():
+    memory = Memory.of_status({"restarts": 1, "recoveries": 0,
+                               "disruptions": {"restarts": 9, "recoveries": 4}})
+    assert (memory.disrupted_restarts, memory.disrupted_recoveries) == (1, 0)
+    assert Memory.of_status({"restarts": True, "disruptions": "x"}) == Memory()

@@ -68,23 +68,35 @@ derives the same set from the code and tests/integration/test_chart.py compares.
 */}}
 {{- define "ravnest.namespacedRules" -}}
 # handling.py: pods are created per provider, listed by job, deleted on restart/suspend/cleanup,
-# and a cluster's root pod is annotated with its drain order (providers removed from the spec).
+# and a cluster's root pod is annotated with its drain order (providers removed from the spec);
+# kopf watches the jobs' pods (by label) for disruptions.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [create, delete, list, patch]
+  verbs: [create, delete, list, patch, watch]
 # handling.py: the plan ConfigMap is read back each pass; plan and node ConfigMaps are created,
 # and the plan ConfigMap is replaced when providers are added to a running job (it grows).
+# The ConfigMaps, Service, NetworkPolicy and PodDisruptionBudget are deleted again by the pass
+# that made them when the apiserver refuses a later object of that pass (nothing is left half
+# made); Secrets are only ever created (they go with their job).
 - apiGroups: [""]
   resources: [configmaps]
-  verbs: [create, get, update]
-# handling.py: the headless workers Service, the job's token Secret and TLS Secret.
+  verbs: [create, delete, get, update]
+# handling.py: the headless workers Service.
 - apiGroups: [""]
-  resources: [services, secrets]
+  resources: [services]
+  verbs: [create, delete]
+# handling.py: the job's token, TLS and identity Secrets: created, never read nor deleted.
+- apiGroups: [""]
+  resources: [secrets]
   verbs: [create]
 # handling.py: with networkPolicy.enabled, a NetworkPolicy per job (gRPC from its own workers).
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
-  verbs: [create]
+  verbs: [create, delete]
+# handling.py: a PodDisruptionBudget per job (a drain evicts its workers one at a time).
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [create, delete]
 # kopf.info/kopf.warn and kopf's handler events: core v1 Events.
 - apiGroups: [""]
   resources: [events]

@@ -142,6 +142,15 @@ class LastFailures(_Part):
     clusters: list[str | None] = []
 
 
+class Disruptions(_Part):
+    """Of the restarts and recoveries, those for a disruption (pods evicted or preempted,
+    `ravnest.run.supervising.AfterLoss.disruption`): backoffLimit and recoveryLimit do not count
+    them."""
+
+    restarts: int = Field(0, ge=0)
+    recoveries: int = Field(0, ge=0)
+
+
 class JobStatus(_Part):
     """A RavnestJob's `.status`."""
 
@@ -166,6 +175,7 @@ class JobStatus(_Part):
     """Clusters restarted alone (elastic), in all."""
     clusterRecoveries: list[int] | None = None
     """Recoveries in this attempt, by cluster id."""
+    disruptions: Disruptions | None = None
     lastFailures: LastFailures | None = None
     rejoining: list[int] | None = None
     abandoned: list[int] | None = None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -58,6 +58,9 @@ class Seen:
     phase: NodePhase
     ending: Ending = NOT_ENDED
     deleting: bool = False
+    disrupted: str = ""
+    """Why it was disrupted, when it was (a pod evicted, preempted or deleted by its node's
+    taints: its DisruptionTarget condition's reason, or Evicted); empty otherwise."""
 
     @property
     def running(self) -> bool:
@@ -99,6 +102,17 @@ class Memory:
     recoveries: int = 0
     failed_as: str | None = None
     cluster_failed_as: Mapping[int, str] = field(default_factory=dict)
+    disrupted_restarts: int = 0
+    """Of `restarts`, those for a disruption (`AfterLoss.disruption`): not counted against
+    backoffLimit."""
+    disrupted_recoveries: int = 0
+    """Of `recoveries`, those for a disruption: not counted against recoveryLimit."""
+
+    def disruptions(self) -> dict[str, int] | None:
+        """status.disruptions (`jobstatus.Disruptions`); None with none."""
+        if not (self.disrupted_restarts or self.disrupted_recoveries):
+            return None
+        return {"restarts": self.disrupted_restarts, "recoveries": self.disrupted_recoveries}
 
     def last_failures(self) -> dict[str, Any] | None:
         """status.lastFailures (`jobstatus.LastFailures`): the job's, and each cluster's as a
@@ -116,11 +130,30 @@ class Memory:
         failures = status.get("lastFailures")
         failures = failures if isinstance(failures, dict) else {}
         clusters, job = failures.get("clusters"), failures.get("job")
-        return cls(restarts=int(status.get("restarts") or 0),
-                   recoveries=int(status.get("recoveries") or 0),
+        disrupted = status.get("disruptions")
+        disrupted = disrupted if isinstance(disrupted, dict) else {}
+        restarts, recoveries = _count(status.get("restarts")), _count(status.get("recoveries"))
+        return cls(restarts=restarts, recoveries=recoveries,
                    failed_as=job if isinstance(job, str) else None,
                    cluster_failed_as={c: f for c, f in enumerate(
-                       clusters if isinstance(clusters, list) else []) if isinstance(f, str)})
+                       clusters if isinstance(clusters, list) else []) if isinstance(f, str)},
+                   disrupted_restarts=min(_count(disrupted.get("restarts")), restarts),
+                   disrupted_recoveries=min(_count(disrupted.get("recoveries")), recoveries))
+
+    @property
+    def counted_restarts(self) -> int:
+        """The restarts backoffLimit counts."""
+        return self.restarts - self.disrupted_restarts
+
+    @property
+    def counted_recoveries(self) -> int:
+        """The recoveries recoveryLimit counts."""
+        return self.recoveries - self.disrupted_recoveries
+
+
+def _count(value: Any) -> int:
+    """A count the status keeps (anything but a non-negative integer: 0)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 class Act(StrEnum):
@@ -152,6 +185,10 @@ class AfterLoss:
     """recoveryLimit (a cluster restarted alone) or backoffLimit."""
     again: bool = False
     """It failed the same way as before its last restart."""
+    disruption: bool = False
+    """Every node lost was disrupted (`Seen.disrupted`: evicted, preempted): the restart is not
+    counted against backoffLimit or recoveryLimit, as a Kubernetes Job's podFailurePolicy can
+    ignore a DisruptionTarget."""
 
     @property
     def reason(self) -> str:
@@ -159,7 +196,7 @@ class AfterLoss:
         if self.act == Act.WAIT:
             return "OthersFinishing"
         if self.act != Act.FAIL:
-            return "WorkerFailed"
+            return DISRUPTED if self.disruption else "WorkerFailed"
         return "RepeatedFailure" if self.again else "BackoffLimitExceeded"
 
     def said(self, taken: str = "", resumes: str = "resumes from the last checkpoint") -> str:
@@ -168,14 +205,23 @@ class AfterLoss:
         if self.act == Act.WAIT:
             return (f"{self.failure}; cluster(s) {', '.join(map(str, self.whole))} finishing: the "
                     f"job ends without the lost cluster once they have finished")
+        if self.disruption and self.act == Act.RESTART_CLUSTER:
+            assert self.cluster is not None
+            return (f"{self.failure}; a disruption, not counted against recoveryLimit: "
+                    f"cluster {self.cluster} restarts alone and rejoins cluster(s) "
+                    f"{', '.join(map(str, self.whole))}{taken}")
+        if self.disruption and self.act == Act.RESTART_JOB:
+            return (f"{self.failure}; a disruption, not counted against backoffLimit: the job "
+                    f"restarts and {resumes}{taken}")
         if self.act == Act.RESTART_CLUSTER:
             assert self.cluster is not None
-            return elastic.restarted_alone(self.failure, self.cluster, self.memory.recoveries,
-                                           self.limit, self.whole, taken)
+            return elastic.restarted_alone(self.failure, self.cluster,
+                                           self.memory.counted_recoveries, self.limit,
+                                           self.whole, taken)
         if self.act == Act.RESTART_JOB:
-            return (f"{self.failure}; restart {self.memory.restarts}/{self.limit} {resumes}"
-                    f"{taken}")
-        used = (f" after {self.memory.restarts} restart(s), backoffLimit {self.limit}"
+            return (f"{self.failure}; restart {self.memory.counted_restarts}/{self.limit} "
+                    f"{resumes}{taken}")
+        used = (f" after {self.memory.counted_restarts} restart(s), backoffLimit {self.limit}"
                 if self.limit else "")
         why = ("; it failed the same way as before its last restart, so it is not restarted "
                "again" if self.again else "")
@@ -201,31 +247,69 @@ def after_loss(plan: Plan, policy: RunPolicy, nodes: Mapping[str, Seen], down: S
        backoffLimit restarts are used up, unless it failed the same way as before its last whole
        restart: restarting cannot cure that.
     4. Else fail the job.
+
+    A disruption (every node in `down` was evicted or preempted, `Seen.disrupted`) is restarted
+    as 2 or 3 say, neither counted against recoveryLimit or backoffLimit nor taken for a failure
+    of its own; it never fails the job.
     """
     lost = {s.cluster for s in down}
+    if down and all(s.disrupted for s in down):
+        return _after_disruption(plan, policy, nodes, lost, failure, memory, rejoining, drained)
     known = next((f for s in down if (f := failed_as(s.ending))), None)
-    whole = tuple(sorted(c.id for c in plan.clusters if c.id not in {*lost, *rejoining, *drained}
-                         and all(n in nodes and nodes[n].running for n in c.nodes)))
+    whole = _whole(plan, nodes, {*lost, *rejoining, *drained})
     spec_error = any(s.ending.spec_error for s in down)
     finishing = tuple(c.id for c in plan.clusters if c.id not in {*lost, *drained}
                       and _finishing([nodes.get(n) for n in c.nodes]))
     if policy.recovery == "cluster" and finishing:
         return AfterLoss(Act.WAIT, memory, failure, whole=finishing)
-    if elastic.restart_alone(plan, policy, lost, whole, memory.recoveries, spec_error):
+    if elastic.restart_alone(plan, policy, lost, whole, memory.counted_recoveries, spec_error):
         (cluster,) = lost
         if known is None or memory.cluster_failed_as.get(cluster) != known:
             remembered = {c: f for c, f in memory.cluster_failed_as.items() if c != cluster}
             if known is not None:
                 remembered[cluster] = known
-            after = Memory(memory.restarts, memory.recoveries + 1, memory.failed_as, remembered)
+            after = replace(memory, recoveries=memory.recoveries + 1,
+                            cluster_failed_as=remembered)
             return AfterLoss(Act.RESTART_CLUSTER, after, failure, cluster=cluster, whole=whole,
                              limit=policy.recovery_limit)
     limit = policy.backoff_limit
     again = known is not None and known == memory.failed_as
-    if memory.restarts < limit and not again:
-        after = Memory(memory.restarts + 1, memory.recoveries, known, memory.cluster_failed_as)
+    if memory.counted_restarts < limit and not again:
+        after = replace(memory, restarts=memory.restarts + 1, failed_as=known)
         return AfterLoss(Act.RESTART_JOB, after, failure, limit=limit)
     return AfterLoss(Act.FAIL, memory, failure, limit=limit, again=again)
+
+
+DISRUPTED = "Disrupted"
+"""The reason a supervisor restarts with after a disruption (`AfterLoss.disruption`)."""
+
+
+def _whole(plan: Plan, nodes: Mapping[str, Seen], away: Collection[int]) -> tuple[int, ...]:
+    """The clusters not `away` whose nodes all run."""
+    return tuple(sorted(c.id for c in plan.clusters if c.id not in away
+                        and all(n in nodes and nodes[n].running for n in c.nodes)))
+
+
+def _after_disruption(plan: Plan, policy: RunPolicy, nodes: Mapping[str, Seen], lost: set[int],
+                      failure: str, memory: Memory, rejoining: Collection[int],
+                      drained: Collection[int]) -> AfterLoss:
+    """`after_loss` for a disruption: the lost cluster restarted alone where elastic training
+    allows it (as if no recovery had been used), else the whole job, neither counted."""
+    whole = _whole(plan, nodes, {*lost, *rejoining, *drained})
+    finishing = tuple(c.id for c in plan.clusters if c.id not in {*lost, *drained}
+                      and _finishing([nodes.get(n) for n in c.nodes]))
+    if policy.recovery == "cluster" and finishing:
+        return AfterLoss(Act.WAIT, memory, failure, whole=finishing, disruption=True)
+    if elastic.restart_alone(plan, policy, lost, whole, 0, False):
+        (cluster,) = lost
+        after = replace(memory, recoveries=memory.recoveries + 1,
+                        disrupted_recoveries=memory.disrupted_recoveries + 1)
+        return AfterLoss(Act.RESTART_CLUSTER, after, failure, cluster=cluster, whole=whole,
+                         limit=policy.recovery_limit, disruption=True)
+    after = replace(memory, restarts=memory.restarts + 1,
+                    disrupted_restarts=memory.disrupted_restarts + 1)
+    return AfterLoss(Act.RESTART_JOB, after, failure, limit=policy.backoff_limit,
+                     disruption=True)
 
 
 def _finishing(nodes: Sequence[Seen | None]) -> bool:
