@@ -31,6 +31,18 @@ class CreateJobObjects:
 
 
 @dataclass(frozen=True)
+class RemakeJobObjects:
+    """Before pods are made again (a restart, a recovery, a resume): make again the objects of
+    the job its pods read that are missing, deleted by hand since (`resources.remade_objects`:
+    the Service, budget, token and identity Secrets, node ConfigMaps, NetworkPolicy; each the
+    same as before, all derived from the plan and the operator's key), with a Warning Event
+    naming them. The plan ConfigMap is read each pass, and the TLS Secret cannot be made again
+    (its CA's key is not kept)."""
+    job: Job
+    plan: Plan
+
+
+@dataclass(frozen=True)
 class Create:
     """Create one object (a worker pod); one that already exists is left as it is."""
     manifest: Mapping[str, Any]
@@ -129,9 +141,9 @@ class CountFinished:
     started: str | None
 
 
-Action = (SetStatus | CreateJobObjects | Create | GrowJob | DeletePod | Delete | AnnotatePod
-          | DeleteJob | Event | ScrapeProgress | CountRestart | CountRecovery | CountTakeover
-          | CountDrain | CountRunning | CountFinished)
+Action = (SetStatus | CreateJobObjects | RemakeJobObjects | Create | GrowJob | DeletePod | Delete
+          | AnnotatePod | DeleteJob | Event | ScrapeProgress | CountRestart | CountRecovery
+          | CountTakeover | CountDrain | CountRunning | CountFinished)
 
 
 @dataclass

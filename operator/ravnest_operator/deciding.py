@@ -44,6 +44,7 @@ from .actions import (
     DeletePod,
     Event,
     GrowJob,
+    RemakeJobObjects,
     ScrapeProgress,
 )
 from .planning import PlannerPod
@@ -720,18 +721,23 @@ def _create_missing(run: _Pass, job: Job, plan: Plan, obs: Observation, restarts
                     recoveries: dict[int, int], runs_on: Mapping[str, int],
                     spares: _Spares) -> None:
     """Create the worker pods that are missing (as this attempt's and their cluster's recovery's;
-    placed as the spare that took a node over, if one did) and the spares' pods."""
+    placed as the spare that took a node over, if one did) and the spares' pods; first, but for
+    the job's first pods (phase Planned: its objects were just made), the objects they read
+    that were deleted since (`RemakeJobObjects`)."""
     owner = run.owner
     gone = elastic.gone_nodes(plan, run.drained)
-    for node in plan.nodes:
-        if node.name in obs.nodes and obs.nodes[node.name].phase == "Missing":
-            run.out.do(Create(resources.pod(
+    made = [Create(resources.pod(
                 owner, job, plan, node, run.settings.worker_image, attempt=restarts,
                 final_scrape_seconds=run.settings.final_scrape_seconds,
                 recovery=recoveries[node.cluster], provider_index=runs_on.get(node.name),
-                gone=gone, drain=run.draining.get(node.cluster))))
-    run.out.do(*(Create(resources.spare_pod(owner, job, plan, i, run.settings.worker_image))
-                 for i in spares.missing()))
+                gone=gone, drain=run.draining.get(node.cluster)))
+            for node in plan.nodes
+            if node.name in obs.nodes and obs.nodes[node.name].phase == "Missing"]
+    made += [Create(resources.spare_pod(owner, job, plan, i, run.settings.worker_image))
+             for i in spares.missing()]
+    if made and run.status.get("phase") != Phase.PLANNED:
+        run.out.do(RemakeJobObjects(job, plan))
+    run.out.do(*made)
 
 
 def _runs_on(status: Mapping[str, Any], job: Job, plan: Plan) -> dict[str, int]:

@@ -11,6 +11,7 @@ an operator.
 from __future__ import annotations
 
 import datetime as dt
+import hmac
 import json
 import logging
 import os
@@ -49,6 +50,7 @@ from .actions import (
     DeletePod,
     Event,
     GrowJob,
+    RemakeJobObjects,
     ScrapeProgress,
     SetStatus,
 )
@@ -86,6 +88,13 @@ def _signing_key(path: str) -> bytes:
 
 
 SIGNING_KEY = _signing_key(SETTINGS.signing_key_file)
+
+
+def _token(owner: resources.Owner) -> str:
+    """The job's token (its Secret's): derived from the operator's key and the job's uid, so a
+    token Secret deleted by hand is made again as it was (`RemakeJobObjects`)."""
+    return hmac.digest(SIGNING_KEY, b"ravnest-job-token\0" + owner.uid.encode(), "sha256")[
+        :16].hex()
 
 
 def _authority(owner: resources.Owner) -> Authority:
@@ -326,10 +335,16 @@ def _carry_out(action: Action, body: dict[str, Any], patch: kopf.Patch,
         patch.status.update(action.fields)
     elif isinstance(action, CreateJobObjects):
         tls = _certificates(owner, action.plan, action.job.spec.security.tls)
-        for obj in resources.static_objects(owner, action.job, action.plan,
-                                            secrets.token_hex(16), _authority(owner), tls,
-                                            SETTINGS.network_policies):
+        for obj in resources.static_objects(owner, action.job, action.plan, _token(owner),
+                                            _authority(owner), tls, SETTINGS.network_policies):
             _create(obj, made)
+    elif isinstance(action, RemakeJobObjects):
+        again = [f"{o['kind']} {o['metadata']['name']}" for o in resources.remade_objects(
+            owner, action.job, action.plan, _token(owner), _authority(owner),
+            SETTINGS.network_policies) if _create(o, made)]
+        if again:
+            _post_event(body, Event("Remade", f"made again, deleted since: {', '.join(again)}",
+                                    warning=True))
     elif isinstance(action, Create):
         _create(dict(action.manifest), made)
     elif isinstance(action, DeletePod):

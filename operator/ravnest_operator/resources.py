@@ -632,19 +632,27 @@ def static_objects(owner: Owner, job: Job, plan: Plan, token: str, authority: Au
                    certificates: dict[str, TlsMaterial] | None = None,
                    network_policies: bool = False) -> list[dict[str, Any]]:
     """Everything but the pods, in creation order: Service, PodDisruptionBudget, Secrets (the
-    token, each node's identity from `authority`, the TLS material), NetworkPolicy, one ConfigMap
-    per node, and last the plan ConfigMap, whose existence marks the job planned (so an operator
-    that died half-way creates the rest again). `certificates`: node -> its TLS material, when
-    the job uses TLS."""
-    objects = [service(owner), disruption_budget(owner, plan), token_secret(owner, token),
-               *(identity_secret(owner, authority.issue(n)) for n in plan.names())]
+    token, each node's identity from `authority`), NetworkPolicy, the spare and node ConfigMaps
+    (`remade_objects`), the TLS Secret, and last the plan ConfigMap, whose existence marks the
+    job planned (so an operator that died half-way creates the rest again). `certificates`:
+    node -> its TLS material, when the job uses TLS."""
+    objects = remade_objects(owner, job, plan, token, authority, network_policies)
     if job.spec.security.tls:
         if certificates is None or set(certificates) != set(plan.names()):
             raise ValueError("spec.security.tls needs a certificate for every node of the plan")
         objects.append(tls_secret(owner, certificates))
-    if network_policies:
-        objects.append(network_policy(owner, ring=_tcp_ring(job)))
-    return [*objects, *configmaps(owner, job, plan, authority.public)]
+    return [*objects, plan_configmap(owner, plan, job, authority.public)]
+
+
+def remade_objects(owner: Owner, job: Job, plan: Plan, token: str, authority: Authority,
+                   network_policies: bool = False) -> list[dict[str, Any]]:
+    """The objects of `static_objects` a job's pods read that can be made again as they were
+    (the token and identities derive from the operator's key): all but the TLS Secret (its CA's
+    key is not kept) and the plan ConfigMap (read each pass: it marks the job planned)."""
+    return [service(owner), disruption_budget(owner, plan), token_secret(owner, token),
+            *(identity_secret(owner, authority.issue(n)) for n in plan.names()),
+            *([network_policy(owner, ring=_tcp_ring(job))] if network_policies else []),
+            *configmaps(owner, job, plan, authority.public)[:-1]]
 
 
 def configmaps(owner: Owner, job: Job, plan: Plan, authority: bytes = b"") -> list[dict[str, Any]]:

@@ -197,6 +197,67 @@ def test_a_pod_the_apiserver_refuses_fails_the_job_and_leaves_nothing_half_made(
     assert events == [] and _pods(kube, "refused") == []
 
 
+def _planned(kube: LocalApiserver, doc: dict, plan) -> dict:
+    """The job, planned: its first pass made the planner pod, which is then reported as having
+    handed back `plan`, and the next pass made the job's objects from it."""
+    from ravnest.plan.handoff import encode
+
+    name = doc["metadata"]["name"]
+    job = get(kube, "rj", name)
+    _pass(job, status={})
+    kubernetes.client.CoreV1Api().patch_namespaced_pod_status(
+        f"{name}-planner", "default", {"status": {
+            "phase": "Succeeded", "containerStatuses": [{
+                "name": "planner", "image": "ravnest:test", "imageID": "", "ready": False,
+                "restartCount": 0, "state": {"terminated": {
+                    "exitCode": 0, "reason": "Completed", "message": encode(plan)}}}]}})
+    _, events = _pass(job, status=get(kube, "rj", name)["status"])
+    assert "Planned" in events and get(kube, "rj", name)["status"]["phase"] == "Planned"
+    return job
+
+
+def test_objects_deleted_by_hand_are_made_again_as_they_were(kube, tmp_path):
+    """A running job's Service, token Secret, a node's identity Secret and ConfigMap and its
+    budget deleted by hand, then a pod lost: the job restarts, and before its pods are made again
+    those objects are, the same as before (the token and identities derive from the operator's
+    key), with a Warning Event naming them."""
+    from ravnest import parse_job, plan_job
+
+    doc = job_doc("remade", runPolicy={"recovery": "job"})
+    plan, _, _ = plan_job(parse_job(doc))
+    assert apply(kube, doc, tmp_path).returncode == 0
+    job = _planned(kube, doc, plan)
+    _pass(job, status=get(kube, "rj", "remade")["status"])
+    pods = [p for p in _pods(kube, "remade") if p != "remade-planner"]
+    assert len(pods) == len(plan.nodes)
+    core = kubernetes.client.CoreV1Api()
+    for i, pod in enumerate(pods):
+        core.patch_namespaced_pod_status(pod, "default", {"status": {
+            "phase": "Running", "podIP": f"10.0.0.{i + 1}",
+            "conditions": [{"type": "Ready", "status": "True"}]}})
+    _pass(job, status=get(kube, "rj", "remade")["status"])
+    assert get(kube, "rj", "remade")["status"]["phase"] == "Running"
+    node = plan.nodes[0].name.replace("_", "-")
+    gone = {"secret": ["remade-token", f"remade-{node}-identity"], "service": ["remade-workers"],
+            "configmap": [f"remade-{node}"], "pdb": ["remade-workers"]}
+    before = {(kind, name): get(kube, kind, name) for kind, names in gone.items()
+              for name in names}
+    assert all(before.values()), before
+    for (kind, name) in before:
+        kctl(kube, "delete", kind, name)
+    kctl(kube, "delete", "pod", pods[1], "--wait=true")
+    for _ in range(4):  # (lost -> restarting: pods deleted -> pods made again)
+        _, events = _pass(job, status=get(kube, "rj", "remade")["status"])
+        if "Remade" in events:
+            break
+    assert "Remade" in events, events
+    for (kind, name), was in before.items():
+        now = get(kube, kind, name)
+        assert now is not None, (kind, name)
+        for part in ("data", "spec"):
+            assert now.get(part) == was.get(part), (kind, name, part)
+
+
 def test_a_worker_pod_refused_deletes_the_pods_its_pass_made(kube, tmp_path):
     """One provider's resources ask for more CPU than their limit (the planner pod takes none of
     them): planning goes through, then the pass that makes the worker pods has that provider's

@@ -82,6 +82,15 @@ def test_static_objects_are_owned_labelled_and_named(job_and_plan):
             assert "s3cret" not in json.dumps(o)
 
 
+def test_what_is_made_again_is_what_was_made_but_the_tls_secret_and_the_plan(job_and_plan):
+    job, plan = job_and_plan
+    made = resources.static_objects(OWNER, job, plan, "s3cret", AUTHORITY,
+                                    network_policies=True)
+    again = resources.remade_objects(OWNER, job, plan, "s3cret", AUTHORITY, True)
+    assert again == [o for o in made if o["metadata"]["name"] != "digits-plan"]
+    assert made[-1]["metadata"]["name"] == "digits-plan"  # (last: it marks the job planned)
+
+
 def test_each_node_gets_an_identity_only_its_pod_mounts(job_and_plan):
     """Issue 40: each node's identity (its key and a certificate of the job's authority) is a
     Secret of its own; its pod mounts that one only, its metadata names it, the plan ConfigMap
