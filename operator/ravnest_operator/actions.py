@@ -89,6 +89,12 @@ class DeleteJob:
 
 
 @dataclass(frozen=True)
+class SuspendJob:
+    """Set the job's spec.suspend (runPolicy.schedulingTimeoutAction: Suspend): its next pass
+    deletes its pods, and it waits to be resumed."""
+
+
+@dataclass(frozen=True)
 class Event:
     """A Kubernetes Event on the job: Normal (kopf.info) or, with `warning`, Warning (kopf.warn)."""
     reason: str
@@ -142,8 +148,8 @@ class CountFinished:
 
 
 Action = (SetStatus | CreateJobObjects | RemakeJobObjects | Create | GrowJob | DeletePod | Delete
-          | AnnotatePod | DeleteJob | Event | ScrapeProgress | CountRestart | CountRecovery
-          | CountTakeover | CountDrain | CountRunning | CountFinished)
+          | AnnotatePod | DeleteJob | SuspendJob | Event | ScrapeProgress | CountRestart
+          | CountRecovery | CountTakeover | CountDrain | CountRunning | CountFinished)
 
 
 @dataclass

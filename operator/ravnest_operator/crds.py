@@ -81,10 +81,20 @@ def _structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+SPEC_RULES = [
+    {"rule": "has(self.managedBy) == has(oldSelf.managedBy) && "
+             "(!has(self.managedBy) || self.managedBy == oldSelf.managedBy)",
+     "message": "spec.managedBy is immutable", "fieldPath": ".managedBy",
+     "reason": "FieldValueInvalid"},
+]
+"""CEL rules the apiserver holds `.spec` to (with no webhook to ask): a transition rule is
+checked on updates only."""
+
+
 def spec_schema() -> dict[str, Any]:
-    """The structural schema of `.spec`, from the job spec model."""
+    """The structural schema of `.spec`, from the job spec model, with its CEL rules."""
     raw = JobSpec.model_json_schema(by_alias=True, mode="validation")
-    return _structural(raw, raw.get("$defs", {}))
+    return {**_structural(raw, raw.get("$defs", {})), "x-kubernetes-validations": SPEC_RULES}
 
 
 def status_schema() -> dict[str, Any]:

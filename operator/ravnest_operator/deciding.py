@@ -25,7 +25,7 @@ from ravnest.plan.handoff import decode
 from ravnest.plan.plans import Plan, ProviderInfo, SparePlan, spare_name
 from ravnest.run import elastic, progress, supervising
 from ravnest.run.jobstatus import FINISHED, Phase, set_condition
-from ravnest.spec import Job, durable_volume, parse_job
+from ravnest.spec import MANAGER, Job, durable_volume, parse_job
 
 from . import resources
 from .actions import (
@@ -46,6 +46,7 @@ from .actions import (
     GrowJob,
     RemakeJobObjects,
     ScrapeProgress,
+    SuspendJob,
 )
 from .planning import PlannerPod
 from .refusals import Refusal
@@ -150,8 +151,16 @@ class _Pass:
 def decide(observed: Observed, now: dt.datetime, settings: Settings) -> Decision:
     """Move one job one step towards its goal: the status fields and actions, in order. The
     status says which generation of the spec the pass acted on (status.observedGeneration), and
-    each condition it set or changed, which generation that was (its observedGeneration)."""
+    each condition it set or changed, which generation that was (its observedGeneration). A job
+    another controller manages (spec.managedBy) gets nothing: not even its status is written."""
+    if not managed_here(observed.spec):
+        return Decision()
     return _stamped(observed, _decide(observed, now, settings))
+
+
+def managed_here(spec: Mapping[str, Any]) -> bool:
+    """Whether this operator runs the job: spec.managedBy unset, or `MANAGER`."""
+    return spec.get("managedBy") in (None, MANAGER)
 
 
 REFUSED = "Refused"
@@ -210,7 +219,7 @@ def _decide(observed: Observed, now: dt.datetime, settings: Settings) -> Decisio
         run.status["conditions"] = set_condition([], "Created", True, "Accepted",
                                                  "spec is valid", run.at)
         run.out.set({"phase": phase, "conditions": run.status["conditions"]})
-    if observed.plan is None and run.run_policy.get("suspend"):
+    if observed.plan is None and observed.job.spec.suspended:
         _suspend(run, phase, run.status["conditions"], "not planned yet: plans when resumed")
         return run.out
     plan = observed.plan if observed.plan is not None else _plan(run, observed.job)
@@ -234,12 +243,17 @@ def _decide(observed: Observed, now: dt.datetime, settings: Settings) -> Decisio
     return run.out
 
 
+LIVE = ("runPolicy", "suspend")
+"""The fields of a planned job's spec whose edits take effect."""
+
+
 def as_planned(job: Job, planned: Mapping[str, Any] | None) -> tuple[Job, tuple[str, ...]]:
-    """The job as it was planned (the plan ConfigMap's copy), with the spec's runPolicy as it is
-    now (suspend, limits, deadlines take effect when edited), and the other fields of the spec
-    edited since (camelCase, sorted): a running job's pods keep being made from what was planned,
-    so an edit cannot make them disagree with the plan (nor, with fewer providers, name a
-    provider that is gone). Without a copy (a plan of an earlier operator), the job as it is."""
+    """The job as it was planned (the plan ConfigMap's copy), with the spec's runPolicy and
+    suspend as they are now (suspend, limits, deadlines take effect when edited), and the other
+    fields of the spec edited since (camelCase, sorted): a running job's pods keep being made
+    from what was planned, so an edit cannot make them disagree with the plan (nor, with fewer
+    providers, name a provider that is gone). Without a copy (a plan of an earlier operator), the
+    job as it is."""
     if planned is None:
         return job, ()
     try:
@@ -248,8 +262,9 @@ def as_planned(job: Job, planned: Mapping[str, Any] | None) -> tuple[Job, tuple[
         return job, ()
     now, before = job.to_dict()["spec"], then.to_dict()["spec"]
     changed = tuple(sorted(k for k in now.keys() | before.keys()
-                           if k != "runPolicy" and now.get(k) != before.get(k)))
-    spec = then.spec.model_copy(update={"run_policy": job.spec.run_policy})
+                           if k not in LIVE and now.get(k) != before.get(k)))
+    spec = then.spec.model_copy(update={"run_policy": job.spec.run_policy,
+                                        "suspend": job.spec.suspend})
     return then.model_copy(update={"spec": spec}), changed
 
 
@@ -456,6 +471,8 @@ def rest(status: Mapping[str, Any], spec: Mapping[str, Any], now: dt.datetime,
     """Seconds until a job needs its next timed pass (`ticking`): `interval` while it is not
     finished; a finished one only when its runPolicy.ttlSecondsAfterFinished ends (at once if it
     has), else never (math.inf: nothing happens to it until it changes)."""
+    if not managed_here(spec):
+        return math.inf
     if status.get("phase") not in FINISHED:
         return interval
     ttl = (spec.get("runPolicy") or {}).get("ttlSecondsAfterFinished")
@@ -558,7 +575,7 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     cluster alone or the whole job, or fail, on a failure; finish, or create the missing pods and
     watch the running ones."""
     conditions = run.status.get("conditions") or []
-    if run.run_policy.get("suspend"):
+    if job.spec.suspended:
         _suspend(run, phase, conditions, f"pods deleted; {_resumes(job)}")
         return
     if phase == Phase.SUSPENDED:
@@ -578,6 +595,8 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
         s.attempt != restarts or s.recovery != recoveries[s.cluster])]
     run.out.do(*(DeletePod(s.pod) for s in stale if not s.deleting))
     if stale:
+        return
+    if _unschedulable(run, job, obs):
         return
     started = run.status.get("startTime")
     # A worker pod that vanishes (or is being deleted) from a running job, by `kubectl delete pod`,
@@ -610,6 +629,35 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     _create_missing(run, job, plan, obs, restarts, recoveries, runs_on, spares)
     conditions, rejoining = _rejoined(run, plan, decided.back, rejoining, conditions)
     _watch(run, plan, obs, phase, conditions, rejoining, decided.past, decided.up)
+
+
+SCHEDULING_TIMEOUT = "SchedulingTimeout"
+
+
+def _unschedulable(run: _Pass, job: Job, obs: Observation) -> bool:
+    """A worker pod made more than runPolicy.schedulingTimeoutSeconds ago and on no node yet:
+    the job gives its pods up, failing (cleanPodPolicy All) or suspending itself, as
+    runPolicy.schedulingTimeoutAction says. Whether it did."""
+    policy = job.spec.run_policy
+    timeout = policy.scheduling_timeout_seconds
+    if not timeout:
+        return False
+    waiting = sorted((s for s in obs.nodes.values() if s.unscheduled_since and not s.deleting
+                      and (run.now - parse_time(s.unscheduled_since)).total_seconds() > timeout),
+                     key=lambda s: s.pod)
+    if not waiting:
+        return False
+    first = waiting[0]
+    why = f" ({first.unscheduled_why})" if first.unscheduled_why else ""
+    text = (f"{len(waiting)} worker pod(s) not scheduled within runPolicy."
+            f"schedulingTimeoutSeconds={timeout}, {first.pod} among them{why}")
+    if policy.scheduling_timeout_action == "Suspend":
+        run.out.do(SuspendJob(), Event(SCHEDULING_TIMEOUT, f"{text}; the job suspends itself "
+                                       "(spec.suspend: true) until resumed", warning=True))
+        return True
+    run.fail(SCHEDULING_TIMEOUT, text)
+    run.clean("All")
+    return True
 
 
 def _lost(run: _Pass, job: Job, plan: Plan, obs: Observation, decided: supervising.Running,

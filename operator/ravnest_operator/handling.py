@@ -53,6 +53,7 @@ from .actions import (
     RemakeJobObjects,
     ScrapeProgress,
     SetStatus,
+    SuspendJob,
 )
 from .crds import GROUP, PLURAL, VERSION
 from .deciding import (
@@ -62,6 +63,7 @@ from .deciding import (
     as_planned,
     decide,
     decide_refused,
+    managed_here,
     removed_providers,
     rest,
 )
@@ -280,6 +282,16 @@ def _delete_job(name: str, namespace: str) -> None:
             raise
 
 
+def _suspend_job(name: str, namespace: str) -> None:
+    """spec.suspend: true, as a queue would set it."""
+    try:
+        kubernetes.client.CustomObjectsApi().patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, {"spec": {"suspend": True}},
+            _content_type="application/merge-patch+json")
+    except ApiException as e:
+        raise kopf.TemporaryError(f"suspending the job: {e.status} {e.reason}", delay=5) from e
+
+
 def _certificates(owner: resources.Owner, plan: Plan,
                   tls: bool) -> dict[str, TlsMaterial] | None:
     """A fresh CA for the job and a certificate per node; the CA's key is dropped here."""
@@ -307,7 +319,7 @@ def _observe(body: dict[str, Any], spec: dict[str, Any], status: dict[str, Any],
     seen = Observed(name, namespace, uid, dict(spec), dict(status or {}),
                     created=body["metadata"].get("creationTimestamp"),
                     generation=generation if isinstance(generation, int) else None)
-    if seen.status.get("phase") in FINISHED:
+    if seen.status.get("phase") in FINISHED or not managed_here(seen.spec):
         return seen
     try:
         job = parse_job({"apiVersion": body["apiVersion"], "kind": body["kind"],
@@ -357,6 +369,8 @@ def _carry_out(action: Action, body: dict[str, Any], patch: kopf.Patch,
         _annotate_pod(action.name, owner.namespace, action.key, action.value)
     elif isinstance(action, DeleteJob):
         _delete_job(owner.name, owner.namespace)
+    elif isinstance(action, SuspendJob):
+        _suspend_job(owner.name, owner.namespace)
     elif isinstance(action, Event):
         _post_event(body, action)
     elif isinstance(action, ScrapeProgress):

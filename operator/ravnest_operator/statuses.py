@@ -48,6 +48,10 @@ class NodeState:
     """How its container ended (`termination.of_pod`)."""
     disrupted: str = ""
     """Why the pod was disrupted (`disruption`), when it was."""
+    unscheduled_since: str | None = None
+    """When the pod was made, while it is Pending and on no node yet (`unscheduled`)."""
+    unscheduled_why: str = ""
+    """What its PodScheduled condition says (the scheduler's reason and message)."""
 
     def seen(self, node: str) -> Seen:
         """The node as the supervisor's rules (`ravnest.run.supervising`) take it."""
@@ -113,6 +117,22 @@ def disruption(pod: dict[str, Any]) -> str:
     return "Evicted" if status.get("reason") == "Evicted" else ""
 
 
+def unscheduled(pod: dict[str, Any]) -> tuple[str | None, str]:
+    """When a pod (as the API returns it) was made, if it is Pending on no node yet, and what its
+    PodScheduled condition says; (None, "") for a pod placed (or ended, or of no known age)."""
+    status = pod.get("status") or {}
+    if (status.get("phase") or "Pending") != "Pending" or (pod.get("spec") or {}).get("nodeName"):
+        return None, ""
+    said = ""
+    for c in status.get("conditions") or []:
+        if isinstance(c, dict) and c.get("type") == "PodScheduled":
+            if c.get("status") == "True":
+                return None, ""
+            said = ": ".join(str(x) for x in (c.get("reason"), c.get("message")) if x)[:200]
+    created = (pod.get("metadata") or {}).get("creationTimestamp")
+    return (created if isinstance(created, str) else None), said
+
+
 def observe(job: str, plan: Plan, pods: list[dict[str, Any]],
             disrupted: Mapping[str, str] | None = None) -> Observation:
     """Per-node state from the job's pods (dicts as the API returns them; `disrupted`: pod name
@@ -129,13 +149,15 @@ def observe(job: str, plan: Plan, pods: list[dict[str, Any]],
         status = p.get("status") or {}
         ended = termination.of_pod(p)
         annotations = p["metadata"].get("annotations") or {}
+        since, why = unscheduled(p)
         obs.nodes[node.name] = NodeState(
             pod=name, phase=status.get("phase") or "Pending", exit_code=ended.exit_code,
             reason=ended.reason,
             ip=status.get("podIP"), attempt=_int(annotations.get(ATTEMPT_ANNOTATION)),
             recovery=_int(annotations.get(RECOVERY_ANNOTATION)), cluster=node.cluster,
             deleting=bool(p["metadata"].get("deletionTimestamp")), said=ended.said,
-            ending=ended, disrupted=disruption(p))
+            ending=ended, disrupted=disruption(p), unscheduled_since=since,
+            unscheduled_why=why)
     return obs
 
 

@@ -292,3 +292,27 @@ def test_a_worker_pod_refused_deletes_the_pods_its_pass_made(kube, tmp_path):
     assert "spec.containers[0].resources.requests" in failed["message"], failed
     assert [p for p in _pods(kube, "halfway") if p != "halfway-planner"] == []
     assert _configmaps(kube, "halfway") == made  # (an earlier pass's: the failed job keeps them)
+
+
+def test_managed_by_is_immutable_and_a_job_managed_elsewhere_is_left_alone(kube, tmp_path):
+    """The CRD's CEL rule holds spec.managedBy even with no webhook: it cannot be set, changed or
+    taken away after creation. A pass over a job another controller manages makes nothing and
+    writes no status."""
+    doc = job_doc("elsewhere", managedBy="kueue.x-k8s.io/multikueue")
+    assert apply(kube, doc, tmp_path).returncode == 0
+    for change in ('{"spec": {"managedBy": "ravnest.io/operator"}}',
+                   '{"spec": {"managedBy": null}}'):
+        refused = kctl(kube, "patch", "rj", "elsewhere", "--type=merge", "-p", change,
+                       check=False)
+        assert refused.returncode != 0 and "spec.managedBy is immutable" in refused.stderr, (
+            refused.stderr)
+    assert apply(kube, job_doc("here"), tmp_path).returncode == 0
+    added = kctl(kube, "patch", "rj", "here", "--type=merge", "-p",
+                 '{"spec": {"managedBy": "kueue.x-k8s.io/multikueue"}}', check=False)
+    assert added.returncode != 0 and "spec.managedBy is immutable" in added.stderr, added.stderr
+    job = get(kube, "rj", "elsewhere")
+    patch, events = _pass(job, status={})
+    assert events == [] and not patch and _pods(kube, "elsewhere") == []
+    assert "status" not in get(kube, "rj", "elsewhere")
+    assert kctl(kube, "patch", "rj", "here", "--type=merge", "-p",
+                '{"spec": {"suspend": true}}').returncode == 0  # (others stay editable)

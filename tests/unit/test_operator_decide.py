@@ -42,6 +42,7 @@ from ravnest_operator.actions import (
     RemakeJobObjects,
     ScrapeProgress,
     SetStatus,
+    SuspendJob,
 )
 from ravnest_operator.deciding import (
     NOT_DURABLE,
@@ -451,6 +452,80 @@ def test_a_job_created_suspended_starts_no_planner_until_resumed(digits):
     d = decide(_observed(digits, _planning(), pods=[_planner("Running")], plan=False,
                          runPolicy={"suspend": True}), NOW, SETTINGS)
     assert d.status["phase"] == "Suspended" and DeletePod("digits-planner") in d.actions
+
+
+def test_spec_suspend_holds_a_job_as_run_policy_suspend_does(digits):
+    """spec.suspend, the field Kueue sets and clears: a job created suspended is not planned; a
+    planned one's pods go; resuming is not an edit of the job as planned."""
+    _, job, plan = digits
+    d = decide(_observed(digits, {}, plan=False, suspend=True), NOW, SETTINGS)
+    assert d.status["phase"] == "Suspended" and not [a for a in d.actions
+                                                    if isinstance(a, Create)]
+    running = decide(_observed(digits, _running(), _pods(plan, "Running"), suspend=True), NOW,
+                     SETTINGS)
+    assert running.status["phase"] == "Suspended"
+    assert [a for a in running.actions if isinstance(a, DeletePod)] == [
+        DeletePod(p["metadata"]["name"]) for p in _pods(plan, "Running")]
+    held, changed = as_planned(parse_job({**digits[0], "spec": {**digits[0]["spec"],
+                                                                "suspend": True}}),
+                               job.to_dict())
+    assert changed == () and held.spec.suspended
+
+
+def test_a_job_another_controller_manages_is_left_alone(digits):
+    """spec.managedBy names another controller: no pass does anything, its status included,
+    and the ticker passes over it no more; this operator's own name, or none, is ours."""
+    other = "kueue.x-k8s.io/multikueue"
+    seen = dataclasses.replace(_observed(digits, {}, plan=False, managedBy=other), generation=1)
+    assert decide(seen, NOW, SETTINGS) == Decision()
+    assert rest({}, {"managedBy": other}, NOW, 2.0) == math.inf
+    ours = dataclasses.replace(_observed(digits, {}, plan=False, managedBy="ravnest.io/operator"),
+                               generation=1)
+    assert decide(ours, NOW, SETTINGS).status["phase"] == "Planning"
+
+
+def _unscheduled(pod: dict, seconds: float, message: str = "") -> dict:
+    pod["metadata"]["creationTimestamp"] = _ago(seconds)
+    pod["status"] = {"phase": "Pending"}
+    if message:
+        pod["status"]["conditions"] = [{"type": "PodScheduled", "status": "False",
+                                        "reason": "Unschedulable", "message": message}]
+    return pod
+
+
+@pytest.mark.parametrize("action", ["Fail", "Suspend"])
+def test_pods_left_unscheduled_past_the_timeout_free_what_the_job_holds(digits, action):
+    """runPolicy.schedulingTimeoutSeconds: while no pod waited longer, nothing; then the job fails
+    (its pods all deleted) or suspends itself, naming a pod and what the scheduler said."""
+    _, _, plan = digits
+    policy = {"schedulingTimeoutSeconds": 60, "schedulingTimeoutAction": action}
+    status = {"phase": "Planned", "conditions": [_cond("Created"), _cond("Planned")]}
+    pods = _pods(plan, "Running")
+    pods[3] = _unscheduled(pods[3], 30, "0/3 nodes are available: 3 Insufficient cpu.")
+    d = decide(_observed(digits, status, pods, runPolicy=policy), NOW, SETTINGS)
+    assert "phase" not in d.status or d.status["phase"] != "Failed"
+    assert not [a for a in d.actions if isinstance(a, SuspendJob)]
+    pods[3] = _unscheduled(pods[3], 61, "0/3 nodes are available: 3 Insufficient cpu.")
+    d = decide(_observed(digits, status, pods, runPolicy=policy), NOW, SETTINGS)
+    text = (f"1 worker pod(s) not scheduled within runPolicy.schedulingTimeoutSeconds=60, "
+            f"{pods[3]['metadata']['name']} among them (Unschedulable: 0/3 nodes are available: "
+            f"3 Insufficient cpu.)")
+    if action == "Fail":
+        assert d.status["phase"] == "Failed"
+        assert _conditions(d)["Failed"]["reason"] == "SchedulingTimeout"
+        assert _conditions(d)["Failed"]["message"] == text
+        assert {a.name for a in d.actions if isinstance(a, DeletePod)} == {
+            p["metadata"]["name"] for p in pods}
+    else:
+        assert "phase" not in d.status
+        assert d.actions == [SuspendJob(), Event(
+            "SchedulingTimeout", f"{text}; the job suspends itself (spec.suspend: true) until "
+            "resumed", warning=True)]
+    placed = copy.deepcopy(pods)
+    placed[3]["spec"] = {"nodeName": "node-a"}  # (on a node, its image pulling: not waiting)
+    d = decide(_observed(digits, status, placed, runPolicy=policy), NOW, SETTINGS)
+    assert not [a for a in d.actions if isinstance(a, SuspendJob)]
+    assert d.status.get("phase") != "Failed"
 
 
 def test_a_planner_pod_being_deleted_is_waited_for_not_read(digits):

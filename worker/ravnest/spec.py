@@ -34,6 +34,10 @@ _QUANTITY = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
 _DECIMAL = {"k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 _NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_MANAGER = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+"""A domain-prefixed path, as a Kubernetes Job's managedBy is."""
+MANAGER = "ravnest.io/operator"
+"""spec.managedBy of the jobs the ravnest operator runs (the default)."""
 _SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 _KEY = re.compile(r"^[\w-]+$")
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -470,6 +474,14 @@ class RunPolicy(_Model):
     ttl_seconds_after_finished: int | None = Field(None, ge=0)
     clean_pod_policy: Literal["Running", "All", "None"] = "Running"
     suspend: bool = False
+    """No pods while true (spec.suspend says the same: either suspends the job)."""
+    scheduling_timeout_seconds: int | None = Field(None, gt=0)
+    """On Kubernetes, how long a worker pod made for the job may stay unscheduled (Pending, not
+    placed on a node) before the job gives up its pods (`schedulingTimeoutAction`): on a busy
+    cluster the pods placed would otherwise hold their nodes while the rest wait, for ever."""
+    scheduling_timeout_action: Literal["Fail", "Suspend"] = "Fail"
+    """What a job whose pods stayed unscheduled past schedulingTimeoutSeconds does: Fail, or
+    Suspend (spec.suspend is set: set it false again, or let a queue do so, to try again)."""
 
 
 class SecuritySpec(_Model):
@@ -588,6 +600,18 @@ class JobSpec(_Model):
     image: str | None = None
     template: PodTemplate | None = None
     """On Kubernetes, a pod template merged over the job's worker and planner pods."""
+    suspend: bool | None = None
+    """No pods while true, as runPolicy.suspend (either suspends the job): the field a Kubernetes
+    Job has, which queues such as Kueue set to hold a job and clear to admit it. A job created
+    suspended is planned only once resumed."""
+    managed_by: str | None = Field(None, min_length=1, max_length=63, pattern=_MANAGER)
+    """The controller that runs the job: `MANAGER` (the default) or another one (a queue's
+    multi-cluster dispatcher, say), whose jobs the operator leaves alone. Immutable."""
+
+    @property
+    def suspended(self) -> bool:
+        """Whether the job is suspended (spec.suspend or runPolicy.suspend)."""
+        return bool(self.suspend) or self.run_policy.suspend
 
     def expanded_providers(self) -> list[Provider]:
         """Providers with ``replicas`` expanded, in declaration order."""
