@@ -599,6 +599,7 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
     if _unschedulable(run, job, obs):
         return
     started = run.status.get("startTime")
+    since = run.status.get("activeSince") or started  # (an earlier operator's: from the start)
     # A worker pod that vanishes (or is being deleted) from a running job, by `kubectl delete pod`,
     # an eviction or a node drain, is lost like a failed one: its peers would wait for it forever.
     # (The pods of a cluster restarted alone are missing until created again: not lost.)
@@ -609,7 +610,7 @@ def _run(run: _Pass, job: Job, plan: Plan, phase: str) -> None:
         rejoining=rejoining, drained=run.drained,
         abandoned={int(c) for c in run.status.get("abandoned") or []},
         recovered=[c for c, n in recoveries.items() if n],
-        seconds_running=(run.now - parse_time(started)).total_seconds() if started else 0.0,
+        seconds_running=(run.now - parse_time(since)).total_seconds() if since else 0.0,
         vanished_lost=phase == Phase.RUNNING)
     if decided.ends is not None:
         conditions = _ended_without(run, plan, obs, decided.ends, rejoining)
@@ -785,6 +786,8 @@ def _create_missing(run: _Pass, job: Job, plan: Plan, obs: Observation, restarts
              for i in spares.missing()]
     if made and run.status.get("phase") != Phase.PLANNED:
         run.out.do(RemakeJobObjects(job, plan))
+    if made and not run.status.get("activeSince"):
+        run.out.set({"activeSince": run.at})  # (activeDeadlineSeconds counts from here)
     run.out.do(*made)
 
 
@@ -904,7 +907,7 @@ def _suspend(run: _Pass, phase: str | None, conditions: list[dict[str, Any]],
     resumed)."""
     run.out.do(*(DeletePod(p["metadata"]["name"]) for p in run.observed.pods if not _going(p)))
     if phase != Phase.SUSPENDED:
-        run.out.set({"phase": Phase.SUSPENDED,
+        run.out.set({"phase": Phase.SUSPENDED, "activeSince": None,
                      "conditions": set_condition(conditions, "Suspended", True, "Suspended",
                                                  message, run.at)})
         run.out.do(Event("Suspended", message))

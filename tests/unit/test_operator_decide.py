@@ -1086,13 +1086,33 @@ def test_active_deadline_fails_the_job_and_deletes_its_pods(digits):
     assert "phase" not in decide(within, NOW, SETTINGS).status
 
 
+def test_active_deadline_counts_pending_pods_from_when_they_were_made(digits):
+    """The pods were made 200 s ago (status.activeSince) and some are still Pending: a
+    deadline of 150 s has passed, as a Kubernetes Job's would; the first pods made set
+    activeSince, and a suspend clears it (a resume counts again)."""
+    _, _, plan = digits
+    pods = _pods(plan, "Running")
+    pods[1]["status"] = {"phase": "Pending"}
+    status = {"phase": "Planned", "activeSince": _ago(200),
+              "conditions": [_cond("Created"), _cond("Planned")]}
+    d = decide(_observed(digits, status, pods, runPolicy={"activeDeadlineSeconds": 150}), NOW,
+               SETTINGS)
+    assert _conditions(d)["Failed"]["reason"] == "DeadlineExceeded"
+    new = {"phase": "Planned", "conditions": [_cond("Created"), _cond("Planned")]}
+    d = decide(_observed(digits, new), NOW, SETTINGS)
+    assert d.status["activeSince"] == AT
+    d = decide(_observed(digits, status, pods, runPolicy={"activeDeadlineSeconds": 250}), NOW,
+               SETTINGS)
+    assert d.status.get("phase") != "Failed" and "activeSince" not in d.status
+
+
 # --- suspend and resume ------------------------------------------------------------------------
 
 def test_suspend_deletes_the_pods_once_and_says_so(digits):
     _, _, plan = digits
     pods = _pods(plan, "Running")
     d = decide(_observed(digits, _running(), pods, runPolicy={"suspend": True}), NOW, SETTINGS)
-    assert d.status == {"phase": "Suspended", "conditions": [
+    assert d.status == {"phase": "Suspended", "activeSince": None, "conditions": [
         *_running()["conditions"],
         {"type": "Suspended", "status": "True", "reason": "Suspended",
          "message": f"pods deleted; {EMPTY}", "lastTransitionTime": AT}]}

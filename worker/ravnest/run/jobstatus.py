@@ -168,6 +168,11 @@ class JobStatus(_Part):
     """Node -> the spare provider that took over its stage."""
     progress: Progress | None = None
     startTime: str | None = None
+    """When every worker pod first ran (the job's figures count from here)."""
+    activeSince: str | None = None
+    """When the job's worker pods were first made, or made again on a resume: on Kubernetes
+    runPolicy.activeDeadlineSeconds counts from here, Pending pods included, as a Kubernetes
+    Job's counts from its startTime (a suspend clears it)."""
     completionTime: str | None = None
     restarts: int | None = Field(None, ge=0)
     """Whole-job restarts from the last checkpoint."""
