@@ -32,7 +32,7 @@ class CreateJobObjects:
 
 @dataclass(frozen=True)
 class RemakeJobObjects:
-    """Before pods are made again (a restart, a recovery, a resume): make again the objects of
+    """Once pods are made again (a restart, a recovery, a resume): make again the objects of
     the job its pods read that are missing, deleted by hand since (`resources.remade_objects`:
     the Service, budget, token and identity Secrets, node ConfigMaps, NetworkPolicy; each the
     same as before, all derived from the plan and the operator's key), with a Warning Event

@@ -770,7 +770,7 @@ def _create_missing(run: _Pass, job: Job, plan: Plan, obs: Observation, restarts
                     recoveries: dict[int, int], runs_on: Mapping[str, int],
                     spares: _Spares) -> None:
     """Create the worker pods that are missing (as this attempt's and their cluster's recovery's;
-    placed as the spare that took a node over, if one did) and the spares' pods; first, but for
+    placed as the spare that took a node over, if one did) and the spares' pods; then, but for
     the job's first pods (phase Planned: its objects were just made), the objects they read
     that were deleted since (`RemakeJobObjects`)."""
     owner = run.owner
@@ -784,11 +784,12 @@ def _create_missing(run: _Pass, job: Job, plan: Plan, obs: Observation, restarts
             if node.name in obs.nodes and obs.nodes[node.name].phase == "Missing"]
     made += [Create(resources.spare_pod(owner, job, plan, i, run.settings.worker_image))
              for i in spares.missing()]
-    if made and run.status.get("phase") != Phase.PLANNED:
-        run.out.do(RemakeJobObjects(job, plan))
     if made and not run.status.get("activeSince"):
         run.out.set({"activeSince": run.at})  # (activeDeadlineSeconds counts from here)
     run.out.do(*made)
+    if made and run.status.get("phase") != Phase.PLANNED:
+        # (after the pods, which it does not delay: their kubelets wait for what they mount)
+        run.out.do(RemakeJobObjects(job, plan))
 
 
 def _runs_on(status: Mapping[str, Any], job: Job, plan: Plan) -> dict[str, int]:

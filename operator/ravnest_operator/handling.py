@@ -68,6 +68,7 @@ from .deciding import (
     rest,
 )
 from .disruptions import Disrupted
+from .leading import Leadership, election_of
 from .refusals import Refusal, refusal
 from .scraping import Scrapes
 from .settings import Settings
@@ -90,6 +91,8 @@ def _signing_key(path: str) -> bytes:
 
 
 SIGNING_KEY = _signing_key(SETTINGS.signing_key_file)
+LEADERSHIP = Leadership(election_of(os.environ, socket.gethostname(), os.getpid()))
+"""Whether this replica acts (`leading`): always without an election."""
 
 
 def _token(owner: resources.Owner) -> str:
@@ -117,7 +120,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
             "RAVNEST_SIGNING_KEY_FILE is not set: the jobs' identities come from a key made now, "
             "so a job planned before this operator restarts cannot grow after it")
     monitoring.serve(SETTINGS.metrics_port)
-    TICKER.start()  # (here: its passes post Events in kopf's context)
+    TICKER.start()
+    LEADERSHIP.start(on_leading=TICKER.tick)  # (followers watch, and make no pass)
 
 
 @kopf.on.cleanup()
@@ -459,11 +463,24 @@ def _current(name: str, namespace: str, uid: str) -> dict[str, Any] | None:
     return job if job["metadata"].get("uid") == uid else None
 
 
-def _write_status(name: str, namespace: str, status: dict[str, Any]) -> None:
-    """A pass's status fields, merged into the job's status (a field set to None is removed)."""
-    kubernetes.client.CustomObjectsApi().patch_namespaced_custom_object_status(
-        GROUP, VERSION, namespace, PLURAL, name, {"status": status},
-        _content_type="application/merge-patch+json")
+def _write_status(name: str, namespace: str, status: dict[str, Any],
+                  resource_version: str | None = None) -> None:
+    """A pass's status fields, merged into the job's status (a field set to None is removed), if
+    the job is still the version the pass read (`resource_version`): a status written since, by
+    another pass or another replica, is never overwritten by an older pass's (409: the next pass
+    decides again, on the newer status)."""
+    patch: dict[str, Any] = {"status": status}
+    if resource_version:
+        patch["metadata"] = {"resourceVersion": resource_version}
+    try:
+        kubernetes.client.CustomObjectsApi().patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, PLURAL, name, patch,
+            _content_type="application/merge-patch+json")
+    except ApiException as e:
+        if e.status == 409:
+            raise kopf.TemporaryError("the job changed since this pass read it; its status is "
+                                      "decided again", delay=1) from e
+        raise
 
 
 def _reconcile_once(kwargs: dict[str, Any], wait: bool) -> float | None:
@@ -475,6 +492,8 @@ def _reconcile_once(kwargs: dict[str, Any], wait: bool) -> float | None:
     created as stale, a cluster it just restarted or added as lost) and restart that cluster
     again. Seconds until the job's next timed pass (`deciding.rest`), or None when the job is
     gone (or is another job of its name now)."""
+    if not LEADERSHIP.leads():
+        return SETTINGS.reconcile_interval  # (a follower: the leader passes over the job)
     lock = _lock(kwargs["uid"])
     if not lock.acquire(blocking=wait):
         return SETTINGS.reconcile_interval
@@ -489,7 +508,8 @@ def _reconcile_once(kwargs: dict[str, Any], wait: bool) -> float | None:
         with monitoring.reconciling():
             reconcile(body, spec, status, name, namespace, kwargs["uid"], patch)
             if patch.get("status"):
-                _write_status(name, namespace, finite(status, patch["status"]))
+                _write_status(name, namespace, finite(status, patch["status"]),
+                              body["metadata"].get("resourceVersion"))
     finally:
         lock.release()
     after = {**status, **patch.get("status", {})}

@@ -51,6 +51,14 @@ KOPF_NAMESPACE_NEEDS: set[Triple] = {("", "namespaces", "list"), ("", "namespace
 # update the owner's finalizers (test_operator_runs_under_chart_rbac turns that plugin on).
 ADMISSION_NEEDS: set[Triple] = {("ravnest.io", "ravnestjobs/finalizers", "update")}
 CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces"}
+
+
+def _leader_needs() -> set[Triple]:
+    """What leader election needs in the release namespace (operator/ravnest_operator/leading.py
+    runs the kubernetes client's LeaseLock): derived from that module, as the operator's are."""
+    from kubernetes.leaderelection.resourcelock import leaselock
+
+    return api_permissions([Path(leaselock.__file__)], "")[0]
 # Non-resource URLs every authenticated user may GET (the default system:public-info-viewer role).
 PUBLIC_URLS = {"/version", "/version/", "/healthz", "/livez", "/readyz"}
 # kopf's helpers that post an Event for the object.
@@ -182,10 +190,13 @@ def api_permissions(files: Iterable[Path], package: str) -> tuple[set[Triple], s
     return triples, urls
 
 
-def granted(rules: list[dict[str, Any]]) -> set[Triple]:
+def granted(rules: list[dict[str, Any]], named: bool = False) -> set[Triple]:
+    """The (apiGroup, resource, verb) triples rules grant, refusing wildcards, non-resource URLs
+    and, unless `named`, rules held to resourceNames (which grant less than their triples)."""
     out: set[Triple] = set()
     for rule in rules:
-        assert not {"resourceNames", "nonResourceURLs"} & rule.keys(), rule
+        assert "nonResourceURLs" not in rule, rule
+        assert named or "resourceNames" not in rule, rule
         for field in ("apiGroups", "resources", "verbs"):
             assert "*" not in rule[field], f"wildcard in {rule}"
         out |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"]
@@ -201,3 +212,6 @@ def diff(needed: set[Triple], got: set[Triple]) -> str:
 def operator_needs() -> tuple[frozenset[Triple], frozenset[str]]:
     triples, urls = api_permissions(sorted(OPERATOR.glob("*.py")), "ravnest_operator")
     return frozenset(triples), frozenset(urls)
+
+
+LEADER_NEEDS: set[Triple] = _leader_needs()

@@ -36,6 +36,7 @@ from deriving_rbac import (
     CLUSTER_SCOPED,
     KOPF_NAMESPACE_NEEDS,
     KOPF_NEEDS,
+    LEADER_NEEDS,
     PUBLIC_URLS,
     api_permissions,
     diff,
@@ -189,7 +190,9 @@ def test_operator_deployment() -> None:
     assert chart["apiVersion"] == "v2" and chart["appVersion"] == __version__
     docs = rendered("defaults")
     deploy = one(docs, "Deployment")
-    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "Recreate"
+    # leader election: a new replica waits as a follower while the old one leads
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
     pod = deploy["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["image"] == f"ravnest:{__version__}"
@@ -317,7 +320,14 @@ def test_cluster_rbac_is_exactly_what_the_operator_uses() -> None:
     role = one(docs, "ClusterRole")
     got = granted(role["rules"])
     assert got == needed, diff(needed, got)
-    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
+    # the one Role: leader election's, in the release namespace, of the one Lease
+    (leader,) = [d for d in docs if d["kind"] == "Role"]
+    assert leader["metadata"]["namespace"] == NAMESPACE
+    leases = granted(leader["rules"], named=True)
+    assert leases == LEADER_NEEDS, diff(LEADER_NEEDS, leases)
+    assert [r.get("resourceNames") for r in leader["rules"]] == [None, [f"{RELEASE}-ravnest"]]
+    (leading,) = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert leading["roleRef"]["name"] == leader["metadata"]["name"]
     binding = one(docs, "ClusterRoleBinding")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": f"{RELEASE}-ravnest",
@@ -331,7 +341,7 @@ def test_namespaced_rbac_is_exactly_what_the_operator_uses() -> None:
     cluster_needed = {t for t in needed | KOPF_NAMESPACE_NEEDS if t[1] in CLUSTER_SCOPED}
     assert cluster == cluster_needed, diff(cluster_needed, cluster)
     for ns in WATCHED:
-        got = granted(one(docs, "Role", namespace=ns)["rules"])
+        got = granted(one(docs, "Role", f"{RELEASE}-ravnest", namespace=ns)["rules"])
         ns_needed = {t for t in needed if t[1] not in CLUSTER_SCOPED}
         assert got == ns_needed, f"Role in {ns}:\n{diff(ns_needed, got)}"
         binding = one(docs, "RoleBinding", namespace=ns)
@@ -341,7 +351,8 @@ def test_namespaced_rbac_is_exactly_what_the_operator_uses() -> None:
 def test_helm_test_rbac_is_exactly_what_its_script_uses() -> None:
     needed, urls = api_permissions([CHART / "files" / "smoke.py"], "")
     assert not urls
-    role = one(rendered("defaults"), "Role", namespace=NAMESPACE)
+    (role,) = [d for d in rendered("defaults") if d["kind"] == "Role" and is_hook(d)]
+    assert role["metadata"]["namespace"] == NAMESPACE
     assert role["metadata"]["annotations"]["helm.sh/hook"] == "test"
     got = granted(role["rules"])
     assert got == needed == {("ravnest.io", "ravnestjobs", v) for v in ("create", "get",
@@ -464,7 +475,9 @@ def test_operator_runs_under_chart_rbac(cluster: Cluster, tmp_path: Path, config
         "containers"][0]
     kopf_args = [f"--liveness=http://127.0.0.1:{free_port()}/healthz" if a.startswith(
         "--liveness=") else a for a in container["command"][1:]]
-    env = {**os.environ, **{e["name"]: e["value"] for e in container["env"]},
+    downward = {"metadata.name": "rel-ravnest-7f9c", "metadata.namespace": NAMESPACE}
+    env = {**os.environ, **{e["name"]: e["value"] if "value" in e else downward[
+               e["valueFrom"]["fieldRef"]["fieldPath"]] for e in container["env"]},
            "RAVNEST_RECONCILE_INTERVAL": "1", "RAVNEST_OPERATOR_METRICS_PORT": str(free_port())}
     env.pop("KUBERNETES_SERVICE_HOST", None)
     key = one(rendered(config), "Secret", f"{RELEASE}-ravnest-signing-key")["data"]["key"]
@@ -560,9 +573,22 @@ def test_helm_test_script_under_its_rbac(cluster: Cluster, tmp_path: Path) -> No
 
 # --- values schema ---------------------------------------------------------------------------
 
+def test_replicas_without_leader_election_are_refused() -> None:
+    proc = run_helm("template", RELEASE, str(CHART), "--set", "replicaCount=2", "--set",
+                    "operator.leaderElection.enabled=false", check=False)
+    assert proc.returncode != 0 and "more than 1 replica needs operator.leaderElection.enabled" \
+        in proc.stderr, proc.stderr
+    one_only = one([d for d in yaml.safe_load_all(run_helm(
+        "template", RELEASE, str(CHART), "--set", "operator.leaderElection.enabled=false").stdout)
+        if d], "Deployment")
+    assert one_only["spec"]["strategy"] == {"type": "Recreate"}
+    assert "RAVNEST_LEADER_ELECTION" not in {
+        e["name"] for e in one_only["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
 @pytest.mark.parametrize(("setting", "message"), [
     ("replicaCount=abc", "/replicaCount': got string, want integer"),
-    ("replicaCount=2", "/replicaCount': maximum"),
+    ("replicaCount=9", "/replicaCount': maximum"),
     ("operator.watchNamespace=x", "additional properties 'watchNamespace' not allowed"),
     ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
     ("metrics.podMonitor.interval=soon", "/metrics/podMonitor/interval"),

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from elastic_job import elastic_job, local_run, planned, steps, wait
+from gated_loss import SLOW
 from processes import pids_with, worker_pid
 
 from ravnest.run.progress import scrape
@@ -40,6 +41,11 @@ def test_a_hot_spare_takes_over_the_stage_of_a_killed_node(tmp_path: Path, gate:
     job = elastic_job(tmp_path, EPOCHS, {"everySteps": 0}, spares=1,
                       criterion={"name": "gated_loss:criterion"})
     out = tmp_path / "out"
+    # rounds slowed from the start (gated_loss.SLOW): the join round is picked some seconds
+    # ahead, and on a fast machine rounds that quick put it past the job's end (it then joins
+    # after the final round, and the test saw no rejoin)
+    slow = Path(str(gate) + SLOW)
+    slow.write_text("0.05")
     with local_run(job, out) as run:
         plan, ports = planned(run, out)
         (spare,) = plan["spares"]
@@ -80,6 +86,7 @@ def test_a_hot_spare_takes_over_the_stage_of_a_killed_node(tmp_path: Path, gate:
                 return False
         wait("the cluster rejoined", rejoined, run)
         took = time.monotonic() - killed
+        slow.unlink()
         # the victim's stage now runs in the spare's process (started with the run)
         assert pids_with(str(out / "nodes" / f"{spare['name']}.json"), "--spare")
         _, err = run.communicate(timeout=900)

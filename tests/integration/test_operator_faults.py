@@ -153,6 +153,80 @@ def test_operator_killed_many_times_mid_reconcile_creates_no_duplicates(cluster,
         print("  " + "  ".join(str(state[j]) for j in jobs))
 
 
+LEASE = {"RAVNEST_LEADER_ELECTION": "ravnest-operator", "RAVNEST_LEASE_NAMESPACE": "default",
+         "RAVNEST_LEASE_SECONDS": "6", "RAVNEST_RENEW_SECONDS": "4", "RAVNEST_RETRY_SECONDS": "1"}
+"""Two replicas' leader election, with a short lease (the chart's default is 15 s)."""
+
+
+def _holder(kube: Any) -> str | None:
+    lease = get(kube, "lease", "ravnest-operator")
+    return (lease or {}).get("spec", {}).get("holderIdentity")
+
+
+def _passes(operator: Operator) -> float:
+    """The passes an operator has made (its reconcile histogram's count, from its metrics)."""
+    url = f"http://127.0.0.1:{operator.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("ravnest_operator_reconcile_duration_seconds_count"))
+
+
+def test_the_leader_killed_mid_job_the_other_replica_takes_over(cluster, tmp_path):
+    """Two operators with leader election: one acts; killed (SIGKILL) while the job trains, the
+    other takes the Lease over, the job succeeds, and nothing is made twice nor restarted. The
+    test prints the failover time (from the kill to the new holder's first status write)."""
+    kube, kubelet, operator = cluster
+    operator.stop()
+    replicas = {}
+    for name in ("replica-a", "replica-b"):
+        (tmp_path / name).mkdir()
+        replicas[name] = Operator(kube, tmp_path / name,
+                                  {**LEASE, "RAVNEST_LEADER_IDENTITY": name})
+        replicas[name].start()
+    try:
+        first = next(iter(replicas.values()))
+        wait_for("a leader", lambda: _holder(kube) in replicas, 60, kube, first)
+        job = "ha"
+        doc = _tiny(job)
+        doc["spec"]["training"]["epochs"] = 16  # (704 updates: it trains on through the kill)
+        assert apply(kube, doc, tmp_path).returncode == 0
+
+        def step() -> int:
+            return ((get(kube, "rj", job) or {}).get("status", {}).get("progress") or {}).get(
+                "step") or 0
+        leader = replicas[_holder(kube) or ""]
+        wait_for("ha training", lambda: step() >= 20, 300, kube, leader)
+        other = next(r for n, r in replicas.items() if r is not leader)
+        assert _passes(leader) > 0 and _passes(other) == 0  # (a follower makes no pass)
+        before = get(kube, "rj", job)["metadata"]["resourceVersion"]
+        assert phase_of(kube, job) == "Running"
+        leader.stop(kill=True)
+        killed = time.monotonic()
+        wait_for("the other replica to lead", lambda: _holder(kube) not in (
+            None, *(n for n, r in replicas.items() if r is leader)), 60, kube, other)
+        led = time.monotonic() - killed
+        wait_for("a status written by the new leader", lambda: get(kube, "rj", job)[
+            "metadata"]["resourceVersion"] != before, 60, kube, other)
+        acted = time.monotonic() - killed
+        wait_for("ha to succeed", lambda: phase_of(kube, job) == "Succeeded", 400, kube, other)
+        status = get(kube, "rj", job)["status"]
+        assert status.get("restarts", 0) == 0 and status["result"]["updates"] == 704, status
+        pods = [f"{job}-node-0", f"{job}-node-1"]
+        assert [p for p in kubelet.started if p.startswith(f"{job}-")] == [f"{job}-planner",
+                                                                           *pods]
+        uid = get(kube, "rj", job)["metadata"]["uid"]
+        objects = _objects(kube, job)
+        assert objects["pods"] == pods and objects["configmaps"] == sorted(
+            [f"{job}-plan", f"{job}-planner-{uid[:8]}", *pods]), objects
+        print(f"\nfailover: the Lease taken over {led:.1f} s after the leader was killed, the "
+              f"first status write {acted:.1f} s after (lease 6 s, renew 4 s, retry 1 s)")
+    finally:
+        for r in replicas.values():
+            r.stop()
+        operator.start()
+
+
 def _percentile(xs: list[float], q: float) -> float:
     """Nearest-rank percentile."""
     s = sorted(xs)
