@@ -64,6 +64,11 @@ def _run(tmp: Path, role: str | None, seed: int, gate: Path | None = None) -> di
     job = elastic_job(tmp, EPOCHS, {"everySteps": 0},
                       criterion=CRITERION if role is not None else None)
     got: dict[str, Any] = {"out": out}
+    if role is not None:
+        # slowed from the start: the join round is picked seconds ahead from how fast rounds
+        # went, and on a fast machine rounds that quick put it past the job's end
+        assert gate is not None
+        Path(f"{gate}{SLOW}").touch()
     with local_run(job, out) as run:
         if role is not None:
             assert gate is not None
@@ -277,6 +282,7 @@ def test_providers_added_to_a_running_job_form_a_cluster_that_joins_and_trains(t
     out = tmp_path / "out"
     job = elastic_job(tmp_path, EPOCHS, {"everySteps": 0}, criterion=CRITERION)
     slow = Path(f"{gate}{SLOW}")
+    slow.touch()  # (from the start, and until cluster 3 joined: see _run)
     with local_run(job, out) as run:
         plan, ports, doc, first = _at_step_40(run, out, job)
         doc["spec"]["providers"][0]["ram"] += 1  # (a change, not an addition)
@@ -290,7 +296,6 @@ def test_providers_added_to_a_running_job_form_a_cluster_that_joins_and_trains(t
         doc["spec"]["providers"] += [{"ram": n["ram_gb"], "bandwidth": 1000} for n in first]
         grown = tmp_path / "grown.yaml"
         grown.write_text(yaml.safe_dump(doc))
-        slow.touch()  # (until cluster 3 joined)
         ordered = _grow(out, grown)
         assert ordered.returncode == 0, ordered.stderr
         added = range(len(plan["nodes"]), len(plan["nodes"]) + len(first))
