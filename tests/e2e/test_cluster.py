@@ -303,10 +303,12 @@ def test_deleted_worker_pod_costs_only_its_cluster_which_rejoins_live(cluster: C
     # here); now cluster 0's leaves wait at a gate (gated_loss, closed in their pods) from the
     # deletion until cluster 1's new pods picked their join round and asked their ring members,
     # as in the operator tier: an order the test sets, not a race with the machine's speed.
-    # 660 updates: the gate closes a few seconds after the status says step 30 (at 14 updates/s
-    # here), far from the end; at 220 it closed so near the end that the join round was the
-    # final one, whose ring cluster 0 left before cluster 1's new pods were in it.
-    epochs = 30
+    # 1,980 updates: the gate closes a few seconds after the status says step 30 (at 14
+    # updates/s here), far from the end; at 220 it closed so near the end that the join round was
+    # the final one, whose ring cluster 0 left before cluster 1's new pods were in it, and at 660
+    # so too on a machine whose rounds took 0.037 s (the join round is picked 5 s, plus the
+    # answer's delay, ahead: 270 rounds there).
+    epochs = 90
     doc = gated(digits_doc(name, epochs=epochs))
     try:
         gate_code(cluster)
