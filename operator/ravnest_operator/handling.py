@@ -170,6 +170,7 @@ def _api(kind: str, verb: str) -> Any:
                    "NetworkPolicy": net.create_namespaced_network_policy,
                    "PodDisruptionBudget": policy.create_namespaced_pod_disruption_budget},
         "delete": {"Service": core.delete_namespaced_service,
+                   "Pod": core.delete_namespaced_pod,
                    "ConfigMap": core.delete_namespaced_config_map,
                    "NetworkPolicy": net.delete_namespaced_network_policy,
                    "PodDisruptionBudget": policy.delete_namespaced_pod_disruption_budget}}
@@ -190,24 +191,13 @@ def _create(obj: dict[str, Any], made: list[tuple[str, str]]) -> bool:
 
 
 def _delete(kind: str, name: str, namespace: str) -> None:
-    """Delete an object this pass made; one already gone is not an error."""
-    if kind == "Pod":
-        _delete_pod(name, namespace)
-        return
+    """Delete an object of the job (a pod with its own grace period); one already gone is not
+    an error."""
     try:
         _api(kind, "delete")(name, namespace)
     except ApiException as e:
         if e.status != 404:
             raise kopf.TemporaryError(f"deleting {kind} {name}: {e.status} {e.reason}",
-                                      delay=5) from e
-
-
-def _delete_pod(name: str, namespace: str) -> None:
-    try:
-        _core().delete_namespaced_pod(name, namespace)  # with the pod's own grace period
-    except ApiException as e:
-        if e.status != 404:
-            raise kopf.TemporaryError(f"deleting pod {name}: {e.status} {e.reason}",
                                       delay=5) from e
 
 
@@ -364,7 +354,7 @@ def _carry_out(action: Action, body: dict[str, Any], patch: kopf.Patch,
     elif isinstance(action, Create):
         _create(dict(action.manifest), made)
     elif isinstance(action, DeletePod):
-        _delete_pod(action.name, owner.namespace)
+        _delete("Pod", action.name, owner.namespace)
     elif isinstance(action, Delete):
         _delete(action.kind, action.name, owner.namespace)
     elif isinstance(action, GrowJob):

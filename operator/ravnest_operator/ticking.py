@@ -52,14 +52,14 @@ class Ticker:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.interval = interval
         self._run_pass = run_pass
-        self._workers = workers
         self._clock = clock
         self._jobs: dict[str, Tracked] = {}
         self._due: dict[str, float] = {}
         self._queued: set[str] = set()
         self._guard = threading.Lock()
         self._stop = threading.Event()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ravnest-pass")
+        """(its threads start as passes are queued)"""
         self._thread: threading.Thread | None = None
 
     def track(self, job: Tracked) -> None:
@@ -87,7 +87,6 @@ class Ticker:
         """Tick in a thread of its own from now on (once)."""
         if self._thread is not None:
             return
-        self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="ravnest-pass")
         context = contextvars.copy_context()
         self._thread = threading.Thread(target=context.run, args=(self._loop,),
                                         name="ravnest-ticker", daemon=True)
@@ -98,8 +97,7 @@ class Ticker:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -116,8 +114,6 @@ class Ticker:
         return self._queue(uid)
 
     def _queue(self, only: str | None) -> list[Future[None]]:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="ravnest-pass")
         now = self._clock()
         with self._guard:
             due = [j for uid, j in self._jobs.items() if uid not in self._queued and (

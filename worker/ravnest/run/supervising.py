@@ -253,15 +253,17 @@ def after_loss(plan: Plan, policy: RunPolicy, nodes: Mapping[str, Seen], down: S
     of its own; it never fails the job.
     """
     lost = {s.cluster for s in down}
-    if down and all(s.disrupted for s in down):
-        return _after_disruption(plan, policy, nodes, lost, failure, memory, rejoining, drained)
-    known = next((f for s in down if (f := failed_as(s.ending))), None)
-    whole = _whole(plan, nodes, {*lost, *rejoining, *drained})
-    spec_error = any(s.ending.spec_error for s in down)
+    whole = tuple(sorted(c.id for c in plan.clusters if c.id not in {*lost, *rejoining, *drained}
+                         and all(n in nodes and nodes[n].running for n in c.nodes)))
     finishing = tuple(c.id for c in plan.clusters if c.id not in {*lost, *drained}
                       and _finishing([nodes.get(n) for n in c.nodes]))
+    disruption = bool(down) and all(s.disrupted for s in down)
     if policy.recovery == "cluster" and finishing:
-        return AfterLoss(Act.WAIT, memory, failure, whole=finishing)
+        return AfterLoss(Act.WAIT, memory, failure, whole=finishing, disruption=disruption)
+    if disruption:
+        return _restart_disrupted(plan, policy, lost, whole, failure, memory)
+    known = next((f for s in down if (f := failed_as(s.ending))), None)
+    spec_error = any(s.ending.spec_error for s in down)
     if elastic.restart_alone(plan, policy, lost, whole, memory.counted_recoveries, spec_error):
         (cluster,) = lost
         if known is None or memory.cluster_failed_as.get(cluster) != known:
@@ -284,22 +286,10 @@ DISRUPTED = "Disrupted"
 """The reason a supervisor restarts with after a disruption (`AfterLoss.disruption`)."""
 
 
-def _whole(plan: Plan, nodes: Mapping[str, Seen], away: Collection[int]) -> tuple[int, ...]:
-    """The clusters not `away` whose nodes all run."""
-    return tuple(sorted(c.id for c in plan.clusters if c.id not in away
-                        and all(n in nodes and nodes[n].running for n in c.nodes)))
-
-
-def _after_disruption(plan: Plan, policy: RunPolicy, nodes: Mapping[str, Seen], lost: set[int],
-                      failure: str, memory: Memory, rejoining: Collection[int],
-                      drained: Collection[int]) -> AfterLoss:
-    """`after_loss` for a disruption: the lost cluster restarted alone where elastic training
-    allows it (as if no recovery had been used), else the whole job, neither counted."""
-    whole = _whole(plan, nodes, {*lost, *rejoining, *drained})
-    finishing = tuple(c.id for c in plan.clusters if c.id not in {*lost, *drained}
-                      and _finishing([nodes.get(n) for n in c.nodes]))
-    if policy.recovery == "cluster" and finishing:
-        return AfterLoss(Act.WAIT, memory, failure, whole=finishing, disruption=True)
+def _restart_disrupted(plan: Plan, policy: RunPolicy, lost: set[int], whole: tuple[int, ...],
+                       failure: str, memory: Memory) -> AfterLoss:
+    """`after_loss`'s restart after a disruption: the lost cluster restarted alone where elastic
+    training allows it (as if no recovery had been used), else the whole job, neither counted."""
     if elastic.restart_alone(plan, policy, lost, whole, 0, False):
         (cluster,) = lost
         after = replace(memory, recoveries=memory.recoveries + 1,
