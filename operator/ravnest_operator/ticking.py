@@ -3,17 +3,18 @@
 kopf's timers put a finalizer on every object they run for (so that kopf can stop them first): a
 RavnestJob deleted while no operator ran, or the namespace holding it, then hung in Terminating
 until an operator came back. The passes a job needs between its own changes (its pods' and
-workers' progress, deadlines, TTL) come from this ticker instead: every `interval` seconds it
-queues a pass of each job that is due onto a pool of threads, and kopf keeps only change handlers,
-which need no finalizer (kopf removes the one an earlier operator left).
+workers' progress, deadlines, TTL) come from this ticker instead: it queues each job's pass onto
+a pool of threads when the job is due, and kopf keeps only change handlers, which need no
+finalizer (kopf removes the one an earlier operator left).
 
-Each pass says when its job is due again: a job in progress after `interval` seconds, a finished
-one when its ttlSecondsAfterFinished ends, or never (a finished job without a TTL costs nothing
-until it changes). A job is tracked, and due at once, from each change handler (create, resume at
-start, spec update), and forgotten once a pass finds it gone. A job's pass is never queued while
-the last one queued for it has not ended (a slow pass delays only its own job), `poke` queues one
-at once (something it must act on happened), and an error in a pass is logged: it is due again
-after `interval`.
+Each pass says when its job is due again, counted from when that pass began (a pass of a second
+every two seconds is one every two seconds, not every three): a job in progress after `interval`
+seconds, a finished one when its ttlSecondsAfterFinished ends, or never (a finished job without a
+TTL costs nothing until it changes). A job is tracked, and due at once, from each change handler
+(create, resume at start, spec update), and forgotten once a pass finds it gone. A job's pass is
+never queued while the last one queued for it has not ended (a slow pass delays only its own job),
+`poke` queues one at once (something it must act on happened), and an error in a pass is logged: it
+is due again after `interval`.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class Ticker:
         self._queued: set[str] = set()
         self._guard = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        """(set when a job is tracked or a pass ends: the loop looks again at what is due)"""
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ravnest-pass")
         """(its threads start as passes are queued)"""
         self._thread: threading.Thread | None = None
@@ -67,6 +70,7 @@ class Ticker:
         with self._guard:
             self._jobs[job.uid] = job
             self._due[job.uid] = self._clock()
+        self._wake.set()
 
     def forget(self, uid: str) -> None:
         with self._guard:
@@ -95,13 +99,23 @@ class Ticker:
     def stop(self, timeout: float = 10.0) -> None:
         """No more ticks; the passes under way end (waited for up to `timeout` seconds)."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.is_set():
+            self._wake.clear()  # (before the tick: what is tracked or ends after it wakes the wait)
             self.tick()
+            self._wake.wait(self._until_due())
+
+    def _until_due(self) -> float:
+        """Seconds until the first job that is not queued is due, at most `interval` and at least
+        a twentieth of a second (a job due at once again and again is not a busy loop)."""
+        with self._guard:
+            waiting = [d for uid, d in self._due.items() if uid not in self._queued]
+        return max(0.05, min([self.interval, *(d - self._clock() for d in waiting)]))
 
     def tick(self) -> list[Future[None]]:
         """Queue a pass of each tracked job that is due and whose last pass has ended; the
@@ -124,6 +138,7 @@ class Ticker:
                 for job in due]
 
     def _one(self, job: Tracked) -> None:
+        began = self._clock()
         rest: float | None = self.interval
         try:
             rest = self._run_pass(job)
@@ -140,4 +155,5 @@ class Ticker:
                     self._jobs.pop(job.uid, None)
                     self._due.pop(job.uid, None)
                 elif job.uid in self._jobs:
-                    self._due[job.uid] = self._clock() + rest
+                    self._due[job.uid] = began + rest
+            self._wake.set()

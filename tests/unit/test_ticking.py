@@ -166,3 +166,35 @@ def test_passes_run_in_the_context_the_ticker_started_in(jobs):
     ticker.stop()
     barrier.abort()  # (passes of a later tick waiting at it end)
     assert got[:jobs] == ["kopf's"] * jobs
+
+
+def test_a_job_is_due_again_counted_from_when_its_pass_began():
+    """A pass of 1.5 s every 2 s: the next is due half a second after the last one ended."""
+    clock = Clock()
+
+    def slow(job: Tracked) -> float:
+        clock.now += 1.5
+        return 2.0
+
+    ticker = Ticker(2, slow, clock=clock)
+    ticker.track(A)
+    for f in ticker.tick():
+        f.result(10)
+    assert ticker.due_in("uid-a") == 0.5
+    ticker.stop()
+
+
+def test_the_running_ticker_passes_over_a_job_when_it_is_due_not_on_the_next_tick():
+    """Its interval bounds how long it sleeps; a job due sooner (a TTL ending, a pass that asks
+    for the next one soon) is passed over then."""
+    passes = threading.Semaphore(0)
+
+    def soon(job: Tracked) -> float:
+        passes.release()
+        return 0.1
+
+    ticker = Ticker(3600, soon)
+    ticker.track(A)
+    ticker.start()
+    assert all(passes.acquire(timeout=10) for _ in range(3))  # (one tick: an hour)
+    ticker.stop()
