@@ -113,9 +113,10 @@ class Ticker:
     def _until_due(self) -> float:
         """Seconds until the first job that is not queued is due, at most `interval` and at least
         a twentieth of a second (a job due at once again and again is not a busy loop)."""
+        now = self._clock()
         with self._guard:
-            waiting = [d for uid, d in self._due.items() if uid not in self._queued]
-        return max(0.05, min([self.interval, *(d - self._clock() for d in waiting)]))
+            waiting = [d - now for uid, d in self._due.items() if uid not in self._queued]
+        return max(0.05, min([self.interval, *waiting]))
 
     def tick(self) -> list[Future[None]]:
         """Queue a pass of each tracked job that is due and whose last pass has ended; the
