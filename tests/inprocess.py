@@ -15,6 +15,7 @@ import copy
 import threading
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from models import DeepMLP
@@ -129,15 +130,17 @@ def reference(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor,
 
 
 def build(plan: Plan, gm: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor,
-          placement: Placement = CPU, schedule: str = "sync"
+          placement: Placement = CPU, schedule: str = "sync", **overrides: Any
           ) -> tuple[list[NodeRuntime], list[Loopback]]:
     """A runtime per node of `plan`, each with a loopback link to each node it sends to; ring
     reducers are built here and injected. Every stage on the placement's device, in its
-    precision (the data stays in host memory, as a root's dataset does)."""
+    precision (the data stays in host memory, as a root's dataset does). `overrides`: other
+    `Settings` (reduce_factor, outer)."""
     settings = Settings(epochs=EPOCHS, batch_size=BATCH, microbatches=MICROBATCHES,
                         update_frequency=UPDATE_FREQUENCY, schedule=schedule,
                         scheduler_step_on="step", peer_timeout=30.0, reduce_timeout=30.0,
-                        device=str(placement.device), precision=placement.precision)
+                        device=str(placement.device), precision=placement.precision,
+                        **overrides)
     inboxes = {n: Inbox() for n in plan.names()}
     models = [copy.deepcopy(gm).to(placement.device)  # stages share their model's modules
               for _ in plan.clusters]
@@ -185,14 +188,15 @@ def run(runtimes: list[NodeRuntime]) -> None:
 
 def check_against_single_process(clusters: int, placement: Placement = CPU,
                                  atol: float = 1e-5, init_scale: float = 2.0**16,
-                                 input_gain: float = 1.0, per_epoch: int = BATCHES
-                                 ) -> list[NodeRuntime]:
+                                 input_gain: float = 1.0, per_epoch: int = BATCHES,
+                                 **overrides: Any) -> list[NodeRuntime]:
     """Train the pipeline and the whole model alike (`placement`; in fp16 the loss scales from
     `init_scale`); the weights of every cluster and the mean training losses must agree within
     `atol`. The runtimes, trained. `input_gain`: the inputs times it and the first layer's
     weights over it (the same activations; the first layer's weight gradients that much
     larger, so that in fp16 they overflow first, in the root's stage). `per_epoch`: batches an
-    epoch (not a multiple of UPDATE_FREQUENCY: each epoch ends with a short update)."""
+    epoch (not a multiple of UPDATE_FREQUENCY: each epoch ends with a short update).
+    `overrides`: other `Settings` that must not change the outcome."""
     torch.manual_seed(SEED)
     model = DeepMLP()
     with torch.no_grad():
@@ -202,7 +206,7 @@ def check_against_single_process(clusters: int, placement: Placement = CPU,
     plan = make_plan(prof, clusters)
     xs, ys = data(clusters, per_epoch)
     xs = xs * input_gain
-    runtimes, links = build(plan, gm, xs, ys, placement)
+    runtimes, links = build(plan, gm, xs, ys, placement, **overrides)
     for rt in runtimes:
         if rt.passes.loss_scale is not None:
             rt.passes.loss_scale.scale = init_scale

@@ -67,6 +67,7 @@ WRONG = [
     (_node(reduce_factor=0), "reduce_factor=0", "a whole number, 1 or more, or None"),
     (_node(labels=5), "labels=5", "a torch.utils.data.DataLoader"),
     (_node(compression=3), "compression=3", "True, False or a wire format"),
+    (_node(outer="diloco"), "outer='diloco'", "True, None or a dict of training.outer's"),
     (_node(example_args=X), "example_args=<a Tensor", "a tuple of example inputs"),
     (_node(lr_scheduler="StepLR"), "lr_scheduler='StepLR'", "a scheduler class"),
     (_trainer(epochs=0), "epochs=0", "a whole number, 1 or more"),

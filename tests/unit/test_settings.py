@@ -11,7 +11,7 @@ import pytest
 from ravnest import parse_job
 from ravnest.errors import SpecError
 from ravnest.seed.trainer import Trainer
-from ravnest.spec import CheckpointSpec, TrainingSpec, parse_section
+from ravnest.spec import CheckpointSpec, OuterSpec, TrainingSpec, parse_section
 from ravnest.train.settings import Settings
 
 
@@ -28,6 +28,7 @@ def test_every_training_option_of_a_job_reaches_the_settings(digits_doc) -> None
     digits_doc["spec"]["data"].update(batchSize=48, microbatches=3)
     digits_doc["spec"]["training"] = {
         "epochs": 5, "updateFrequency": 2, "reduceFactor": 3, "averageOptimizer": True,
+        "outer": {"optimizer": "sgd", "lr": 0.5, "momentum": 0.5},
         "compression": "fp16", "schedule": "async", "maxInFlight": 6, "validationFrequency": 2,
         "validationSmoothing": 0.5, "gradientClipping": {"maxNorm": 1.5},
         "reduceTimeoutSeconds": 12, "metric": "none", "precision": "bf16",
@@ -36,7 +37,8 @@ def test_every_training_option_of_a_job_reaches_the_settings(digits_doc) -> None
     settings = Settings.from_spec(parse_job(digits_doc).spec, "/ckpt", device="cuda:1")
     assert settings == Settings(
         epochs=5, batch_size=48, microbatches=3, update_frequency=2, reduce_factor=3,
-        average_optimizer=True, schedule="async", max_in_flight=6, validation_frequency=2,
+        average_optimizer=True, outer=OuterSpec(optimizer="sgd", lr=0.5, momentum=0.5),
+        schedule="async", max_in_flight=6, validation_frequency=2,
         validation_smoothing=0.5, clip_norm=1.5, reduce_timeout=12.0, peer_timeout=300.0,
         metric="none", compression="fp16", scheduler_step_on="step", checkpoint_dir="/ckpt",
         checkpoint_every=7, checkpoint_keep=4, precision="bf16", device="cuda:1")
@@ -59,6 +61,8 @@ def test_the_seed_api_builds_its_settings_through_the_spec_models() -> None:
         validation_frequency=3, compression="bf16", scheduler_step_on="step")
     alone = Trainer(node=node, train_loader=[], epochs=4, batch_size=32)._settings()
     assert alone.validation_frequency == 2**62 and alone.metric == "none"
+    diloco = Trainer(node=_seed_node(True, outer={"lr": 0.5}), epochs=1)._settings()
+    assert diloco.outer == OuterSpec(optimizer="nesterov", lr=0.5, momentum=0.9)
     stem = Trainer(node=_seed_node(False), epochs=1)._settings()
     assert stem.metric == "accuracy" and stem.validation_frequency == 1
     with pytest.raises(SpecError, match="Trainer: epochs=0: expected a whole number, 1 or more"):

@@ -260,6 +260,25 @@ class ClippingSpec(_Model):
     """Clip each stage's gradient norm to this value before every optimizer update."""
 
 
+class OuterSpec(_Model):
+    """An outer optimizer on each ring (DiLoCo): at every round the members all-reduce their
+    pseudo-gradient (their parameters at the last round minus now) and each applies one step of
+    this optimizer to its parameters at the last round. `sgd` with lr 1 and no momentum is the
+    plain mean that rings take without it."""
+
+    optimizer: Literal["nesterov", "sgd"] = "nesterov"
+    """`nesterov`: SGD with Nesterov momentum, DiLoCo's outer optimizer; `sgd`: SGD with (heavy
+    ball) momentum, or none."""
+    lr: float = Field(0.7, gt=0, le=10)
+    momentum: float = Field(0.9, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> OuterSpec:
+        if self.optimizer == "nesterov" and self.momentum == 0:
+            raise ValueError("nesterov needs a momentum above 0 (for none, use optimizer: sgd)")
+        return self
+
+
 class TrainingSpec(_Model):
     epochs: int = Field(1, gt=0)
     optimizer: OptimizerSpec = OptimizerSpec(name="Adam", params={"lr": 1e-3})
@@ -272,6 +291,9 @@ class TrainingSpec(_Model):
     """Optimizer updates between two ring all-reduces across clusters."""
     average_optimizer: bool = False
     """Also average optimizer state (e.g. Adam moments) in the ring."""
+    outer: OuterSpec | None = None
+    """An outer optimizer on each ring's pseudo-gradient (DiLoCo); absent: rings take the mean
+    of the parameters."""
     compression: Literal["none", "bf16", "fp16"] = "none"
     ring_transport: Literal["grpc", "tcp"] = "tcp"
     """How ring all-reduce pieces travel: as raw bytes on one authenticated (and, with

@@ -47,7 +47,7 @@ LEASE_SECONDS = 300.0
 that went away) keeps other jobs out of its folder at most this long."""
 RENEW_SECONDS = 60.0
 STEP_SETTINGS = ("epochs", "optimizer", "lrScheduler", "criterion", "updateFrequency",
-                 "reduceFactor", "averageOptimizer", "schedule", "maxInFlight",
+                 "reduceFactor", "averageOptimizer", "outer", "schedule", "maxInFlight",
                  "gradientClipping", "precision")
 """The fields of spec.training that change what a checkpointed step means (the model and data,
 batch size included, are the plan fingerprint's)."""

@@ -8,7 +8,9 @@ RavnestJob run.
 As in Ravnest, a leaf reads its own `labels` (and `test_labels`) in step with its root's
 train_loader (and val_loader): the criterion receives each batch they yield, whole
 (``loss_fn(preds, targets)`` with ``targets[1]`` for a loader of ``(X, y)`` pairs); the root
-sends its inputs only. `reduce_factor=None` averages once per epoch.
+sends its inputs only. `reduce_factor=None` averages once per epoch. `outer` gives the rings an
+outer optimizer (DiLoCo), as a job's `training.outer` does: True for its defaults, or a dict such
+as ``{"optimizer": "nesterov", "lr": 0.7, "momentum": 0.9}``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Node:
                  reduce_factor: int | None = None, labels: Any = None, test_labels: Any = None,
                  device: torch.device | str = "cpu", loss_filename: str = "losses.txt",
                  compression: bool | str = False, average_optim: bool = False,
+                 outer: bool | dict[str, Any] | None = None,
                  node_data: str | Path = "node_data", token: str | None = None,
                  example_args: tuple[torch.Tensor, ...] = (), **kwargs: Any) -> None:
         if not isinstance(name, str) or not name.startswith("node_") or not name[5:].isdigit():
@@ -74,7 +77,8 @@ class Node:
         # the training options given here, validated as a job's are; `Trainer` adds its own
         self.training = parse_section(TrainingSpec, {
             "update_frequency": update_frequency, "reduce_factor": reduce_factor or 2**62,
-            "average_optimizer": average_optim, "compression": wire})
+            "average_optimizer": average_optim, "compression": wire,
+            **({"outer": {} if outer is True else outer} if outer not in (None, False) else {})})
         self.token = token or os.environ.get(TOKEN_ENV) or _read_token(root)
         heap.tune(os.environ)  # this process is the provider's worker, as `ravnest worker` is
         _share_cpus(self.meta, name)
@@ -128,6 +132,9 @@ def _check_arguments(name: str, a: dict[str, Any]) -> None:
         given.bad("compression", a["compression"], "True, False or a wire format ('bf16', "
                   "'fp16')")
     given.flag("average_optim", a["average_optim"])
+    if not isinstance(a["outer"], bool | dict | None):
+        given.bad("outer", a["outer"], "True, None or a dict of training.outer's fields "
+                  "(optimizer, lr, momentum)")
     given.path("node_data", a["node_data"])
     given.text("token", a["token"], optional=True)
     given.inputs("example_args", a["example_args"], optional=True)

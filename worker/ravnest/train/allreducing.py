@@ -413,16 +413,21 @@ class Rounds:
 
 def reduce_all(reducers: Sequence[tuple[RingReducer,
                                         Callable[[], tuple[list[torch.Tensor], int]]]],
-               round_: int) -> Rounds:
+               round_: int, settle: Callable[[RingReducer, bool], None] | None = None
+               ) -> Rounds:
     """Run every ring of a node in ring-id order (deadlock-free). Each ring's callable gives its
-    tensors and how many of the first are movable (`average`)."""
+    tensors and how many of the first are movable (`average`); `settle` is told each ring's
+    outcome (done or skipped) as it comes, before the next ring's tensors are asked for."""
     out = Rounds()
     for reducer, tensors in sorted(reducers, key=lambda x: x[0].ring.id):
         ts, movable = tensors()
-        if reducer.average(ts, round_, movable):
+        done = reducer.average(ts, round_, movable)
+        if done:
             out.done += 1
             out.partial += bool(reducer.missing)
         else:
             out.skipped += 1
         out.missing += len(reducer.missing)
+        if settle is not None:
+            settle(reducer, done)
     return out

@@ -2,7 +2,8 @@
 
 A node takes part in one ring per group of parameters it shares with nodes of other clusters
 (`Plan.rings_of`). Each ring averages those parameters and buffers of the stage, and with
-`averageOptimizer` their optimizer state too.
+`averageOptimizer` their optimizer state too; with an outer optimizer (`training.outer`,
+train/outer.py) the parameters' pseudo-gradients stand in for the parameters.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ravnest.plan.partitioning import Stage
 from ravnest.plan.plans import Plan
 from ravnest.train.allreducing import RingReducer
 from ravnest.train.optimizing import Optimization
+from ravnest.train.outer import OuterStep
 from ravnest.train.settings import Settings
 
 RingTensors = Callable[[], tuple[list[torch.Tensor], int]]
@@ -36,16 +38,23 @@ def ring_reducers(plan: Plan, node: str, links: Mapping[str, RingSender], inbox:
 
 
 def ring_tensors(stage: Stage, names: tuple[str, ...],
-                 optimization: Optimization | None) -> RingTensors:
+                 optimization: Optimization | None, outer: OuterStep | None = None
+                 ) -> RingTensors:
     """A ring's tensors: the stage's own parameters and buffers `names` (movable: the reducer
     keeps them as views of its buffer), then, given `optimization` (averageOptimizer), the
-    optimizer's state of those parameters."""
+    optimizer's state of those parameters. Given `outer`, its parameters' pseudo-gradients come
+    first, in their place (then nothing is movable: the outer step writes the parameters)."""
     params = dict(stage.named_parameters())
+    stepped = set(outer.names) if outer is not None else set()
 
     def tensors() -> tuple[list[torch.Tensor], int]:
         state = stage.stage_state_dict(keep_vars=True)
-        out = [state[n] for n in names]
-        movable = len(out)
+        if outer is not None:
+            out = outer.pseudo_gradients() + [state[n] for n in names if n not in stepped]
+            movable = 0
+        else:
+            out = [state[n] for n in names]
+            movable = len(out)
         if optimization is not None:
             for n in names:
                 opt_state = optimization.state_of(params.get(f"graph_module.{n}"))

@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ravnest.comm.framing import Frame
@@ -32,6 +32,7 @@ from ravnest.train.messages import (
     Where,
 )
 from ravnest.train.optimizing import Optimization
+from ravnest.train.outer import OuterStep
 from ravnest.train.rejoining import (
     NEWCOMER,
     RingMembership,
@@ -86,6 +87,8 @@ class Parts:
     routes: Routes
     handle: Callable[[Frame], None]
     parse: Callable[[Frame], Control | None]
+    outer: Mapping[str, OuterStep] = field(default_factory=dict)
+    """The outer step of each ring that has one (training.outer), by ring id."""
 
 
 class Members:
@@ -255,7 +258,8 @@ class Members:
         for who, ring_id, _ in due:
             self._joins.remove((who, ring_id, _))
             ring = next(r for r in self.plan.rings_of(self.name) if r.id == ring_id)
-            tensors, extra = pack_state(self.p.stage, self.p.optimization, ring.state)
+            tensors, extra = pack_state(self.p.stage, self.p.optimization, ring.state,
+                                        self.p.outer.get(ring_id))
             self.p.routes.answer(who, State(ring=ring_id, round=round_, updates=updates,
                                             final=final, **extra), tensors)
             log.info("%s: sent %s ring %s's state after round %s (%d tensors)", self.name, who,
@@ -383,7 +387,7 @@ class Members:
                                    f"(at {reply.last}) when asked to take this node in "
                                    f"again; its cluster must be restarted again")
             nbytes += unpack_state(self.p.stage, self.p.optimization, rings[ring_id].state,
-                                   frame.tensors, reply)
+                                   frame.tensors, reply, self.p.outer.get(ring_id))
             if c.final:
                 updates = reply.updates
             got.add(ring_id)

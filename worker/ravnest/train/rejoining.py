@@ -63,6 +63,7 @@ from ravnest.plan.partitioning import Stage
 from ravnest.plan.plans import NodePlan, Plan
 from ravnest.train.messages import State
 from ravnest.train.optimizing import Optimization
+from ravnest.train.outer import OuterStep
 
 JOIN_MARGIN_SECONDS = 5.0
 """How far ahead of the round the others are at a restarted cluster's join round is chosen: time
@@ -74,8 +75,9 @@ introduces itself (`newcomer_plan`)."""
 
 PARAM = "p/"
 OPTIM = "o/"
-"""Prefixes of a `state` frame's tensors: a parameter or buffer, and an optimizer state tensor
-(``o/<parameter>/<key>``)."""
+OUTER = "u/"
+"""Prefixes of a `state` frame's tensors: a parameter or buffer, an optimizer state tensor
+(``o/<parameter>/<key>``), and an outer optimizer's (``u/<parameter>/<key>``, train/outer.py)."""
 
 
 class RingMembership:
@@ -224,14 +226,19 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
-def pack_state(stage: Stage, optimization: Optimization, names: tuple[str, ...]
+def pack_state(stage: Stage, optimization: Optimization, names: tuple[str, ...],
+               outer: OuterStep | None = None
                ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A ring's part of this node's state as a frame's tensors and control: the parameters and
     buffers `names`, the optimizer's state of those parameters (its non-tensor values in the
-    control), the optimizer's hyperparameters and the scheduler's state."""
+    control), the optimizer's hyperparameters and the scheduler's state, and the ring's `outer`
+    state (training.outer)."""
     state = stage.stage_state_dict()
     params = dict(stage.named_parameters())
     tensors = {f"{PARAM}{n}": state[n].detach() for n in names}
+    if outer is not None:
+        tensors.update({f"{OUTER}{n}/{key}": t for n, kept in outer.tensors().items()
+                        for key, t in kept.items()})
     scalars: dict[str, dict[str, Any]] = {}
     for n in names:
         for key, value in optimization.state_of(params.get(f"graph_module.{n}")).items():
@@ -262,9 +269,26 @@ def _placed(param: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_state(stage: Stage, optimization: Optimization, names: tuple[str, ...],
-                 tensors: Mapping[str, torch.Tensor], control: State) -> int:
-    """Load a `state` frame of a ring whose tensors are `names` into this node; the bytes it
-    carried. Raises RavnestError when it does not fit this stage (another plan, another model)."""
+                 tensors: Mapping[str, torch.Tensor], control: State,
+                 outer: OuterStep | None = None) -> int:
+    """Load a `state` frame of a ring whose tensors are `names` into this node (and its `outer`
+    state); the bytes it carried. Raises RavnestError when it does not fit this stage (another
+    plan, another model, no outer state)."""
+    nbytes = _unpack_outer(outer, tensors) if outer is not None else 0
+    return nbytes + _unpack_inner(stage, optimization, names, tensors, control)
+
+
+def _unpack_outer(outer: OuterStep, tensors: Mapping[str, torch.Tensor]) -> int:
+    kept: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        if key.startswith(OUTER):
+            name, _, what = key.removeprefix(OUTER).rpartition("/")
+            kept.setdefault(name, {})[what] = t
+    return outer.load(kept, "rejoin")
+
+
+def _unpack_inner(stage: Stage, optimization: Optimization, names: tuple[str, ...],
+                  tensors: Mapping[str, torch.Tensor], control: State) -> int:
     state = stage.stage_state_dict(keep_vars=True)
     params = dict(stage.named_parameters())
     nbytes = 0

@@ -74,6 +74,7 @@ from ravnest.train.messages import (
 )
 from ravnest.train.metrics import WorkerMetrics
 from ravnest.train.optimizing import Optimization
+from ravnest.train.outer import OuterStep, outer_steps
 from ravnest.train.pipelining import Pending, StagePasses
 from ravnest.train.rejoining import (
     RingMembership,
@@ -117,6 +118,8 @@ class NodeRuntime:
 
     rejoined: dict[str, Any] | None
     """How this node rejoined a running job (round, updates, seconds, bytes, from), if it did."""
+    outer: dict[str, OuterStep]
+    """The outer step of each of this node's rings (training.outer), by ring id."""
 
     def __init__(self, name: str, plan: Plan, stage: Stage, settings: Settings,
                  optimizer: torch.optim.Optimizer | None, scheduler: Any,
@@ -168,7 +171,7 @@ class NodeRuntime:
                                        plan.fingerprint)  # (added clusters write none)
         self.members = Members(name, plan, settings, Parts(
             stage, self.optimization, self.reducers, self.checkpoints, self.routes, self.handle,
-            self._parse), membership, outside)
+            self._parse, self.outer), membership, outside)
         self.updates = self.epoch = self.next_batch = self.samples = self.in_flight = 0
         self._finished = self._overflowed = False  # (overflowed: its next forward says so)
         # fp16, sync: a stage holds its update's step until the root's Step says (`scaling`)
@@ -181,14 +184,18 @@ class NodeRuntime:
 
     def _with_tensors(self, plan: Plan, reducers: Sequence[RingReducer]
                       ) -> list[tuple[RingReducer, RingTensors]]:
-        """Each reducer with the tensors its ring averages here."""
+        """Each reducer with the tensors its ring averages here (and its outer step made)."""
         want = sorted(r.id for r in plan.rings_of(self.name))
         got = sorted(r.ring.id for r in reducers)
         if got != want:
             raise RavnestError(f"{self.name}: reducers for rings {got}, but the plan puts this "
                                f"node in rings {want}")
         averaged = self.optimization if self.s.average_optimizer else None
-        return [(r, ring_tensors(self.stage, r.ring.state, averaged)) for r in reducers]
+        self.outer = outer_steps(self.s.outer, self.stage.stage_state_dict(keep_vars=True),
+                                 dict(self.stage.named_parameters()),
+                                 [(r.id, r.state) for r in plan.rings_of(self.name)])
+        return [(r, ring_tensors(self.stage, r.ring.state, averaged, self.outer.get(r.ring.id)))
+                for r in reducers]
 
     @property
     def plan(self) -> Plan:
@@ -227,6 +234,7 @@ class NodeRuntime:
             "samples": self.samples, "rng": torch.get_rng_state(),
             "curve": self.curve.state(), "best": self.best_state,
             **({"loss_scale": self.passes.loss_scale.state()} if self.passes.loss_scale else {}),
+            **({"outer": {r: o.state() for r, o in self.outer.items()}} if self.outer else {}),
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -239,6 +247,12 @@ class NodeRuntime:
         self.best_state = state["best"]
         if self.passes.loss_scale is not None:
             self.passes.loss_scale.load(state.get("loss_scale"))
+        outer = state.get("outer") or {}
+        for ring_id, step in self.outer.items():
+            if ring_id in outer:
+                step.load(outer[ring_id]["tensors"], f"{self.name}'s checkpoint")
+            else:  # (a checkpoint of a job that had no outer optimizer)
+                step.anchor()
         self.metrics.step.set(self.updates)
 
     def resume(self) -> int | None:
@@ -361,7 +375,8 @@ class NodeRuntime:
             return  # (a draining cluster takes part in no round after its leave round)
         t0 = time.perf_counter()
         with self.metrics.timed("communication"):
-            rounds = reduce_all(self.reducers, round_)
+            rounds = reduce_all(self.reducers, round_,
+                                lambda r, done: self._settle(r, done, round_ == FINAL_ROUND))
         self.stash.drop()
         self.metrics.allreduce_seconds.observe(time.perf_counter() - t0)
         self.metrics.reduce_rounds.inc(rounds.done)
@@ -373,6 +388,17 @@ class NodeRuntime:
         self.rounds_skipped += rounds.skipped
         self.rounds_partial += rounds.partial
         self.members.round_done(round_, present, self.updates)
+
+    def _settle(self, reducer: RingReducer, done: bool, final: bool) -> None:
+        """A ring's round is over: with an outer optimizer, step it (or drop the round)."""
+        outer = self.outer.get(reducer.ring.id)
+        if outer is None:
+            return
+        if not done:
+            outer.dropped()
+            return
+        with self.metrics.timed("compute"):
+            outer.step(final)
 
     @torch.no_grad()
     def _eval_forward(self, tensors: dict[str, Any], control: dict[str, Any]) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ravnest.spec import CheckpointSpec, DataSpec, JobSpec, SchedulerSpec, TrainingSpec
+from ravnest.spec import CheckpointSpec, DataSpec, JobSpec, OuterSpec, SchedulerSpec, TrainingSpec
 from ravnest.storing import Location
 from ravnest.train.devices import Placement
 
@@ -38,6 +38,8 @@ class Settings:
     reduce_each_epoch: bool = False
     """Average at the end of every epoch (the seed API's reduce_factor=None), not by updates."""
     average_optimizer: bool = _TRAINING.average_optimizer
+    outer: OuterSpec | None = None
+    """training.outer: the rings' outer optimizer (None: the plain mean)."""
     schedule: str = _TRAINING.schedule
     max_in_flight: int = _TRAINING.max_in_flight
     validation_frequency: int = _TRAINING.validation_frequency
@@ -72,7 +74,7 @@ class Settings:
         settings = cls(
             epochs=t.epochs, batch_size=batch_size, microbatches=microbatches,
             update_frequency=t.update_frequency, reduce_factor=t.reduce_factor,
-            average_optimizer=t.average_optimizer, schedule=t.schedule,
+            average_optimizer=t.average_optimizer, outer=t.outer, schedule=t.schedule,
             max_in_flight=t.max_in_flight, validation_frequency=t.validation_frequency,
             validation_smoothing=t.validation_smoothing,
             clip_norm=t.gradient_clipping.max_norm if t.gradient_clipping else None,
