@@ -47,14 +47,16 @@ from ravnest.comm.dataplane import RingLink, RingServer
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.transport import Credentials, Peer, Server
 from ravnest.plan.plans import RingPlan
+from ravnest.spec import OuterSpec
 from ravnest.train import heap
 from ravnest.train.allreducing import RingReducer
+from ravnest.train.outer import OuterStep
 
 log = logging.getLogger("bench.allreduce")
 
 MIB = 1 << 20
 CREDS = Credentials(token="bench-token", fingerprint="bench-plan")
-VARIANTS = ("ours", "ours_bf16", "tcp", "tcp_bf16", "tcp_ring", "gloo")
+VARIANTS = ("ours", "ours_bf16", "tcp", "tcp_bf16", "tcp_ring", "tcp_outer", "gloo")
 RING_TIMEOUT = 300.0
 
 
@@ -109,7 +111,10 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
         **{c: RingReducer(ring, members[rank], {succ: p}, inbox, RING_TIMEOUT, compression=c)
            for c, p in peers.items()},
         **{f"tcp_{c}": RingReducer(ring, members[rank], {succ: link}, inbox, RING_TIMEOUT,
-                                   compression=c) for c, link in links.items()}}
+                                   compression=c) for c, link in links.items()},
+        # (training.outer's round: a reducer of its own, whose buffer its tensors live in)
+        "tcp_outer": RingReducer(ring, members[rank], {succ: links["none"]}, inbox,
+                                 RING_TIMEOUT)}
     round_ = 0
     try:
         for size in sizes:
@@ -134,6 +139,28 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
 
                 return _pair(prepare, call)
 
+            def outer(work: torch.Tensor, source: torch.Tensor = source
+                      ) -> Callable[[], tuple[float, float]]:
+                """A round as training.outer makes it: the pseudo-gradient (an anchor of zeros,
+                the same at every rank, minus the input) averaged in place (it lives in the
+                reducer's buffer), then the outer step (SGD, lr 1, no momentum: the mean
+                again), which writes the parameters."""
+                step = OuterStep(OuterSpec(optimizer="sgd", lr=1.0, momentum=0.0),
+                                 {"w": work})
+
+                def prepare() -> None:
+                    work.copy_(source)
+                    step.anchors["w"].zero_()
+
+                def call() -> None:
+                    nonlocal round_
+                    round_ += 1
+                    if not reducers["tcp_outer"].average(step.pseudo_gradients(), round_, 1):
+                        raise RuntimeError(f"rank {rank}: ring round {round_} was skipped")
+                    step.step()
+
+                return _pair(prepare, call)
+
             def gloo(work: torch.Tensor = works["gloo"],
                      scaled: torch.Tensor = scaled) -> Callable[[], tuple[float, float]]:
                 return _pair(lambda: work.copy_(scaled), lambda: dist.all_reduce(work))
@@ -142,7 +169,8 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
                         "ours_bf16": ours("bf16", works["ours_bf16"]),
                         "tcp": ours("tcp_none", works["tcp"]),
                         "tcp_bf16": ours("tcp_bf16", works["tcp_bf16"]),
-                        "tcp_ring": ours("tcp_ring", works["tcp_ring"]), "gloo": gloo()}
+                        "tcp_ring": ours("tcp_ring", works["tcp_ring"]),
+                        "tcp_outer": outer(works["tcp_outer"]), "gloo": gloo()}
             times: dict[str, list[float]] = {k: [] for v in VARIANTS
                                              for k in (v, f"{v}_cpu")}
             for i in range(warmup + repeats):
@@ -314,6 +342,16 @@ def main() -> None:
               f"{max(s['tcp_err'], s['tcp_ring_err']):>12.2e} {s['tcp_bf16_s'] * 1e3:>8.1f} "
               f"{s['tcp_s'] / s['tcp_bf16_s']:>8.2f}x {s['tcp_bf16_err']:>9.2e} "
               f"{s['tcp_bf16_spread']:>12.2e}")
+    _emit()
+    _emit("A round with training.outer (tcp): the pseudo-gradient written, averaged in place "
+          "by average() (it lives in the reducer's buffer), and the outer step, which writes "
+          "the parameters; against tcp's average() of the parameters, same run")
+    _emit(f"{'ranks':>5} {'size':>7} {'outer ms':>9} {'tcp ms':>8} {'outer/tcp':>10} "
+          f"{'outer cpu ms':>13} {'outer max err':>14}")
+    for world, size, s in rows:
+        _emit(f"{world:>5} {size // MIB:>4}MiB {s['tcp_outer_s'] * 1e3:>9.1f} "
+              f"{s['tcp_s'] * 1e3:>8.1f} {s['tcp_outer_s'] / s['tcp_s']:>10.2f} "
+              f"{s['tcp_outer_cpu'] * 1e3:>13.1f} {s['tcp_outer_err']:>14.2e}")
 
 
 if __name__ == "__main__":

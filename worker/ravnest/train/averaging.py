@@ -43,15 +43,17 @@ def ring_tensors(stage: Stage, names: tuple[str, ...],
     """A ring's tensors: the stage's own parameters and buffers `names` (movable: the reducer
     keeps them as views of its buffer), then, given `optimization` (averageOptimizer), the
     optimizer's state of those parameters. Given `outer`, its parameters' pseudo-gradients come
-    first, in their place (then nothing is movable: the outer step writes the parameters)."""
+    first, in their place (they are movable, the parameters are not: the outer step writes
+    them)."""
     params = dict(stage.named_parameters())
     stepped = set(outer.names) if outer is not None else set()
 
     def tensors() -> tuple[list[torch.Tensor], int]:
         state = stage.stage_state_dict(keep_vars=True)
         if outer is not None:
-            out = outer.pseudo_gradients() + [state[n] for n in names if n not in stepped]
-            movable = 0
+            deltas = outer.pseudo_gradients()  # (the outer step's own: movable)
+            out = deltas + [state[n] for n in names if n not in stepped]
+            movable = len(deltas)
         else:
             out = [state[n] for n in names]
             movable = len(out)

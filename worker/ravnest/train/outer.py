@@ -43,7 +43,10 @@ class OuterStep:
         self._optimizer = torch.optim.SGD(
             list(self.anchors.values()), lr=spec.lr, momentum=spec.momentum,
             nesterov=spec.optimizer == "nesterov")
+        self._kept: list[torch.Tensor] = []
+        """The pseudo-gradients' tensors, made once."""
         self._deltas: list[torch.Tensor] = []
+        """Those of the round in progress (empty: none)."""
         self.anchor()
 
     @property
@@ -60,10 +63,16 @@ class OuterStep:
 
     def pseudo_gradients(self) -> list[torch.Tensor]:
         """The tensors this node sends into the round: the last round's parameters minus now,
-        one per parameter in `names` order (the ring averages them in place)."""
+        one per parameter in `names` order (the ring averages them in place). They are the
+        same tensors round after round, written anew: a reducer may keep them as views of its
+        buffer (`RingReducer.average`'s movable tensors), read in place."""
         with torch.no_grad():
-            self._deltas = [torch.sub(self.anchors[n], p.detach())
-                            for n, p in self._params.items()]
+            if len(self._kept) != len(self._params):
+                self._kept = [torch.empty_like(a) for a in self.anchors.values()]
+            for delta, anchor, p in zip(self._kept, self.anchors.values(),
+                                        self._params.values(), strict=True):
+                torch.sub(anchor, p.detach(), out=delta)
+        self._deltas = list(self._kept)
         return self._deltas
 
     def step(self, final: bool = False) -> None:
@@ -79,10 +88,10 @@ class OuterStep:
         if final:
             with torch.no_grad():
                 for anchor, delta in zip(self.anchors.values(), self._deltas, strict=True):
-                    anchor.sub_(delta.to(anchor.dtype))
+                    anchor.sub_(delta)
         else:
             for anchor, delta in zip(self.anchors.values(), self._deltas, strict=True):
-                anchor.grad = delta.to(anchor.dtype)
+                anchor.grad = delta
             self._optimizer.step()
         with torch.no_grad():
             for n, p in self._params.items():
