@@ -22,11 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def elastic_job(folder: Path, epochs: int, checkpoint: dict[str, Any],
                 run_policy: dict[str, Any] | None = None, spares: int = 0,
-                criterion: dict[str, Any] | None = None,
-                outer: dict[str, Any] | None = None) -> Path:
+                criterion: dict[str, Any] | None = None) -> Path:
     """The job file, written in `folder`; with `spares`, that many more providers (1 GB each) and
     spec.plan.spares asking for that many hot spares (the planner picks which); `criterion`:
-    spec.training.criterion (e.g. gated_loss's); `outer`: spec.training.outer."""
+    spec.training.criterion (e.g. gated_loss's)."""
     doc = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
     spec = doc["spec"]
     spec["plan"]["clusters"] = 3
@@ -35,8 +34,6 @@ def elastic_job(folder: Path, epochs: int, checkpoint: dict[str, Any],
     spec["training"]["epochs"] = epochs
     if criterion is not None:
         spec["training"]["criterion"] = criterion
-    if outer is not None:
-        spec["training"]["outer"] = outer
     spec["checkpoint"] = checkpoint
     if run_policy is not None:
         spec["runPolicy"] = run_policy

@@ -5,9 +5,7 @@ is away, keep rising and never go back: they redo no step), their rounds go on w
 restarted workers take their state from the other clusters' nodes, not from a checkpoint, and
 rejoin at a round boundary. Every cluster then ends the job with the same weights, at an accuracy
 within 1 % of an undisturbed run of the same job. Recovery times and the bytes moved are
-printed. Its rings take DiLoCo's outer steps (`OUTER`, training.outer): the state the
-restarted and the added cluster take from the others holds the outer optimizer's (anchors and
-momentum), and the two runs are compared with an undisturbed run that takes them too.
+printed.
 
 The jobs are short (20 epochs, 280 updates per cluster; they were 60): from the kill (or the grow
 order) until the lost (or added) cluster is back, the leaves take 50 ms more per micro-batch
@@ -53,9 +51,6 @@ PER_EPOCH = 1437 // (3 * 32)  # batches (= updates, updateFrequency 1) per epoch
 TOTAL = EPOCHS * PER_EPOCH
 
 
-OUTER = {"optimizer": "nesterov", "lr": 0.7, "momentum": 0.9}
-"""The rings' outer optimizer in the undisturbed, rejoin and grow runs (not in the late one)."""
-
 CRITERION = {"name": "gated_loss:criterion"}
 """(cross-entropy, as the undisturbed run's; slowed while the gate's SLOW file exists)"""
 
@@ -67,7 +62,7 @@ def _run(tmp: Path, role: str | None, seed: int, gate: Path | None = None) -> di
     out = tmp / "out"
     # no checkpoints: nothing to fall back on, the state is live
     job = elastic_job(tmp, EPOCHS, {"everySteps": 0},
-                      criterion=CRITERION if role is not None else None, outer=OUTER)
+                      criterion=CRITERION if role is not None else None)
     got: dict[str, Any] = {"out": out}
     if role is not None:
         # slowed from the start: the join round is picked seconds ahead from how fast rounds
@@ -285,7 +280,7 @@ def test_providers_added_to_a_running_job_form_a_cluster_that_joins_and_trains(t
     four, and an edit that is not an addition is refused with nothing ordered. (Growing's one real
     run: the kind tier's, a 50-epoch job of 181 s, went; tests/e2e/test_cluster.py says why.)"""
     out = tmp_path / "out"
-    job = elastic_job(tmp_path, EPOCHS, {"everySteps": 0}, criterion=CRITERION, outer=OUTER)
+    job = elastic_job(tmp_path, EPOCHS, {"everySteps": 0}, criterion=CRITERION)
     slow = Path(f"{gate}{SLOW}")
     slow.touch()  # (from the start, and until cluster 3 joined: see _run)
     with local_run(job, out) as run:
