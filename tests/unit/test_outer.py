@@ -156,9 +156,7 @@ def test_a_skipped_round_leaves_the_parameters_and_the_next_covers_both_interval
 def _trained_outer() -> tuple[OuterStep, torch.nn.Module]:
     """A stage's outer step after two rounds of a node alone (momentum made)."""
     stage, optimization = node(1)
-    state = stage.stage_state_dict(keep_vars=True)
-    (step,) = outer_steps(NESTEROV, state, dict(stage.named_parameters()),
-                          [("r0", tuple(state))]).values()
+    (step,) = outer_steps(NESTEROV, stage, [("r0", tuple(stage.stage_state_dict()))]).values()
     g = torch.Generator().manual_seed(3)
     for _ in range(2):
         train_step(stage, optimization, torch.randn(5, 6, generator=g),
@@ -172,8 +170,8 @@ def test_outer_steps_cover_a_rings_parameters_only_and_need_a_spec() -> None:
     stage, _ = node(1)
     state = stage.stage_state_dict(keep_vars=True)
     params = dict(stage.named_parameters())
-    assert outer_steps(None, state, params, [("r0", tuple(state))]) == {}
-    (step,) = outer_steps(NESTEROV, state, params, [("r0", tuple(state))]).values()
+    assert outer_steps(None, stage, [("r0", tuple(state))]) == {}
+    (step,) = outer_steps(NESTEROV, stage, [("r0", tuple(state))]).values()
     assert set(step.names) == {n for n in state if f"graph_module.{n}" in params}
     assert "bn.running_mean" in state and "bn.running_mean" not in step.names
 
@@ -183,14 +181,13 @@ def test_the_outer_state_survives_a_checkpoint() -> None:
     fresh one (another initialisation), gives the same next step."""
     step, stage = _trained_outer()
     buf = io.BytesIO()
-    torch.save(step.state(), buf)
+    torch.save(step.tensors(), buf)
     saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     other_stage, _ = node(2)
-    state = other_stage.stage_state_dict(keep_vars=True)
-    (other,) = outer_steps(NESTEROV, state, dict(other_stage.named_parameters()),
-                           [("r0", tuple(state))]).values()
+    (other,) = outer_steps(NESTEROV, other_stage,
+                           [("r0", tuple(other_stage.stage_state_dict()))]).values()
     other_stage.graph_module.load_state_dict(stage.graph_module.state_dict())
-    other.load(saved["tensors"], "checkpoint")
+    other.load(saved, "checkpoint")
     _same_next_step(step, stage, other, other_stage)
 
 
@@ -207,9 +204,7 @@ def test_the_outer_state_goes_with_a_rings_state_to_a_rejoining_node() -> None:
     reply = parse({"op": "state", "ring": "r0", "round": 2, "updates": 2, **control})
     assert isinstance(reply, State)
     joiner, join_opt = node(2)
-    state = joiner.stage_state_dict(keep_vars=True)
-    (joined,) = outer_steps(NESTEROV, state, dict(joiner.named_parameters()),
-                            [("r0", names)]).values()
+    (joined,) = outer_steps(NESTEROV, joiner, [("r0", names)]).values()
     nbytes = unpack_state(joiner, join_opt, names, {k: v.clone() for k, v in tensors.items()},
                           reply, joined)
     assert nbytes > 3 * sum(p.numel() * 4 for p in stage.parameters())  # params, anchor, buf

@@ -21,11 +21,11 @@ with `averageOptimizer` the inner optimizer's state, are averaged as they are wi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
 from ravnest.errors import RavnestError
+from ravnest.plan.partitioning import Stage
 from ravnest.spec import OuterSpec
 
 ANCHOR, MOMENTUM = "anchor", "momentum_buffer"
@@ -43,10 +43,10 @@ class OuterStep:
         self._optimizer = torch.optim.SGD(
             list(self.anchors.values()), lr=spec.lr, momentum=spec.momentum,
             nesterov=spec.optimizer == "nesterov")
-        self._kept: list[torch.Tensor] = []
-        """The pseudo-gradients' tensors, made once."""
-        self._deltas: list[torch.Tensor] = []
-        """Those of the round in progress (empty: none)."""
+        self._deltas = [torch.empty_like(a) for a in self.anchors.values()]
+        """The pseudo-gradients' tensors, made once and written anew each round."""
+        self._in_round = False
+        """Whether `pseudo_gradients` began a round that no `step` or `dropped` ended."""
         self.anchor()
 
     @property
@@ -67,13 +67,11 @@ class OuterStep:
         same tensors round after round, written anew: a reducer may keep them as views of its
         buffer (`RingReducer.average`'s movable tensors), read in place."""
         with torch.no_grad():
-            if len(self._kept) != len(self._params):
-                self._kept = [torch.empty_like(a) for a in self.anchors.values()]
-            for delta, anchor, p in zip(self._kept, self.anchors.values(),
+            for delta, anchor, p in zip(self._deltas, self.anchors.values(),
                                         self._params.values(), strict=True):
                 torch.sub(anchor, p.detach(), out=delta)
-        self._deltas = list(self._kept)
-        return self._deltas
+        self._in_round = True
+        return list(self._deltas)
 
     def step(self, final: bool = False) -> None:
         """The round completed and the pseudo-gradients hold the members' mean: one outer step
@@ -83,7 +81,7 @@ class OuterStep:
         round's parameters minus the mean pseudo-gradient, momentum untouched. It follows a
         round with no update in between when the job's updates are a multiple of
         reduceFactor, and a step of momentum alone would move the trained parameters again."""
-        if len(self._deltas) != len(self._params):
+        if not self._in_round:
             raise RavnestError("outer step without the round's pseudo-gradients")
         if final:
             with torch.no_grad():
@@ -98,11 +96,11 @@ class OuterStep:
                 anchor = self.anchors[n]
                 anchor.grad = None
                 p.copy_(anchor)
-        self._deltas = []
+        self._in_round = False
 
     def dropped(self) -> None:
         """The round was skipped: the parameters train on from where they are."""
-        self._deltas = []
+        self._in_round = False
 
     # ------------------------------------------------------------------------ state
 
@@ -141,20 +139,15 @@ class OuterStep:
                 nbytes += sum(t.numel() * t.element_size() for t in got.values())
         return nbytes
 
-    def state(self) -> dict[str, Any]:
-        """What a checkpoint holds (tensors, as torch.save writes them)."""
-        return {"tensors": self.tensors()}
 
-
-def outer_steps(spec: OuterSpec | None, stage_state: Mapping[str, torch.Tensor],
-                params: Mapping[str, torch.Tensor], rings: Sequence[tuple[str, Sequence[str]]]
-                ) -> dict[str, OuterStep]:
-    """An outer step for each ring (id, its state's names) that shares parameters, given `spec`
-    (none without it). `stage_state`: the stage's state dict with its tensors as they are
-    (keep_vars); `params`: its named parameters (`graph_module.`-prefixed, as a Stage names
-    them)."""
+def outer_steps(spec: OuterSpec | None, stage: Stage,
+                rings: Sequence[tuple[str, Sequence[str]]]) -> dict[str, OuterStep]:
+    """An outer step for each ring (id, its state's names) that shares parameters of `stage`,
+    given `spec` (none without it)."""
     if spec is None:
         return {}
+    stage_state = stage.stage_state_dict(keep_vars=True)
+    params = dict(stage.named_parameters())
     out = {}
     for ring_id, names in rings:
         own = {n: stage_state[n] for n in names

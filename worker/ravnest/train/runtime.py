@@ -191,8 +191,7 @@ class NodeRuntime:
             raise RavnestError(f"{self.name}: reducers for rings {got}, but the plan puts this "
                                f"node in rings {want}")
         averaged = self.optimization if self.s.average_optimizer else None
-        self.outer = outer_steps(self.s.outer, self.stage.stage_state_dict(keep_vars=True),
-                                 dict(self.stage.named_parameters()),
+        self.outer = outer_steps(self.s.outer, self.stage,
                                  [(r.id, r.state) for r in plan.rings_of(self.name)])
         return [(r, ring_tensors(self.stage, r.ring.state, averaged, self.outer.get(r.ring.id)))
                 for r in reducers]
@@ -234,7 +233,7 @@ class NodeRuntime:
             "samples": self.samples, "rng": torch.get_rng_state(),
             "curve": self.curve.state(), "best": self.best_state,
             **({"loss_scale": self.passes.loss_scale.state()} if self.passes.loss_scale else {}),
-            **({"outer": {r: o.state() for r, o in self.outer.items()}} if self.outer else {}),
+            **({"outer": {r: o.tensors() for r, o in self.outer.items()}} if self.outer else {}),
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -250,7 +249,7 @@ class NodeRuntime:
         outer = state.get("outer") or {}
         for ring_id, step in self.outer.items():
             if ring_id in outer:
-                step.load(outer[ring_id]["tensors"], f"{self.name}'s checkpoint")
+                step.load(outer[ring_id], f"{self.name}'s checkpoint")
             else:  # (a checkpoint of a job that had no outer optimizer)
                 step.anchor()
         self.metrics.step.set(self.updates)

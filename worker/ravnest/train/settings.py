@@ -38,7 +38,7 @@ class Settings:
     reduce_each_epoch: bool = False
     """Average at the end of every epoch (the seed API's reduce_factor=None), not by updates."""
     average_optimizer: bool = _TRAINING.average_optimizer
-    outer: OuterSpec | None = None
+    outer: OuterSpec | None = _TRAINING.outer
     """training.outer: the rings' outer optimizer (None: the plain mean)."""
     schedule: str = _TRAINING.schedule
     max_in_flight: int = _TRAINING.max_in_flight
