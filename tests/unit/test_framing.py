@@ -197,6 +197,18 @@ def test_compression_leaves_other_dtypes_exact(compression: str) -> None:
         assert_same(got.tensors[name], tensor)
 
 
+@pytest.mark.parametrize("compression", ["bf16", "fp16", "int8"])
+def test_a_control_frames_tensors_go_exact_whatever_the_compression(compression: str) -> None:
+    """A control frame's tensors are state (a ring's, handed to a node that rejoins): rounded to
+    bfloat16 they would leave the rejoined node's weights off the others' (they were, before)."""
+    tensor = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    chunks = list(encode(Frame("control", {"p/w": tensor}), compression))
+    assert chunks[0].header.tensors[0].wire_dtype == ""
+    assert_same(decode(iter(chunks)).tensors["p/w"], tensor)
+    forward = list(encode(Frame("forward", {"x": tensor}), compression))
+    assert forward[0].header.tensors[0].wire_dtype != ""
+
+
 @pytest.mark.parametrize("outlier", [65504.5, 70000.0, -1e6, float("inf"), float("-inf")])
 def test_fp16_never_clamps_large_values(outlier: float) -> None:
     tensor = torch.randn(100) / 3

@@ -7,8 +7,9 @@ before it allocates anything, then copies each chunk straight into one prealloca
 rebuilds the tensors as views of it. A server's buffers for large frames come from a
 `BufferPool` (buffers.py), which hands a buffer out again once nothing refers to its frame.
 
-Optional compression sends float32 tensors as bfloat16 or float16. float16 cannot hold values
-beyond +-65504: such a tensor is sent uncompressed rather than silently clamped.
+Optional compression sends float32 tensors as bfloat16 or float16 (but a control frame's, state,
+EXACT_KINDS). float16 cannot hold values beyond +-65504: such a tensor is sent uncompressed
+rather than silently clamped.
 """
 
 from __future__ import annotations
@@ -43,7 +44,14 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 NAMES = {v: k for k, v in DTYPES.items()}
-COMPRESSIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMPRESSIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16,
+                "int8": torch.bfloat16}
+"""The float32 tensors' dtype on a link. `int8` is the rings' (train/allreducing.py: their
+pieces are codes and integers, which no link rounds): the pipeline's tensors go as bfloat16."""
+EXACT_KINDS = frozenset({"control"})
+"""Frames whose tensors go as they are whatever the link's compression: a control frame's are a
+node's state (a ring's handed to a node that rejoins, takes over or joins), which must arrive
+as its sender holds it, not rounded like activations."""
 MAX_DIMS = 16
 _FP16_MAX = 65504.0
 _MAX_EXTENT = 1 << 62
@@ -116,7 +124,7 @@ def layout(frame: Frame, compression: str) -> tuple[pb.FrameHeader,
     """The frame's header, its tensors' raw bytes at their payload offsets and the payload's
     size: what every encoding writes out."""
     check_sendable(frame)
-    wire_dtype = COMPRESSIONS[compression]
+    wire_dtype = None if frame.kind in EXACT_KINDS else COMPRESSIONS[compression]
     metas, views, offset = [], [], 0
     for name, tensor in frame.tensors.items():
         wire = to_wire(tensor, wire_dtype)
