@@ -17,6 +17,9 @@ What is timed:
 - ours: one `RingReducer.average([t], round, movable=1)` call, as training makes it (t moved
   into the reducer's buffer on the first call, then read in place by the ring, which writes the
   mean to a second buffer that t is pointed at when the round completes);
+- tcp_outer: a round as training.outer makes it (the pseudo-gradient written, averaged in place,
+  the outer step), and tcp_int8 the same round with compression int8 (the pseudo-gradient as
+  int8 codes and a scale per 256 values, with error feedback);
 - gloo: one `all_reduce(SUM)` of the input pre-scaled by 1/n outside the timer (that yields the
   mean without a timed division).
 A repeat's time is the slowest rank's; the median over repeats is reported, after a warmup.
@@ -56,7 +59,7 @@ log = logging.getLogger("bench.allreduce")
 
 MIB = 1 << 20
 CREDS = Credentials(token="bench-token", fingerprint="bench-plan")
-VARIANTS = ("ours", "ours_bf16", "tcp", "tcp_bf16", "tcp_ring", "tcp_outer", "gloo")
+VARIANTS = ("ours", "ours_bf16", "tcp", "tcp_bf16", "tcp_ring", "tcp_outer", "tcp_int8", "gloo")
 RING_TIMEOUT = 300.0
 
 
@@ -114,7 +117,10 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
                                    compression=c) for c, link in links.items()},
         # (training.outer's round: a reducer of its own, whose buffer its tensors live in)
         "tcp_outer": RingReducer(ring, members[rank], {succ: links["none"]}, inbox,
-                                 RING_TIMEOUT)}
+                                 RING_TIMEOUT),
+        # (and with compression int8: the pseudo-gradients as codes, with error feedback)
+        "tcp_int8": RingReducer(ring, members[rank], {succ: links["none"]}, inbox,
+                                RING_TIMEOUT, compression="int8")}
     round_ = 0
     try:
         for size in sizes:
@@ -139,8 +145,8 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
 
                 return _pair(prepare, call)
 
-            def outer(work: torch.Tensor, source: torch.Tensor = source
-                      ) -> Callable[[], tuple[float, float]]:
+            def outer(work: torch.Tensor, name: str = "tcp_outer",
+                      source: torch.Tensor = source) -> Callable[[], tuple[float, float]]:
                 """A round as training.outer makes it: the pseudo-gradient (an anchor of zeros,
                 the same at every rank, minus the input) averaged in place (it lives in the
                 reducer's buffer), then the outer step (SGD, lr 1, no momentum: the mean
@@ -155,7 +161,7 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
                 def call() -> None:
                     nonlocal round_
                     round_ += 1
-                    if not reducers["tcp_outer"].average(step.pseudo_gradients(), round_, 1):
+                    if not reducers[name].average(step.pseudo_gradients(), round_, 1, 1):
                         raise RuntimeError(f"rank {rank}: ring round {round_} was skipped")
                     step.step()
 
@@ -170,7 +176,8 @@ def _rank(rank: int, world: int, store_port: int, sizes: list[int], repeats: int
                         "tcp": ours("tcp_none", works["tcp"]),
                         "tcp_bf16": ours("tcp_bf16", works["tcp_bf16"]),
                         "tcp_ring": ours("tcp_ring", works["tcp_ring"]),
-                        "tcp_outer": outer(works["tcp_outer"]), "gloo": gloo()}
+                        "tcp_outer": outer(works["tcp_outer"]),
+                        "tcp_int8": outer(works["tcp_int8"], "tcp_int8"), "gloo": gloo()}
             times: dict[str, list[float]] = {k: [] for v in VARIANTS
                                              for k in (v, f"{v}_cpu")}
             for i in range(warmup + repeats):
@@ -352,6 +359,18 @@ def main() -> None:
         _emit(f"{world:>5} {size // MIB:>4}MiB {s['tcp_outer_s'] * 1e3:>9.1f} "
               f"{s['tcp_s'] * 1e3:>8.1f} {s['tcp_outer_s'] / s['tcp_s']:>10.2f} "
               f"{s['tcp_outer_cpu'] * 1e3:>13.1f} {s['tcp_outer_err']:>14.2e}")
+    _emit()
+    _emit("The same outer round with compression int8 (tcp): the pseudo-gradients as int8 codes "
+          "and a float32 scale per 256 (1.016 bytes a value on the wire, 3.9x less), with error "
+          "feedback; its max err is one round's rounding (the last of the repeats); spread = "
+          "max |rank result - rank 0 result|")
+    _emit(f"{'ranks':>5} {'size':>7} {'int8 ms':>8} {'outer ms':>9} {'int8/outer':>11} "
+          f"{'int8/gloo':>10} {'int8 cpu ms':>12} {'int8 max err':>13} {'int8 spread':>12}")
+    for world, size, s in rows:
+        _emit(f"{world:>5} {size // MIB:>4}MiB {s['tcp_int8_s'] * 1e3:>8.1f} "
+              f"{s['tcp_outer_s'] * 1e3:>9.1f} {s['tcp_int8_s'] / s['tcp_outer_s']:>11.2f} "
+              f"{s['gloo_s'] / s['tcp_int8_s']:>10.2f} {s['tcp_int8_cpu'] * 1e3:>12.1f} "
+              f"{s['tcp_int8_err']:>13.2e} {s['tcp_int8_spread']:>12.2e}")
 
 
 if __name__ == "__main__":

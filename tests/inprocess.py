@@ -135,7 +135,7 @@ def build(plan: Plan, gm: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor,
     """A runtime per node of `plan`, each with a loopback link to each node it sends to; ring
     reducers are built here and injected. Every stage on the placement's device, in its
     precision (the data stays in host memory, as a root's dataset does). `overrides`: other
-    `Settings` (reduce_factor, outer)."""
+    `Settings` (reduce_factor, outer, compression: its ring reducers' own)."""
     settings = Settings(epochs=EPOCHS, batch_size=BATCH, microbatches=MICROBATCHES,
                         update_frequency=UPDATE_FREQUENCY, schedule=schedule,
                         scheduler_step_on="step", peer_timeout=30.0, reduce_timeout=30.0,
@@ -152,7 +152,8 @@ def build(plan: Plan, gm: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor,
                                                            for r in plan.rings_of(me.name)}
         peers = {n: Loopback(inboxes[n].deliver, f"{me.name}->{n}") for n in sorted(to)}
         links += peers.values()
-        reducers = [RingReducer(r, me.name, peers, inboxes[me.name], settings.reduce_timeout)
+        reducers = [RingReducer(r, me.name, peers, inboxes[me.name], settings.reduce_timeout,
+                                compression=settings.compression)
                     for r in plan.rings_of(me.name)]
         metrics = WorkerMetrics(Identity("inprocess", "default", me.name, me.role, me.cluster,
                                          me.stage))

@@ -170,7 +170,7 @@ def _closed(sock: socket.socket, timeout: float = 10.0) -> bool:
 def _valid(head: bytes, ring: bytes) -> bool:
     """The protocol, written out independently of the server's parser."""
     magic, kind, dtype, ring_len, _, _, numel = _PIECE.unpack(head)
-    size = {1: 4, 2: 2, 3: 2}.get(dtype, 0)
+    size = {1: 4, 2: 2, 3: 2, 4: 1}.get(dtype, 0)  # (4: uint8, an int8 ring's pieces)
     try:
         ring.decode()
     except UnicodeDecodeError:
@@ -194,7 +194,7 @@ def test_malformed_pieces_drop_the_connection_and_deliver_nothing(served: Served
             field_ = rng.randrange(6)  # the step stays increasing: it is the round
             if field_ < 4:
                 fields[field_] = rng.choice([[b"RVNX", b"\0\0\0\0", b"RVNP"], [0, 1, 2, 3, 255],
-                                             [0, 1, 2, 3, 4, 255],
+                                             [0, 1, 2, 3, 4, 5, 255],
                                              [0, 1, 6, 256, 257, 65535]][field_])
             head = _PIECE.pack(*fields) if field_ != 5 else \
                 rng.randbytes(4) + _PIECE.pack(*fields)[4:]  # random magic
@@ -202,7 +202,7 @@ def test_malformed_pieces_drop_the_connection_and_deliver_nothing(served: Served
             sent_ring = (ring + bytes(ring_len))[:ring_len]
             good = _valid(head, sent_ring)
             _, _, dtype, _, step, phase, numel = _PIECE.unpack(head)
-            payload = rng.randbytes(numel * {1: 4, 2: 2, 3: 2}[dtype]) if good else b""
+            payload = rng.randbytes(numel * {1: 4, 2: 2, 3: 2, 4: 1}[dtype]) if good else b""
             sock.sendall(head + sent_ring + payload)
             if good:
                 frame = served.inbox.take_ring(sent_ring.decode(), step, phase, timeout=10)

@@ -263,7 +263,7 @@ def test_reduce_all_counts_partial_rounds_and_missing_members() -> None:
     reducer = RingReducer(ring, "a", {"b": None, "c": None}, Inbox(), 1.0,  # type: ignore[dict-item]
                           lost=lambda _: {"b", "c"})
     t = torch.ones(3)
-    rounds = reduce_all([(reducer, lambda: ([t], 0))], 1)
+    rounds = reduce_all([(reducer, lambda: ([t], 0, 0))], 1)
     assert (rounds.done, rounds.skipped, rounds.partial, rounds.missing) == (1, 0, 1, 2)
     assert torch.equal(t, torch.ones(3))
 

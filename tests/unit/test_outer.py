@@ -79,24 +79,31 @@ def diloco(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor, every: in
     return {k: torch.stack([s[k] for s in states]).mean(0) for k in states[0]}
 
 
-@pytest.mark.parametrize("every", [2, 4])
-def test_nesterov_outer_steps_every_h_updates_follow_single_process_diloco(every: int) -> None:
-    """reduceFactor H with a Nesterov outer optimizer: the weights of both clusters' pipelines
-    are those of DiLoCo in one process. H 2: three outer steps (momentum at work), the last at
-    the job's last update, so the final round must change nothing; H 4: one outer step, then
-    two updates the final round averages."""
+def two_clusters(**overrides: object) -> tuple[list, tuple]:
+    """DeepMLP's pipelines in two clusters trained in one process with `overrides` (Settings);
+    the runtimes, and (the initial model, the plan, its graph module, the data)."""
     torch.manual_seed(SEED)
     model = DeepMLP()
     initial = copy.deepcopy(model)
     gm, prof = profile(model, (torch.zeros(BATCH, 1, 8, 8),))
     plan = make_plan(prof, 2)
     xs, ys = data(2)
-    runtimes, links = build(plan, gm, xs, ys, reduce_factor=every, outer=NESTEROV)
+    runtimes, links = build(plan, gm, xs, ys, **overrides)
     try:
         run(runtimes)
     finally:
         for link in links:
             link.close()
+    return runtimes, (initial, plan, gm, xs, ys)
+
+
+@pytest.mark.parametrize("every", [2, 4])
+def test_nesterov_outer_steps_every_h_updates_follow_single_process_diloco(every: int) -> None:
+    """reduceFactor H with a Nesterov outer optimizer: the weights of both clusters' pipelines
+    are those of DiLoCo in one process. H 2: three outer steps (momentum at work), the last at
+    the job's last update, so the final round must change nothing; H 4: one outer step, then
+    two updates the final round averages."""
+    runtimes, (initial, plan, gm, xs, ys) = two_clusters(reduce_factor=every, outer=NESTEROV)
     expected = diloco(initial, xs, ys, every, NESTEROV)
     assert {rt.updates for rt in runtimes} == {EPOCHS * BATCHES // UPDATE_FREQUENCY}
     assert sum(rt.rounds_skipped for rt in runtimes) == 0

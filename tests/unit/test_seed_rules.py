@@ -106,9 +106,10 @@ class Recording(RingReducer):
         super().__init__(*args, **kwargs)
         self.rounds = rounds
 
-    def average(self, tensors, round_: int, movable: int = 0) -> bool:  # type: ignore[override]
+    def average(self, tensors, round_: int, movable: int = 0,  # type: ignore[override]
+                quantized: int = 0) -> bool:
         self.rounds.append(round_)
-        return super().average(tensors, round_, movable)
+        return super().average(tensors, round_, movable, quantized)
 
 
 def _batches(cluster: int, epochs: int) -> Batches:

@@ -139,8 +139,11 @@ INVALID = [
      "spec.training.epochs: must be an integer, got 'many'"),
     ("bad-schedule", "spec.training.schedule", "fast",
      "spec.training.schedule: must be 'sync' or 'async', got 'fast'"),
-    ("bad-compression", "spec.training.compression", "int8",
-     "spec.training.compression: must be 'none', 'bf16' or 'fp16', got 'int8'"),
+    ("bad-compression", "spec.training.compression", "int4",
+     "spec.training.compression: must be 'none', 'bf16', 'fp16' or 'int8', got 'int4'"),
+    ("int8-without-outer", "spec.training.compression", "int8",
+     "spec.training.compression: int8 quantizes the rings' pseudo-gradients, so it needs "
+     "training.outer (outer: {optimizer: sgd, lr: 1, momentum: 0} takes the plain mean)"),
     ("smoothing-over-one", "spec.training.validationSmoothing", 2,
      "spec.training.validationSmoothing: must be at most 1, got 2"),
     ("zero-clipping", "spec.training.gradientClipping", {"maxNorm": 0},

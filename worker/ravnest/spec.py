@@ -294,7 +294,11 @@ class TrainingSpec(_Model):
     outer: OuterSpec | None = None
     """An outer optimizer on each ring's pseudo-gradient (DiLoCo); absent: rings take the mean
     of the parameters."""
-    compression: Literal["none", "bf16", "fp16"] = "none"
+    compression: Literal["none", "bf16", "fp16", "int8"] = "none"
+    """What float32 tensors weigh on the wire: `bf16`/`fp16` for activations, gradients and ring
+    pieces; `int8` (with `outer`) sends the rings' pseudo-gradients as int8 codes, one scale per
+    256 values, with error feedback (what rounding loses goes into the next round), their other
+    tensors as float32, and activations and gradients as bfloat16."""
     ring_transport: Literal["grpc", "tcp"] = "tcp"
     """How ring all-reduce pieces travel: as raw bytes on one authenticated (and, with
     security.tls, mutual-TLS) TCP connection per ring neighbour on a second port (the default:
@@ -314,6 +318,15 @@ class TrainingSpec(_Model):
     """The stages' forward passes and the leaf's loss under autocast to this dtype (weights,
     gradients and optimizer state stay fp32; `fp16` scales the loss, see train/scaling.py); on
     a CPU too. What activations and gradients weigh on the wire is `compression`."""
+
+    @field_validator("compression")
+    @classmethod
+    def _int8_needs_outer(cls, v: str, info: ValidationInfo) -> str:
+        if v == "int8" and info.data.get("outer") is None and "outer" in info.data:
+            raise ValueError("int8 quantizes the rings' pseudo-gradients, so it needs "
+                             "training.outer (outer: {optimizer: sgd, lr: 1, momentum: 0} takes "
+                             "the plain mean)")
+        return v
 
 
 class Provider(_Model):

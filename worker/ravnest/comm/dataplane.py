@@ -71,7 +71,8 @@ _PIECE = struct.Struct("<4sBBHQQQ")
 _HELLO_MAGIC, _PIECE_MAGIC = b"RVNH", b"RVNP"
 KINDS = {1: "reduce", 2: "gather"}
 _KIND_CODES = {v: k for k, v in KINDS.items()}
-WIRE_DTYPES = {1: torch.float32, 2: torch.bfloat16, 3: torch.float16}
+WIRE_DTYPES = {1: torch.float32, 2: torch.bfloat16, 3: torch.float16, 4: torch.uint8}
+"""What a piece may be (uint8: an int8 ring's pieces, train/allreducing.py)."""
 _DTYPE_CODES = {v: k for k, v in WIRE_DTYPES.items()}
 MAX_NAME = 256
 """Longest ring id, node name or fingerprint (bytes) a peer may send."""

@@ -130,7 +130,7 @@ def _check_arguments(name: str, a: dict[str, Any]) -> None:
     given.path("loss_filename", a["loss_filename"])
     if not isinstance(a["compression"], bool | str):
         given.bad("compression", a["compression"], "True, False or a wire format ('bf16', "
-                  "'fp16')")
+                  "'fp16', or 'int8' with outer)")
     given.flag("average_optim", a["average_optim"])
     if not isinstance(a["outer"], bool | dict | None):
         given.bad("outer", a["outer"], "True, None or a dict of training.outer's fields "

@@ -14,6 +14,9 @@ which members leave as soon as it is over for them). Each round's pieces carry
 a tag of its membership in the high bits of their phase, so that two members that disagree for a
 moment on who is present (one saw the loss a second before the other) never add up pieces cut for
 different rings: they miss each other's pieces, and the round is skipped.
+
+With `compression: int8` (and an outer optimizer), the pseudo-gradients go as int8 codes with a
+scale per block and error feedback (`_Coder`); everything else in a ring goes as float32.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from ravnest.comm.dataplane import RingLink
-from ravnest.comm.framing import COMPRESSIONS, Frame
+from ravnest.comm.framing import ALIGN, COMPRESSIONS, Frame
 from ravnest.comm.inboxes import Inbox
+from ravnest.comm.quantizing import blocks, dequantize, quantize
 from ravnest.comm.sending import RingSender
 from ravnest.errors import TransportError
 from ravnest.plan.plans import RingPlan
@@ -156,7 +160,17 @@ class RingReducer:
         self._inbox = inbox
         self._timeout = timeout
         self._sender = sender or me
-        self._wire = COMPRESSIONS[compression]
+        self._int8 = compression == "int8"
+        self._wire = None if self._int8 else COMPRESSIONS[compression]
+        self._q = 0
+        """int8: elements at the start of this round's buffer that go as codes (`average`'s
+        quantized tensors); the others go as they are."""
+        self._feedback = torch.empty(0)
+        """int8: what this node's rounding lost in the last round that completed, added to its
+        quantized elements in the next (error feedback); `_fresh`, this round's."""
+        self._fresh = torch.empty(0)
+        self._room = torch.empty(0, dtype=torch.uint8)
+        """int8: room for the bytes of a round's pieces."""
         self._piece = max(1, piece_bytes // 4)  # float32 elements per piece
         self._flat: torch.Tensor | None = None
         self._live: torch.Tensor | None = None
@@ -210,9 +224,10 @@ class RingReducer:
                         f"without {', '.join(missing)}" if missing else "all back")
             self._form(members)
 
-    def average(self, tensors: Sequence[torch.Tensor], round_: int, movable: int = 0) -> bool:
+    def average(self, tensors: Sequence[torch.Tensor], round_: int, movable: int = 0,
+                quantized: int = 0) -> bool:
         """Average `tensors` in place with the other members; False if the round was skipped
-        (then every tensor keeps its value).
+        (then every tensor keeps its value, but for the first `quantized`: `_quantized`).
 
         The first `movable` tensors are their caller's own (a stage's parameters and buffers,
         not detached aliases of them): those that are float32 on the CPU are moved to live as
@@ -224,6 +239,7 @@ class RingReducer:
 
         With the other members all missing, the average of those present is this node's own
         tensors: True, and `missing` names them."""
+        self._q = self._quantized(tensors[:min(quantized, movable)])
         try:
             self._begin(round_)
         except TransportError as e:
@@ -269,6 +285,19 @@ class RingReducer:
         self._live, self._spare = spare, live
         return True
 
+    def _quantized(self, tensors: Sequence[torch.Tensor]) -> int:
+        """int8: the elements of `tensors` that go as codes, the leading float32 ones (the ring's
+        buffer begins with them; `average`'s first `quantized`, among its movable ones: an outer
+        step's pseudo-gradients, written anew each round). With error feedback: what this
+        node's rounding lost in the last round is added to them first (in place, whether this
+        round completes or not). The others go as float32."""
+        q = 0
+        for t in tensors if self._int8 else ():
+            if t.dtype != torch.float32:
+                break
+            q += t.numel()
+        return q
+
     def _round(self, src: torch.Tensor, dst: torch.Tensor, round_: int) -> bool:
         try:
             self._reduce(src, dst, round_)
@@ -277,11 +306,13 @@ class RingReducer:
             return False
         return True
 
-    def all_reduce_(self, flat: torch.Tensor, round_: int) -> None:
+    def all_reduce_(self, flat: torch.Tensor, round_: int, quantized: bool = False) -> None:
         """Average one contiguous float32 tensor in place with the other members, without the
         copy in and out by which `average` keeps its tensors untouched by a failed round: here a
         failed round raises TransportError and leaves `flat` partly reduced. For callers that
-        hold their own buffer (and for measuring the ring alone against gloo's all_reduce)."""
+        hold their own buffer (and for measuring the ring alone against gloo's all_reduce).
+        `quantized`: with int8 compression, all of it goes as codes (with error feedback)."""
+        self._q = flat.numel() if self._int8 and quantized else 0
         if flat.dtype != torch.float32 or not flat.is_contiguous() or flat.dim() != 1:
             raise ValueError("all_reduce_ takes a contiguous 1-d float32 tensor")
         self._begin(round_)
@@ -324,38 +355,82 @@ class RingReducer:
         def phase(step: int, k: int) -> int:
             return tag | (step * per + k)
 
-        wired: Iterator[torch.Tensor] = iter(())
-        if self._wire is not None:  # where the pieces this node owns are rounded and posted
-            sizes = [p.numel() for p in pieces[(r + 1) % n]]
-            if self._wired.numel() < sum(sizes):
-                self._wired = torch.empty(sum(sizes), dtype=self._wire)
-            wired = iter(self._wired[:sum(sizes)].split(sizes))
-        if self._wire is None and isinstance(self._next, RingLink):
-            # the gathered pieces may land in place (received straight into `dst`, no copy)
-            self._inbox.expect(self.ring.id, round_, {
-                phase(n - 1 + s, k): piece
-                for s in range(n - 1) for k, piece in enumerate(pieces[(r - s) % n])})
+        coder = self._coder(src, n * per) if self._int8 else None  # (and each piece's offset)
+        wired = self._landing(pieces, round_, phase, coder)
+        at = [[int(p.storage_offset() - dst.storage_offset()) for p in seg] for seg in pieces]
+
+        def post(kind: str, piece: torch.Tensor, seg: int, k: int, step: int,
+                 owner: bool = False) -> None:
+            """`owner`: the piece is the mean, which this node rounds as the others get it
+            (int8: n times its loss fed back)."""
+            if coder is not None:
+                tensors = coder.encode(piece, at[seg][k], float(n) if owner else 1.0)
+            else:
+                tensors = {"x": self._like_wire(piece, next(wired, None)) if owner else piece}
+            self._post(kind, tensors, round_, phase(step, k))
+
         for k, piece in enumerate(mine[r]):
-            self._post("reduce", piece, round_, phase(0, k))
+            post("reduce", piece, r, k, 0)
         for s in range(n - 1):
             last = s == n - 2
             seg = (r - s - 1) % n
             for k, piece in enumerate(pieces[seg]):
-                self._take(round_, phase(s, k), piece, add_to=mine[seg][k])
+                self._take(round_, phase(s, k), piece, add_to=mine[seg][k], coder=coder,
+                           at=at[seg][k])
                 if not last:
-                    self._post("reduce", piece, round_, phase(s + 1, k))
+                    post("reduce", piece, seg, k, s + 1)
                     continue
                 # fully reduced here: this node owns the piece's mean and starts its gather
                 piece.div_(n)
-                self._post("gather", self._like_wire(piece, next(wired, None)), round_,
-                           phase(n - 1, k))
+                post("gather", piece, seg, k, n - 1, owner=True)
         for s in range(n - 1):
-            for k, piece in enumerate(pieces[(r - s) % n]):
-                self._take(round_, phase(n - 1 + s, k), piece)
+            seg = (r - s) % n
+            for k, piece in enumerate(pieces[seg]):
+                forward = self._take(round_, phase(n - 1 + s, k), piece, coder=coder,
+                                     at=at[seg][k], keep=s < n - 2)
                 if s < n - 2:
-                    self._post("gather", piece, round_, phase(n + s, k))
+                    self._post("gather", forward or {"x": piece}, round_, phase(n + s, k))
         assert self._next is not None
         self._next.flush(self._timeout)
+        if coder is not None:  # the round is done: its losses are fed back in the next
+            self._feedback, self._fresh = self._fresh, self._feedback
+
+    def _landing(self, pieces: list[list[torch.Tensor]], round_: int,
+                 phase: Callable[[int, int], int], coder: _Coder | None
+                 ) -> Iterator[torch.Tensor]:
+        """Where the pieces this node owns are rounded to the wire's dtype and posted; on a data
+        plane link with float32 pieces, the gathered pieces land in place instead (received
+        straight into their piece of the buffer, no copy)."""
+        n, r = self.size, self.rank
+        if self._wire is not None:
+            sizes = [p.numel() for p in pieces[(r + 1) % n]]
+            if self._wired.numel() < sum(sizes):
+                self._wired = torch.empty(sum(sizes), dtype=self._wire)
+            return iter(self._wired[:sum(sizes)].split(sizes))
+        if coder is None and isinstance(self._next, RingLink):
+            self._inbox.expect(self.ring.id, round_, {
+                phase(n - 1 + s, k): piece
+                for s in range(n - 1) for k, piece in enumerate(pieces[(r - s) % n])})
+        return iter(())
+
+    def _coder(self, src: torch.Tensor, pieces: int) -> _Coder:
+        """This round's int8 coder, after the last completed round's losses are added to the
+        quantized elements of `src`."""
+        q = self._q
+        if self._feedback.numel() != q:
+            self._feedback, self._fresh = torch.zeros(q), torch.zeros(q)
+        with torch.no_grad():
+            src[:q].add_(self._feedback)
+        self._fresh.zero_()
+        room = _Coder.room(q, src.numel(), pieces)
+        if self._room.numel() < room:
+            self._room = torch.empty(room, dtype=torch.uint8)
+        return _Coder(self.ring.id, q, self._fresh, self._room[:room], self._scratch_for)
+
+    def _scratch_for(self, n: int) -> torch.Tensor:
+        if self._scratch.numel() < n:
+            self._scratch = torch.empty(n)
+        return self._scratch[:n]
 
     def _like_wire(self, piece: torch.Tensor, wired: torch.Tensor | None) -> torch.Tensor:
         """A fully reduced piece as the wire carries it: rounded to the wire's dtype into `wired`
@@ -371,16 +446,22 @@ class RingReducer:
         piece.copy_(wired)
         return wired
 
-    def _post(self, kind: str, seg: torch.Tensor, round_: int, phase: int) -> None:
+    def _post(self, kind: str, tensors: dict[str, torch.Tensor], round_: int,
+              phase: int) -> None:
         assert self._next is not None
-        self._next.post(Frame(kind=kind, tensors={"x": seg}, step=round_, version=phase,
+        self._next.post(Frame(kind=kind, tensors=tensors, step=round_, version=phase,
                               ring=self.ring.id, sender=self._sender), ordered=False)
 
     def _take(self, round_: int, phase: int, piece: torch.Tensor,
-              add_to: torch.Tensor | None = None) -> None:
-        """Write the awaited piece plus `add_to` into `piece`, or (no `add_to`) the piece alone."""
+              add_to: torch.Tensor | None = None, coder: _Coder | None = None, at: int = 0,
+              keep: bool = False) -> dict[str, torch.Tensor] | None:
+        """Write the awaited piece plus `add_to` into `piece`, or (no `add_to`) the piece alone.
+        Given `coder` (int8: the piece at offset `at` of the buffer) and `keep`, the piece's
+        tensors to pass on as they came."""
         frame = self._inbox.take_ring(self.ring.id, round_, phase, self._timeout)
         try:
+            if coder is not None:
+                return coder.take(frame, piece, at, add_to, keep)
             x = frame.tensors.get("x")
             if x is None or x.shape != piece.shape:
                 raise TransportError(f"ring {self.ring.id}: piece of shape "
@@ -388,15 +469,105 @@ class RingReducer:
                                      f"{frame.sender}, expected {tuple(piece.shape)}")
             if add_to is not None:
                 if x.dtype != piece.dtype:
-                    if self._scratch.numel() < x.numel():
-                        self._scratch = torch.empty(x.numel(), dtype=piece.dtype)
-                    x = self._scratch[:x.numel()].view(x.shape).copy_(x)
+                    x = self._scratch_for(x.numel()).view(x.shape).copy_(x)
                 torch.add(add_to, x, out=piece)
             elif x is not piece:  # (a piece that landed in place is there already)
                 piece.copy_(x)
+            return None
         finally:
             if frame.release is not None:
                 frame.release()  # the data plane reuses the buffer for a later piece
+
+
+class _Coder:
+    """One int8 round's pieces (`training.compression: int8`, comm/quantizing.py): a piece is
+    one uint8 tensor `x`, bytes that no link rounds to its wire dtype: the scales (float32) of
+    its first elements that are among the first `q` of the ring's buffer, then its other
+    elements (float32), then the codes (int8) of the first ones.
+
+    Error feedback: what a piece's rounding loses, where this node rounds it, is added into
+    `fresh` at the piece's place (n times over for a mean's rounding, which all n members take).
+    The sum over a ring's members of what the round lost is then exactly the sum of their
+    `fresh`, which they add to their next round's quantized elements: over the rounds, no
+    rounding error is lost, it is only late. A node that owns a mean keeps it rounded as the
+    others receive it, and the others pass its bytes on as they got them, so all hold the same
+    values."""
+
+    def __init__(self, ring: str, q: int, fresh: torch.Tensor, room: torch.Tensor,
+                 scratch: Callable[[int], torch.Tensor]) -> None:
+        self.ring, self.q, self.fresh = ring, q, fresh
+        self._room, self._scratch = room, scratch
+        self._at = 0
+        """Where the next piece's bytes go in `room` (which lives until the round's pieces are
+        sent)."""
+
+    @staticmethod
+    def room(q: int, numel: int, pieces: int) -> int:
+        """Bytes a round's pieces take at most: each piece of a buffer of `numel` elements (the
+        first `q` quantized, cut into `pieces`) is posted at most twice."""
+        return 2 * (q + 4 * (numel - q) + 4 * (blocks(q) + pieces) + ALIGN * pieces)
+
+    def _layout(self, piece: torch.Tensor, at: int) -> tuple[int, int, int]:
+        """The quantized elements of `piece` (at offset `at` of the buffer), and where its raw
+        elements and its codes begin in its bytes."""
+        k = max(0, min(self.q - at, piece.numel()))
+        raw = 4 * blocks(k)
+        return k, raw, raw + 4 * (piece.numel() - k)
+
+    def _bytes(self, n: int) -> torch.Tensor:
+        out = self._room[self._at:self._at + n]
+        self._at += -(-n // ALIGN) * ALIGN  # (the scales and raw elements stay aligned)
+        return out
+
+    def encode(self, piece: torch.Tensor, at: int, weight: float) -> dict[str, torch.Tensor]:
+        """The tensors of `piece` (at offset `at` of the buffer), its rounding loss times
+        `weight` fed back; when `weight` is not 1 (a mean), the piece is set to its rounding."""
+        k, raw, codes_at = self._layout(piece, at)
+        out = self._bytes(codes_at + k)
+        with torch.no_grad():
+            out[raw:codes_at].view(torch.float32).copy_(piece[k:])
+            if k:
+                codes = out[codes_at:].view(torch.int8)
+                scales = out[:raw].view(torch.float32)
+                quantize(piece[:k], codes, scales)
+                rounded = dequantize(codes, scales, self._scratch(k))
+                lost = self.fresh[at:at + k]
+                lost.add_(piece[:k], alpha=weight).sub_(rounded, alpha=weight)
+                if weight != 1.0:
+                    piece[:k].copy_(rounded)
+        return {"x": out}
+
+    def take(self, frame: Frame, piece: torch.Tensor, at: int, add_to: torch.Tensor | None,
+             keep: bool) -> dict[str, torch.Tensor] | None:
+        """Write a received piece (at offset `at` of the buffer) plus `add_to` into `piece`;
+        given `keep`, its tensors to pass on (its bytes copied out of the frame, whose buffer
+        goes back to the link)."""
+        k, raw, codes_at = self._layout(piece, at)
+        x = frame.tensors.get("x")
+        if (len(frame.tensors) != 1 or x is None or x.dtype != torch.uint8
+                or x.shape != (codes_at + k,)):
+            raise TransportError(
+                f"ring {self.ring}: int8 piece from {frame.sender} is "
+                f"{ {n: (str(t.dtype), tuple(t.shape)) for n, t in frame.tensors.items()} }, "
+                f"expected {{'x': ('torch.uint8', ({codes_at + k},))}}")
+        if x.storage_offset() % 4:  # (raw bytes where float32 cannot be read in place)
+            x = x.clone()
+        values = x[raw:codes_at].view(torch.float32)
+        with torch.no_grad():
+            if add_to is not None:
+                torch.add(add_to[k:], values, out=piece[k:])
+            else:
+                piece[k:].copy_(values)
+            if k:
+                got = dequantize(x[codes_at:].view(torch.int8), x[:raw].view(torch.float32),
+                                 self._scratch(k))
+                if add_to is not None:
+                    torch.add(add_to[:k], got, out=piece[:k])
+                else:
+                    piece[:k].copy_(got)
+        if not keep:
+            return None
+        return {"x": self._bytes(x.numel()).copy_(x)}
 
 
 @dataclass
@@ -412,16 +583,17 @@ class Rounds:
 
 
 def reduce_all(reducers: Sequence[tuple[RingReducer,
-                                        Callable[[], tuple[list[torch.Tensor], int]]]],
+                                        Callable[[], tuple[list[torch.Tensor], int, int]]]],
                round_: int, settle: Callable[[RingReducer, bool], None] | None = None
                ) -> Rounds:
     """Run every ring of a node in ring-id order (deadlock-free). Each ring's callable gives its
-    tensors and how many of the first are movable (`average`); `settle` is told each ring's
+    tensors, how many of the first are movable and how many of those may be quantized
+    (`average`); `settle` is told each ring's
     outcome (done or skipped) as it comes, before the next ring's tensors are asked for."""
     out = Rounds()
     for reducer, tensors in sorted(reducers, key=lambda x: x[0].ring.id):
-        ts, movable = tensors()
-        done = reducer.average(ts, round_, movable)
+        ts, movable, quantized = tensors()
+        done = reducer.average(ts, round_, movable, quantized)
         if done:
             out.done += 1
             out.partial += bool(reducer.missing)

@@ -21,9 +21,9 @@ from ravnest.train.optimizing import Optimization
 from ravnest.train.outer import OuterStep
 from ravnest.train.settings import Settings
 
-RingTensors = Callable[[], tuple[list[torch.Tensor], int]]
-"""A ring's tensors at the time of a round, and how many of the first are movable (see
-`RingReducer.average`)."""
+RingTensors = Callable[[], tuple[list[torch.Tensor], int, int]]
+"""A ring's tensors at the time of a round, how many of the first are movable and how many of
+those may be quantized (see `RingReducer.average`)."""
 
 
 def ring_reducers(plan: Plan, node: str, links: Mapping[str, RingSender], inbox: Inbox,
@@ -44,24 +44,24 @@ def ring_tensors(stage: Stage, names: tuple[str, ...],
     keeps them as views of its buffer), then, given `optimization` (averageOptimizer), the
     optimizer's state of those parameters. Given `outer`, its parameters' pseudo-gradients come
     first, in their place (they are movable, the parameters are not: the outer step writes
-    them)."""
+    them), and with int8 compression only they are quantized."""
     params = dict(stage.named_parameters())
     stepped = set(outer.names) if outer is not None else set()
 
-    def tensors() -> tuple[list[torch.Tensor], int]:
+    def tensors() -> tuple[list[torch.Tensor], int, int]:
         state = stage.stage_state_dict(keep_vars=True)
         if outer is not None:
             deltas = outer.pseudo_gradients()  # (the outer step's own: movable)
             out = deltas + [state[n] for n in names if n not in stepped]
-            movable = len(deltas)
+            movable = quantized = len(deltas)
         else:
             out = [state[n] for n in names]
-            movable = len(out)
+            movable, quantized = len(out), 0
         if optimization is not None:
             for n in names:
                 opt_state = optimization.state_of(params.get(f"graph_module.{n}"))
                 out += [v for k, v in sorted(opt_state.items())
                         if isinstance(v, torch.Tensor) and k != "step" and v.dim() > 0]
-        return out, movable
+        return out, movable, quantized
 
     return tensors
