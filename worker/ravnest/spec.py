@@ -322,7 +322,8 @@ class TrainingSpec(_Model):
     @field_validator("compression")
     @classmethod
     def _int8_needs_outer(cls, v: str, info: ValidationInfo) -> str:
-        if v == "int8" and info.data.get("outer") is None and "outer" in info.data:
+        # (an `outer` that failed its own checks is not in info.data: its error is enough)
+        if v == "int8" and "outer" in info.data and info.data["outer"] is None:
             raise ValueError("int8 quantizes the rings' pseudo-gradients, so it needs "
                              "training.outer (outer: {optimizer: sgd, lr: 1, momentum: 0} takes "
                              "the plain mean)")

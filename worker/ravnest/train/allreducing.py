@@ -355,14 +355,14 @@ class RingReducer:
         def phase(step: int, k: int) -> int:
             return tag | (step * per + k)
 
-        coder = self._coder(src, n * per) if self._int8 else None  # (and each piece's offset)
+        coder = self._coder(src, n * per) if self._int8 else None
         wired = self._landing(pieces, round_, phase, coder)
         at = [[int(p.storage_offset() - dst.storage_offset()) for p in seg] for seg in pieces]
 
         def post(kind: str, piece: torch.Tensor, seg: int, k: int, step: int,
                  owner: bool = False) -> None:
             """`owner`: the piece is the mean, which this node rounds as the others get it
-            (int8: n times its loss fed back)."""
+            (int8: n times its loss fed back, at the piece's offset in the buffers, `at`)."""
             if coder is not None:
                 tensors = coder.encode(piece, at[seg][k], float(n) if owner else 1.0)
             else:
