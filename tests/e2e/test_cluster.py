@@ -266,6 +266,8 @@ def test_deleted_worker_pod_restarts_job_from_checkpoint(cluster: Cluster, relea
 GATED_LOSS = (ROOT / "tests" / "integration" / "gated_loss.py").read_text()
 GATE_ENV = re.search(r'^GATE_ENV = "(\w+)"', GATED_LOSS, re.MULTILINE)[1]  # type: ignore[index]
 """The variable naming gated_loss's gate (read from its source, which the job's pods get)."""
+SLOW = re.search(r'^SLOW = "(\S+)"', GATED_LOSS, re.MULTILINE)[1]  # type: ignore[index]
+"""The suffix of gated_loss's slow file (the gate's name plus it)."""
 GATE = "/tmp/ravnest-gate"
 """The gate of tests/integration/gated_loss.py in a worker pod (its /tmp is an emptyDir): the
 leaves of a pod with this file stop at their next micro-batch."""
@@ -298,17 +300,19 @@ def test_deleted_worker_pod_costs_only_its_cluster_which_rejoins_live(cluster: C
     from cluster 0 over the job's authenticated links and rejoin it, and cluster 0's pods train on
     untouched. No checkpoint volume: nothing is read back from disk."""
     name = "elastic"
-    # Cluster 0 must still train when cluster 1 is back. It trained 60 epochs before cluster 1's
-    # new pods were back on a fast machine, so this job was 150 epochs long (271-294 s of CI
-    # here); now cluster 0's leaves wait at a gate (gated_loss, closed in their pods) from the
-    # deletion until cluster 1's new pods picked their join round and asked their ring members,
-    # as in the operator tier: an order the test sets, not a race with the machine's speed.
-    # 1,980 updates: the gate closes a few seconds after the status says step 30 (at 14
-    # updates/s here), far from the end; at 220 it closed so near the end that the join round was
-    # the final one, whose ring cluster 0 left before cluster 1's new pods were in it, and at 660
-    # so too on a machine whose rounds took 0.037 s (the join round is picked 5 s, plus the
-    # answer's delay, ahead: 270 rounds there).
-    epochs = 90
+    # Cluster 0 must still train when cluster 1 is back. Cluster 0's leaves wait at a gate
+    # (gated_loss, closed in their pods) from the deletion until cluster 1's new pods picked their
+    # join round and asked their ring members, as in the operator tier: an order the test sets,
+    # not a race with the machine's speed. The join round is picked 5 s, plus the answer's delay,
+    # ahead of the rounds the others are at, by how fast their last 16 rounds went; at full speed
+    # that was 270 rounds on a machine whose rounds took 0.037 s, past the end of a 660-update
+    # job, so this job was 1,980 updates long (90 epochs: 279-346 s of CI here, most of it
+    # training after the rejoin). Now cluster 0's leaves are slowed (gated_loss's slow file:
+    # 50 ms more per micro-batch, 0.2 s or more a round of 2 updates of 2 micro-batches) from
+    # their start until the gate opens, so the join round is at most ~(5 + the delay) / 0.2
+    # rounds ahead on any machine: 75 rounds (150 updates) for a 10 s delay, far from the end of
+    # these 330 updates.
+    epochs = 15
     doc = gated(digits_doc(name, epochs=epochs))
     try:
         gate_code(cluster)
@@ -320,13 +324,27 @@ def test_deleted_worker_pod_costs_only_its_cluster_which_rejoins_live(cluster: C
                 pytest.fail(f"job {name} failed: {st.get('conditions')}")
             return int((st.get("progress") or {}).get("step") or 0)
 
-        cluster.wait_for("the elastic job past step 30", lambda: step() >= 30, 600)
+        def running(c: int) -> list[str] | None:
+            """Cluster c's pods once all of them run."""
+            clusters = (status_of(cluster, name).get("plan") or {}).get("clusters")
+            if not clusters:
+                return None
+            pods = [f"{name}-{n.replace('_', '-')}" for n in clusters[c]["nodes"]]
+            return pods if all((cluster.get("pod", p) or {}).get("status", {}).get(
+                "phase") == "Running" for p in pods) else None
+
+        for p in cluster.wait_for("cluster 0's pods running", lambda: running(0), 600):
+            cluster.kubectl("exec", "-n", JOBS_NS, p, "--", "touch", GATE + SLOW)
+        slowed = step()  # (16 rounds slowed, and 6 more: a round under way may have been fast)
+        cluster.wait_for(f"the elastic job past step {slowed + 44}",
+                         lambda: step() >= slowed + 44, 600)
         clusters = status_of(cluster, name)["plan"]["clusters"]
         first = [f"{name}-{n.replace('_', '-')}" for n in clusters[0]["nodes"]]
         lost = [f"{name}-{n.replace('_', '-')}" for n in clusters[1]["nodes"]]
         uids = {p: cluster.get("pod", p)["metadata"]["uid"] for p in first + lost}
         (root,) = [n for n, p in zip(clusters[1]["nodes"], lost, strict=True)
                    if cluster.get("pod", p)["metadata"]["labels"]["ravnest.io/role"] == "root"]
+        closed = step()
         for p in first:
             cluster.kubectl("exec", "-n", JOBS_NS, p, "--", "touch", GATE)
         cluster.kubectl("delete", "pod", "-n", JOBS_NS, lost[-1], "--grace-period=1",
@@ -346,7 +364,7 @@ def test_deleted_worker_pod_costs_only_its_cluster_which_rejoins_live(cluster: C
         cluster.wait_for("cluster 1's new pods to ask their ring members", lambda: all(
             "answered within" in (said := log(p)) or "rejoined" in said for p in lost), 180)
         for p in first:
-            cluster.kubectl("exec", "-n", JOBS_NS, p, "--", "rm", "-f", GATE)
+            cluster.kubectl("exec", "-n", JOBS_NS, p, "--", "rm", "-f", GATE, GATE + SLOW)
         cluster.wait_for("the elastic job to succeed", lambda: succeeded(cluster, name), 900)
         st = status_of(cluster, name)
         logs = {p: cluster.kubectl("logs", "-n", JOBS_NS, p).stdout for p in first + lost}
@@ -377,6 +395,9 @@ def test_deleted_worker_pod_costs_only_its_cluster_which_rejoins_live(cluster: C
         # cluster 1 was in the final round, unless it joined only there
         assert st["result"]["final_clusters"] == [0, 1] or joined == "final", st["result"]
         assert st["progress"]["validationMetric"] >= 0.95, st["progress"]
+        print(f"\nelastic: slowed from step {slowed}, the gate closed at step {closed}; cluster 1 "
+              f"joined after round {joined} of {epochs * 11}; accuracy "
+              f"{st['progress']['validationMetric']:.4f}")
     except BaseException:
         print(cluster.job_report(name))  # before its pods go
         raise
