@@ -135,12 +135,13 @@ def build(plan: Plan, gm: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor,
     """A runtime per node of `plan`, each with a loopback link to each node it sends to; ring
     reducers are built here and injected. Every stage on the placement's device, in its
     precision (the data stays in host memory, as a root's dataset does). `overrides`: other
-    `Settings` (reduce_factor, outer, compression: its ring reducers' own)."""
-    settings = Settings(epochs=EPOCHS, batch_size=BATCH, microbatches=MICROBATCHES,
-                        update_frequency=UPDATE_FREQUENCY, schedule=schedule,
-                        scheduler_step_on="step", peer_timeout=30.0, reduce_timeout=30.0,
-                        device=str(placement.device), precision=placement.precision,
-                        **overrides)
+    `Settings` (reduce_factor, outer, compression: its ring reducers' own; scheduler_step_on,
+    "step" unless given)."""
+    settings = Settings(**{"epochs": EPOCHS, "batch_size": BATCH, "microbatches": MICROBATCHES,
+                           "update_frequency": UPDATE_FREQUENCY, "schedule": schedule,
+                           "scheduler_step_on": "step", "peer_timeout": 30.0,
+                           "reduce_timeout": 30.0, "device": str(placement.device),
+                           "precision": placement.precision, **overrides})
     inboxes = {n: Inbox() for n in plan.names()}
     models = [copy.deepcopy(gm).to(placement.device)  # stages share their model's modules
               for _ in plan.clusters]

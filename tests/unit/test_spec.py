@@ -100,6 +100,10 @@ INVALID = [
      "got 'StepLRR'"),
     ("scheduler-step-on", "spec.training.lrScheduler.stepOn", "batch",
      "spec.training.lrScheduler.stepOn: must be 'epoch' or 'step', got 'batch'"),
+    ("plateau-per-step", "spec.training.lrScheduler",
+     {"name": "ReduceLROnPlateau", "stepOn": "step"},
+     "spec.training.lrScheduler: ReduceLROnPlateau steps on the validation loss, after each "
+     "validation: stepOn must be 'epoch', got 'step'"),
     ("unknown-criterion", "spec.training.criterion.name", "CrossEntropy",
      "spec.training.criterion.name: must be a torch.nn loss such as 'CrossEntropyLoss' or an "
      "entrypoint 'package.module:callable', got 'CrossEntropy'"),

@@ -225,7 +225,8 @@ class SchedulerSpec(NamedCall):
     """A ``torch.optim.lr_scheduler`` class by name."""
 
     step_on: Literal["epoch", "step"] = "epoch"
-    """Step the scheduler after every epoch (default) or after every optimizer update."""
+    """Step the scheduler after every epoch (default) or after every optimizer update.
+    ReduceLROnPlateau steps after each validation, on its loss (`validationFrequency`)."""
 
     @field_validator("name")
     @classmethod
@@ -235,6 +236,13 @@ class SchedulerSpec(NamedCall):
                 f"must be a torch.optim.lr_scheduler class such as 'StepLR', got {shown(v)}"
             )
         return v
+
+    @model_validator(mode="after")
+    def _plateau_steps_on_validation(self) -> SchedulerSpec:
+        if self.name == "ReduceLROnPlateau" and self.step_on == "step":
+            raise ValueError("ReduceLROnPlateau steps on the validation loss, after each "
+                             "validation: stepOn must be 'epoch', got 'step'")
+        return self
 
 
 class CriterionSpec(NamedCall):

@@ -14,6 +14,7 @@ the gradients come scaled by the leaf's loss scale, and are unscaled first (trai
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -99,7 +100,8 @@ class Optimization:
                 else:
                     self.overflows += 1
                 self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None and self._scheduler_step_on == "step":
+        if self.scheduler is not None and self._scheduler_step_on == "step" and not plateau(
+                self.scheduler):
             with warnings.catch_warnings():
                 # (a skipped step still moves the schedule on, as a loop with GradScaler does;
                 # torch warns when that happens to the first step)
@@ -108,9 +110,15 @@ class Optimization:
                 self.scheduler.step()
         return finite
 
-    def epoch_end(self) -> None:
-        """Step a per-epoch scheduler."""
-        if self.scheduler is not None and self._scheduler_step_on == "epoch":
+    def epoch_end(self, val_loss: float | None = None) -> None:
+        """Step a per-epoch scheduler; a ReduceLROnPlateau one (whatever it was told to step on)
+        on the epoch's validation loss `val_loss`, only when there was one."""
+        if self.scheduler is None:
+            return
+        if plateau(self.scheduler):
+            if val_loss is not None and math.isfinite(val_loss):
+                self.scheduler.step(val_loss)
+        elif self._scheduler_step_on == "epoch":
             self.scheduler.step()
 
     def state_of(self, param: torch.Tensor | None) -> dict[str, Any]:
@@ -132,3 +140,9 @@ class Optimization:
             self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+def plateau(scheduler: Any) -> bool:
+    """Whether `scheduler` steps on a metric (torch's ReduceLROnPlateau, or a subclass): after a
+    validation, with its loss, rather than by updates or epochs."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)

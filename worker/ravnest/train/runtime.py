@@ -27,6 +27,7 @@ given when it is made (`Outside`).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -458,7 +459,7 @@ class NodeRuntime:
                     self.routes.send_up(Frame(Kind.CONTROL, control=c.wire()))
             case EpochEnd():
                 self.epoch = c.epoch + 1
-                self.optimization.epoch_end()
+                self.optimization.epoch_end(c.val_loss)
                 self.routes.control_down(c)
             case Checkpoint():
                 self.routes.control_down(c)
@@ -663,9 +664,12 @@ class NodeRuntime:
             self._control(FinalReduce())
         elif s.reduce_each_epoch and self.plan.rings:
             self._control(Reduce(round=epoch + 1))
+        val_loss = None
         if (epoch + 1) % s.validation_frequency == 0 or last:
             self._validate(epoch)
-        self._control(EpochEnd(epoch=epoch))
+            assert self.val_result is not None
+            val_loss = None if math.isnan(self.val_result.val_loss) else self.val_result.val_loss
+        self._control(EpochEnd(epoch=epoch, val_loss=val_loss))
         self.next_batch = 0
         if not s.checkpoint_every or last:
             self._send_checkpoint(epoch + 1, 0)
