@@ -130,11 +130,13 @@ def reference(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor,
 
 
 def build(plan: Plan, gm: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor,
-          placement: Placement = CPU, schedule: str = "sync", **overrides: Any
+          placement: Placement = CPU, schedule: str = "sync",
+          criterion: Any = torch.nn.functional.cross_entropy, **overrides: Any
           ) -> tuple[list[NodeRuntime], list[Loopback]]:
     """A runtime per node of `plan`, each with a loopback link to each node it sends to; ring
     reducers are built here and injected. Every stage on the placement's device, in its
-    precision (the data stays in host memory, as a root's dataset does). `overrides`: other
+    precision (the data stays in host memory, as a root's dataset does), the leaf's loss
+    `criterion`. `overrides`: other
     `Settings` (reduce_factor, outer, compression: its ring reducers' own; scheduler_step_on,
     "step" unless given)."""
     settings = Settings(**{"epochs": EPOCHS, "batch_size": BATCH, "microbatches": MICROBATCHES,
@@ -160,7 +162,7 @@ def build(plan: Plan, gm: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor,
                                          me.stage))
         runtimes.append(NodeRuntime(
             me.name, plan, stage, settings, optimizer, scheduler,
-            torch.nn.functional.cross_entropy if me.is_leaf else None, inboxes[me.name], peers,
+            criterion if me.is_leaf else None, inboxes[me.name], peers,
             metrics, batches(xs, ys, me.cluster) if me.is_root else None, reducers=reducers))
     return runtimes, links
 

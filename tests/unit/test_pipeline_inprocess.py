@@ -3,9 +3,21 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from inprocess import BATCH, SEED, build, check_against_single_process, data, make_plan, run
+from inprocess import (
+    BATCH,
+    SEED,
+    UPDATE_FREQUENCY,
+    build,
+    check_against_single_process,
+    data,
+    make_plan,
+    reference,
+    run,
+)
 from models import DeepMLP
 
 from ravnest.comm.framing import Frame
@@ -20,6 +32,34 @@ from ravnest.train.messages import Kind, Op
 @pytest.mark.parametrize("clusters", [1, 2])
 def test_sync_pipeline_in_one_process_equals_single_process_training(clusters: int) -> None:
     check_against_single_process(clusters)
+
+
+def test_the_seed_apis_loss_is_used_as_given_once_per_batch() -> None:
+    """Issue 38 item 5: Ravnest's provider template tells users to divide their loss by the
+    update frequency themselves, and the engine divided again (steps N times too small). Under
+    the seed API (`loss_as_given`, which its Trainer sets) a batch's loss counts as the
+    criterion gives it: a criterion that divides by the update frequency, as the seed says,
+    trains what whole-model training on the update's mean trains."""
+    torch.manual_seed(SEED)
+    model = DeepMLP()
+    initial = copy.deepcopy(model)
+    gm, prof = profile(model, (torch.zeros(BATCH, 1, 8, 8),))
+    plan = make_plan(prof, 1)
+    xs, ys = data(1)
+
+    def divided(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(output, target) / UPDATE_FREQUENCY
+
+    runtimes, links = build(plan, gm, xs, ys, criterion=divided, loss_as_given=True)
+    try:
+        run(runtimes)
+    finally:
+        for link in links:
+            link.close()
+    expected, _ = reference(initial, xs, ys)
+    trained = {k: v for rt in runtimes for k, v in rt.stage.stage_state_dict().items()}
+    for k, v in expected.items():
+        torch.testing.assert_close(trained[k], v, rtol=0, atol=1e-5, msg=k)
 
 
 def test_bf16_pipeline_equals_single_process_training_under_the_same_autocast() -> None:

@@ -43,7 +43,8 @@ def test_every_training_option_of_a_job_reaches_the_settings(digits_doc) -> None
         metric="none", compression="fp16", scheduler_step_on="step", checkpoint_dir="/ckpt",
         checkpoint_every=7, checkpoint_keep=4, precision="bf16", device="cuda:1")
     assert {f.name for f in fields(Settings) if getattr(settings, f.name) == getattr(
-        Settings(), f.name)} == {"peer_timeout", "reduce_each_epoch"}  # not job options
+        Settings(), f.name)} == {"peer_timeout", "reduce_each_epoch",
+                                 "loss_as_given"}  # not job options (the seed API's)
 
 
 def _seed_node(root: bool, **training: object) -> SimpleNamespace:
@@ -58,7 +59,8 @@ def test_the_seed_api_builds_its_settings_through_the_spec_models() -> None:
                       batch_size=32)
     assert trainer._settings() == Settings(
         epochs=4, batch_size=32, microbatches=2, update_frequency=2, reduce_factor=2**62,
-        validation_frequency=3, compression="bf16", scheduler_step_on="step")
+        validation_frequency=3, compression="bf16", scheduler_step_on="step",
+        loss_as_given=True)
     alone = Trainer(node=node, train_loader=[], epochs=4, batch_size=32)._settings()
     assert alone.validation_frequency == 2**62 and alone.metric == "none"
     diloco = Trainer(node=_seed_node(True, outer={"lr": 0.5}), epochs=1)._settings()

@@ -136,6 +136,7 @@ class Trainer:
         return Settings.of(training, batch_size, node.microbatches,
                            scheduler_step_on="epoch" if node.lr_step_on_epoch_change else "step",
                            reduce_each_epoch=getattr(node, "reduce_each_epoch", False),
+                           loss_as_given=True,  # (the seed: divide by update_frequency yourself)
                            device=str(getattr(node, "device", "cpu")))
 
     # ----------------------------------------------------------------------------- training

@@ -45,18 +45,22 @@ class StagePasses:
     def __init__(self, name: str, stage: Stage, is_root: bool,
                  criterion: Callable[..., torch.Tensor] | None, stash: WeightStash,
                  samples_per_update: int, metrics: WorkerMetrics,
-                 targets: Targets | None = None, placement: Placement | None = None) -> None:
+                 targets: Targets | None = None, placement: Placement | None = None,
+                 loss_as_given: bool = False) -> None:
         """`samples_per_update`: batch size x update frequency, what the leaf's loss is scaled by
         (times the microbatch's samples; an update of another size is corrected when the
-        optimizer steps, see `Optimization`). `targets`: where the leaf's criterion gets its
-        targets (default: the labels the root sends). `placement`: the stage's device (what
-        arrives is taken there) and precision (default: the CPU, fp32)."""
+        optimizer steps, see `Optimization`); with `loss_as_given` (the seed API), each batch's
+        loss counts as the criterion gives it instead: a microbatch's scaled by its share of
+        its batch's samples. `targets`: where the leaf's criterion gets its targets (default:
+        the labels the root sends). `placement`: the stage's device (what arrives is taken
+        there) and precision (default: the CPU, fp32)."""
         self.name = name
         self.stage = stage
         self.is_root = is_root
         self.criterion = criterion
         self.stash = stash
         self.samples_per_update = samples_per_update
+        self.loss_as_given = loss_as_given
         self.metrics = metrics
         self.targets = targets or Labels(name)
         self.placement = placement or Placement()
@@ -108,11 +112,13 @@ class StagePasses:
         with self.metrics.timed("compute"), self.placement.autocast():
             loss = self.criterion(p.outputs[OUTPUT], targets)
         n = samples_of(p.control)
-        scale = n / self.samples_per_update
+        # as given: the batch's microbatches add up to its loss, and no update is rescaled
+        # (per_update 0); else their share of the update's mean
+        per_update = 0 if self.loss_as_given else self.samples_per_update
+        scale = n / (sum(p.control["sizes"]) if self.loss_as_given else per_update)
         # the loss is read when the frame that carries it is sent (Placement.outgoing), not here:
         # on a device, reading it now would wait for this microbatch's forward to finish
-        info = {**p.control, "loss": loss.detach().float(), "n": n,
-                "per_update": self.samples_per_update}
+        info = {**p.control, "loss": loss.detach().float(), "n": n, "per_update": per_update}
         info.pop(OVERFLOW, None)
         if self.loss_scale is not None:
             scale *= self.loss_scale.scale

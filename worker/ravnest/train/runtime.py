@@ -149,7 +149,7 @@ class NodeRuntime:
         self.stash = WeightStash(params, settings.schedule == "async")
         self.passes = StagePasses(name, stage, self.me.is_root, criterion, self.stash,
                                   settings.batch_size * settings.update_frequency, metrics,
-                                  targets, settings.placement)
+                                  targets, settings.placement, settings.loss_as_given)
         self.optimization = Optimization(optimizer, scheduler, list(params.values()), settings,
                                          metrics)
         self.reducers = self._with_tensors(plan, reducers if reducers is not None else

@@ -37,6 +37,10 @@ class Settings:
     reduce_factor: int = _TRAINING.reduce_factor
     reduce_each_epoch: bool = False
     """Average at the end of every epoch (the seed API's reduce_factor=None), not by updates."""
+    loss_as_given: bool = False
+    """The leaf's loss counts once per batch, as the criterion gives it (the seed API: Ravnest's
+    providers divide it by update_frequency themselves when they want an update's mean); False
+    (job files): the engine takes the update's mean over its samples."""
     average_optimizer: bool = _TRAINING.average_optimizer
     outer: OuterSpec | None = _TRAINING.outer
     """training.outer: the rings' outer optimizer (None: the plain mean)."""
