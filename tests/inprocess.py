@@ -167,6 +167,24 @@ def build(plan: Plan, gm: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor,
     return runtimes, links
 
 
+def train(clusters: int, **options: Any
+          ) -> tuple[list[NodeRuntime], torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """DeepMLP (seeded) trained over `clusters` clusters by `build(..., **options)`'s runtimes;
+    the runtimes, the model as it was before and the data, for a reference to train."""
+    torch.manual_seed(SEED)
+    model = DeepMLP()
+    initial = copy.deepcopy(model)
+    gm, prof = profile(model, (torch.zeros(BATCH, 1, 8, 8),))
+    xs, ys = data(clusters)
+    runtimes, links = build(make_plan(prof, clusters), gm, xs, ys, **options)
+    try:
+        run(runtimes)
+    finally:
+        for link in links:
+            link.close()
+    return runtimes, initial, xs, ys
+
+
 def run(runtimes: list[NodeRuntime]) -> None:
     """Every node's loop in a thread of its own, until all are done; raise the first failure."""
     errors: list[BaseException] = []

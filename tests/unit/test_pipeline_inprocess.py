@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from inprocess import (
@@ -17,6 +15,7 @@ from inprocess import (
     make_plan,
     reference,
     run,
+    train,
 )
 from models import DeepMLP
 
@@ -40,22 +39,10 @@ def test_the_seed_apis_loss_is_used_as_given_once_per_batch() -> None:
     the seed API (`loss_as_given`, which its Trainer sets) a batch's loss counts as the
     criterion gives it: a criterion that divides by the update frequency, as the seed says,
     trains what whole-model training on the update's mean trains."""
-    torch.manual_seed(SEED)
-    model = DeepMLP()
-    initial = copy.deepcopy(model)
-    gm, prof = profile(model, (torch.zeros(BATCH, 1, 8, 8),))
-    plan = make_plan(prof, 1)
-    xs, ys = data(1)
-
     def divided(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(output, target) / UPDATE_FREQUENCY
 
-    runtimes, links = build(plan, gm, xs, ys, criterion=divided, loss_as_given=True)
-    try:
-        run(runtimes)
-    finally:
-        for link in links:
-            link.close()
+    runtimes, initial, xs, ys = train(1, criterion=divided, loss_as_given=True)
     expected, _ = reference(initial, xs, ys)
     trained = {k: v for rt in runtimes for k, v in rt.stage.stage_state_dict().items()}
     for k, v in expected.items():

@@ -7,15 +7,11 @@ on its validation loss after each epoch trains."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import inprocess
 import pytest
 import torch
-from models import DeepMLP
-
-from ravnest.plan.partitioning import profile
 
 EPOCHS = 4
 LR = 0.05
@@ -57,18 +53,7 @@ def test_plateau_scheduler_steps_on_the_validation_loss_at_every_stage(monkeypat
     has no loss to step on after an update, and steps after each validation all the same."""
     monkeypatch.setattr(inprocess, "EPOCHS", EPOCHS)
     monkeypatch.setattr(inprocess, "optimizer_of", plateau_of)
-    torch.manual_seed(inprocess.SEED)
-    model = DeepMLP()
-    initial = copy.deepcopy(model)
-    gm, prof = profile(model, (torch.zeros(inprocess.BATCH, 1, 8, 8),))
-    plan = inprocess.make_plan(prof, 1)
-    xs, ys = inprocess.data(1)
-    runtimes, links = inprocess.build(plan, gm, xs, ys, scheduler_step_on=step_on)
-    try:
-        inprocess.run(runtimes)
-    finally:
-        for link in links:
-            link.close()
+    runtimes, initial, xs, ys = inprocess.train(1, scheduler_step_on=step_on)
     expected, rates = reference(initial, xs, ys)
     assert rates == [LR, LR, LR / 2, LR / 4]  # (the reference itself: the rate did change)
     trained = {k: v for rt in runtimes for k, v in rt.stage.stage_state_dict().items()}

@@ -50,3 +50,17 @@ def test_ravnest_module_paths_of_the_seed_api_still_import() -> None:
     assert clusterize is ravnest.clusterize
     assert model_fusion is ravnest.model_fusion
     assert set_seed is ravnest.set_seed
+
+
+def test_set_seed_defaults_to_42_as_the_seeds() -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    ravnest.set_seed()
+    drawn = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    ravnest.set_seed(42)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == drawn
+    ravnest.set_seed(7)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) != drawn

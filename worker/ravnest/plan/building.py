@@ -32,8 +32,9 @@ from ravnest.spec import Job, JobSpec
 from ravnest.storing import Location, StorageError, is_durable, open_location
 
 
-def set_seed(seed: int) -> None:
-    """Seed Python, NumPy and torch, as the seeds' `set_seed` does."""
+def set_seed(seed: int = 42) -> None:
+    """Seed Python, NumPy and torch, as the seeds' `set_seed` does (42 unless given, its
+    default)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
