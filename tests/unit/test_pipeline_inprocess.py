@@ -22,10 +22,11 @@ from models import DeepMLP
 from ravnest.comm.framing import Frame
 from ravnest.comm.inboxes import Inbox
 from ravnest.comm.loopback import Loopback
-from ravnest.errors import PeerFailed, PeerTimeout, TransportError
+from ravnest.errors import PeerFailed, PeerTimeout, RavnestError, TransportError
 from ravnest.plan.partitioning import profile
 from ravnest.train.devices import Placement
 from ravnest.train.messages import Kind, Op
+from ravnest.train.pipelining import batch_samples_of
 
 
 @pytest.mark.parametrize("clusters", [1, 2])
@@ -202,3 +203,16 @@ def test_fp16_updates_that_overflow_are_skipped_by_every_stage_and_the_scale_bac
     leaf = next(rt for rt in runtimes if rt.me.is_leaf)
     assert len(set(skipped.values())) == 1 and skipped[leaf.name] >= 2, skipped
     assert leaf.passes.loss_scale.scale == 2.0**24 / 2 ** skipped[leaf.name]
+
+
+@pytest.mark.parametrize(("control", "said"), [
+    ({"part": 0}, "does not name its batch's sizes"),
+    ({"sizes": ["a", 3]}, "does not name its batch's sizes"),
+    ({"sizes": 4}, "does not name its batch's sizes"),
+    ({"sizes": [0, 0]}, "a batch of 0 samples")])
+def test_a_forward_frame_without_its_batch_sizes_is_refused_by_name(control, said) -> None:
+    """What a seed leaf scales its loss by comes from the frame: a bad one is a RavnestError
+    (the worker's clear failure), not a TypeError or a division by zero."""
+    assert batch_samples_of({"sizes": [3, 2]}) == 5
+    with pytest.raises(RavnestError, match=said):
+        batch_samples_of(control)

@@ -115,7 +115,7 @@ class StagePasses:
         # as given: the batch's microbatches add up to its loss, and no update is rescaled
         # (per_update 0); else their share of the update's mean
         per_update = 0 if self.loss_as_given else self.samples_per_update
-        scale = n / (sum(p.control["sizes"]) if self.loss_as_given else per_update)
+        scale = n / (batch_samples_of(p.control) if self.loss_as_given else per_update)
         # the loss is read when the frame that carries it is sent (Placement.outgoing), not here:
         # on a device, reading it now would wait for this microbatch's forward to finish
         info = {**p.control, "loss": loss.detach().float(), "n": n, "per_update": per_update}
@@ -170,3 +170,15 @@ def samples_of(control: dict[str, Any]) -> int:
         return int(control["sizes"][int(control["part"])])
     except (KeyError, IndexError, TypeError, ValueError) as e:
         raise RavnestError(f"a forward frame does not name its microbatch's size: {e!r}") from e
+
+
+def batch_samples_of(control: dict[str, Any]) -> int:
+    """The samples of a microbatch's whole batch (the sizes of its microbatches, which every
+    forward names), at least 1."""
+    try:
+        n = sum(int(x) for x in control["sizes"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise RavnestError(f"a forward frame does not name its batch's sizes: {e!r}") from e
+    if n < 1:
+        raise RavnestError(f"a forward frame names a batch of {n} samples")
+    return n
