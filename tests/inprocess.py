@@ -136,9 +136,8 @@ def build(plan: Plan, gm: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor,
     """A runtime per node of `plan`, each with a loopback link to each node it sends to; ring
     reducers are built here and injected. Every stage on the placement's device, in its
     precision (the data stays in host memory, as a root's dataset does), the leaf's loss
-    `criterion`. `overrides`: other
-    `Settings` (reduce_factor, outer, compression: its ring reducers' own; scheduler_step_on,
-    "step" unless given)."""
+    `criterion`. `overrides`: other `Settings` (reduce_factor, outer, compression: its ring
+    reducers' own; scheduler_step_on, "step" unless given)."""
     settings = Settings(**{"epochs": EPOCHS, "batch_size": BATCH, "microbatches": MICROBATCHES,
                            "update_frequency": UPDATE_FREQUENCY, "schedule": schedule,
                            "scheduler_step_on": "step", "peer_timeout": 30.0,

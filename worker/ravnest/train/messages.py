@@ -124,8 +124,8 @@ class EpochEnd(Payload):
     op: Literal[Op.EPOCH_END] = Op.EPOCH_END
     epoch: int
     val_loss: float | None = None
-    """The root's validation loss of the epoch (None: no validation then, or none computed), which
-    a ReduceLROnPlateau scheduler steps on at every stage."""
+    """The root's validation loss of the epoch (None: no validation then; NaN: none computed),
+    which a ReduceLROnPlateau scheduler steps on at every stage when it is finite."""
 
 
 class Checkpoint(Payload):

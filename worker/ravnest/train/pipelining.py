@@ -112,10 +112,11 @@ class StagePasses:
         with self.metrics.timed("compute"), self.placement.autocast():
             loss = self.criterion(p.outputs[OUTPUT], targets)
         n = samples_of(p.control)
-        # as given: the batch's microbatches add up to its loss, and no update is rescaled
-        # (per_update 0); else their share of the update's mean
-        per_update = 0 if self.loss_as_given else self.samples_per_update
-        scale = n / (batch_samples_of(p.control) if self.loss_as_given else per_update)
+        if self.loss_as_given:  # the batch's microbatches add up to its loss; no update rescaled
+            per_update, scale = 0, n / batch_samples_of(p.control)
+        else:  # their share of the update's mean
+            per_update = self.samples_per_update
+            scale = n / per_update
         # the loss is read when the frame that carries it is sent (Placement.outgoing), not here:
         # on a device, reading it now would wait for this microbatch's forward to finish
         info = {**p.control, "loss": loss.detach().float(), "n": n, "per_update": per_update}

@@ -27,7 +27,6 @@ given when it is made (`Outside`).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -668,7 +667,7 @@ class NodeRuntime:
         if (epoch + 1) % s.validation_frequency == 0 or last:
             self._validate(epoch)
             assert self.val_result is not None
-            val_loss = None if math.isnan(self.val_result.val_loss) else self.val_result.val_loss
+            val_loss = self.val_result.val_loss
         self._control(EpochEnd(epoch=epoch, val_loss=val_loss))
         self.next_batch = 0
         if not s.checkpoint_every or last:
